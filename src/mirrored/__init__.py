@@ -1,0 +1,1 @@
+"""mirrored: synchronous data-parallel training on PyTorch, the tf.distribute.MirroredStrategy way."""

@@ -1,0 +1,40 @@
+"""Shared test fixtures. Every test is checked for threads it leaves behind (the guide's rule)."""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO.parent / "shared" / "fixtures"
+_THREAD_GRACE_S = 10.0  # generous: a finalizer-driven shutdown joins worker threads
+
+
+def _live_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.is_alive()}
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind():
+    """Fails a test that leaves a thread running once its objects are garbage-collected."""
+    before = _live_threads()
+    yield
+    deadline = time.monotonic() + _THREAD_GRACE_S
+    while True:
+        gc.collect()
+        left = [t for t in _live_threads() - before if not t.name.startswith("pytest_timeout")]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert not left, f"test left threads running: {[t.name for t in left]}"
+
+
+@pytest.fixture
+def fixtures_dir() -> Path:
+    """../shared/fixtures, read by a path relative to the repository."""
+    if not FIXTURES.is_dir():
+        pytest.skip(f"shared fixtures not found at {FIXTURES}")
+    return FIXTURES
