@@ -1,0 +1,23 @@
+"""The distribution core: strategies, replica contexts, distributed values and variables,
+cross-device ops and distributed input. Knows nothing of `mirrored.training`."""
+from mirrored.distribute.context import (ReplicaContext, get_replica_context, get_strategy, has_strategy,
+                                         in_cross_replica_context)
+from mirrored.distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, InMemoryAllReduce,
+                                                  NcclAllReduce, ReductionToOneDevice)
+from mirrored.distribute.input import InputContext, InputOptions
+from mirrored.distribute.modules import MirroredModule, MirroredOptimizer
+from mirrored.distribute.replicas import CollectiveMismatchError, CollectiveTimeoutError
+from mirrored.distribute.strategy import (MirroredStrategy, OneDeviceStrategy, OutOfSyncError, Strategy,
+                                          ValueContext)
+from mirrored.distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp
+from mirrored.distribute.variables import (MirroredVariable, SyncOnReadVariable, Variable, VariableAggregation,
+                                           VariableSynchronization)
+
+__all__ = [
+    "CollectiveMismatchError", "CollectiveTimeoutError", "CrossDeviceOps", "DistributedValues",
+    "HierarchicalCopyAllReduce", "InMemoryAllReduce", "InputContext", "InputOptions", "Mirrored",
+    "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable", "NcclAllReduce",
+    "OneDeviceStrategy", "OutOfSyncError", "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext",
+    "Strategy", "SyncOnReadVariable", "ValueContext", "Variable", "VariableAggregation",
+    "VariableSynchronization", "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
+]

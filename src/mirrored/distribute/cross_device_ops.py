@@ -1,0 +1,289 @@
+"""Cross-device ops: turn one tensor per replica into the reduced tensor on every replica.
+
+`ReductionToOneDevice` sums on one device and copies back; `HierarchicalCopyAllReduce` sums in a
+tree over device pairs; `NcclAllReduce` calls NCCL across GPUs; `InMemoryAllReduce`, the default for
+CPU replicas, lets each replica thread sum its own slice of the data in place and then copy the
+other slices, so the replicas share the work and allocate nothing. The public `reduce` and
+`batch_reduce` (cross-replica context, on PerReplica values) validate once and call `_all_sum`;
+`all_reduce` is what replica threads call from inside a step. Uses devices.py, values.py,
+replicas.py (Rendezvous) and buckets.py.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mirrored.distribute import buckets
+from mirrored.distribute.devices import Device, canonical, torch_device
+from mirrored.distribute.replicas import Rendezvous
+from mirrored.distribute.values import DistributedValues, Mirrored, ReduceOp
+
+_SMALL_NUMEL = 1 << 15  # below this a bucket is summed by one thread: splitting it costs more than it saves
+_CHUNK_ALIGN = 16  # slice boundaries on 64-byte lines for float32, so replicas never share a cache line
+
+
+def as_reduce_op(op: ReduceOp | str, where: str) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str) and op.upper() in ReduceOp.__members__:
+        return ReduceOp[op.upper()]
+    raise ValueError(f"{where}: unknown reduce op {op!r}. Use mr.ReduceOp.SUM or mr.ReduceOp.MEAN.")
+
+
+def divide_(t: Tensor, n: int) -> Tensor:
+    """t /= n in place, for MEAN on a tensor we own; integers keep their dtype (truncating division)."""
+    if t.is_floating_point() or t.is_complex():
+        return t.div_(n)
+    return t.copy_(torch.div(t, n, rounding_mode="trunc"))
+
+
+class CrossDeviceOps:
+    """Base class: subclasses implement `_all_sum` (and may override `all_reduce` for speed)."""
+
+    def __init__(self, bytes_per_pack: int = 25 * 2**20):
+        if not isinstance(bytes_per_pack, int) or bytes_per_pack <= 0:
+            raise ValueError(f"{type(self).__name__}(bytes_per_pack={bytes_per_pack!r}): give a positive number of "
+                             "bytes, e.g. 25 * 2**20 (25 MB, DDP's bucket_cap_mb default).")
+        self.bytes_per_pack = bytes_per_pack
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(bytes_per_pack={self.bytes_per_pack})"
+
+    # ---- what subclasses provide -----------------------------------------------------------------
+    def _all_sum(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
+        """Given each replica's list of tensors, returns each replica's list of sums, on its device.
+        Results must be bitwise identical across replicas and must not alias each other."""
+        raise NotImplementedError
+
+    def check_devices(self, devices: Sequence[Device]) -> None:
+        """Raises where these ops cannot serve `devices` (NCCL needs distinct GPUs)."""
+        del devices
+
+    # ---- cross-replica API (tf.distribute.CrossDeviceOps) ----------------------------------------
+    def reduce(self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any = None) -> Any:
+        """Reduces a PerReplica tensor; returns a Mirrored on the destination devices."""
+        return self.batch_reduce(reduce_op, [(per_replica_value, destinations)])[0]
+
+    def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
+        """Reduces many PerReplica tensors at once, packed into buckets of `bytes_per_pack`."""
+        op = as_reduce_op(reduce_op, f"{type(self).__name__}.batch_reduce")
+        values = [self._components(v) for v, _ in value_destination_pairs]
+        n = len(values[0]) if values else 0
+        if any(len(v) != n for v in values):
+            raise ValueError(f"{type(self).__name__}.batch_reduce: values have different numbers of replicas: "
+                             f"{[len(v) for v in values]}.")
+        per_replica = [[v[r] for v in values] for r in range(n)]
+        summed = self._sum_packed(per_replica) if n > 1 else [[t.clone() for t in per_replica[0]]]
+        out = []
+        for j, (_, dest) in enumerate(value_destination_pairs):
+            reduced = [divide_(summed[r][j], n) if op is ReduceOp.MEAN else summed[r][j] for r in range(n)]
+            out.append(self._to_destinations(reduced, dest))
+        return out
+
+    def broadcast(self, tensor: Tensor, destinations: Any) -> Mirrored:
+        """A copy of `tensor` on every destination device."""
+        devices = self._destination_devices(destinations) or [str(tensor.device)]
+        return Mirrored([tensor.to(torch_device(d), copy=True) for d in devices])
+
+    @staticmethod
+    def _components(value: Any) -> list[Tensor]:
+        if isinstance(value, DistributedValues):
+            return [torch.as_tensor(v) for v in value.values]
+        if hasattr(value, "values") and isinstance(getattr(value, "values"), tuple):  # a distributed variable
+            return list(value.values)
+        return [torch.as_tensor(value)]
+
+    def _destination_devices(self, destinations: Any) -> list[Device] | None:
+        if destinations is None:
+            return None
+        if isinstance(destinations, str):
+            return [canonical(destinations, where=f"{type(self).__name__}: destinations")]
+        if isinstance(destinations, DistributedValues) or hasattr(destinations, "values"):
+            return [canonical(str(v.device)) for v in destinations.values]
+        return [canonical(str(d)) for d in destinations]
+
+    def _to_destinations(self, reduced: list[Tensor], destinations: Any) -> Any:
+        devices = self._destination_devices(destinations)
+        if devices is None:
+            return Mirrored(reduced)
+        return Mirrored([reduced[min(i, len(reduced) - 1)].to(torch_device(d)) for i, d in enumerate(devices)])
+
+    def _sum_packed(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
+        """`_all_sum` over buckets instead of tensor by tensor."""
+        plan = buckets.plan(per_replica[0], self.bytes_per_pack)
+        flats = [[b.pack(tensors) for b in plan] for tensors in per_replica]
+        summed_flats = self._all_sum(flats)
+        out: list[list[Tensor | None]] = []
+        for r, tensors in enumerate(per_replica):
+            result: list[Tensor | None] = [None] * len(tensors)
+            for b, flat in zip(plan, summed_flats[r]):
+                b.unpack(flat, result)
+            out.append(result)  # type: ignore[arg-type]
+        return out  # type: ignore[return-value]
+
+    # ---- replica context: called by every replica thread with its own tensors -------------------
+    def all_reduce(self, rendezvous: Rendezvous, replica_id: int, reduce_op: ReduceOp,
+                   flats: list[Tensor]) -> list[Tensor]:
+        """Every replica passes its flat buffers (same shapes everywhere); each gets back the reduced
+        buffers on its device. The default: the last replica to arrive sums for all."""
+        n = len(rendezvous._devices)
+
+        def combine(everyone: list[list[Tensor]]) -> list[list[Tensor]]:
+            check_same_shapes(everyone)
+            return self._all_sum(everyone)
+
+        results = rendezvous.exchange(replica_id, flats, "all_reduce", combine=combine)
+        mine = results[replica_id]
+        return [divide_(t, n) for t in mine] if reduce_op is ReduceOp.MEAN else mine
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Sums every replica's tensor on one device, then copies the sum to each replica."""
+
+    def __init__(self, reduce_to_device: str | None = None, bytes_per_pack: int = 25 * 2**20):
+        super().__init__(bytes_per_pack)
+        self.reduce_to_device = None if reduce_to_device is None else canonical(
+            reduce_to_device, where="ReductionToOneDevice(reduce_to_device=...)")
+
+    def _all_sum(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
+        target = torch_device(self.reduce_to_device) if self.reduce_to_device else None
+        return _sum_on_one_device(per_replica, target)
+
+
+def _sum_on_one_device(per_replica: list[list[Tensor]], target: torch.device | None) -> list[list[Tensor]]:
+    """Sums each column on `target` (replica 0's device when None) and gives every replica a copy."""
+    sums = []
+    for column in zip(*per_replica):
+        acc = column[0].to(target or column[0].device, copy=True)
+        for t in column[1:]:
+            acc.add_(t.to(acc.device))
+        sums.append(acc)
+    return [[s.to(lst[j].device, copy=True) for j, s in enumerate(sums)] for lst in per_replica]
+
+
+class HierarchicalCopyAllReduce(CrossDeviceOps):
+    """Sums in a binary tree over replica pairs (each sum on the lower replica's device), then
+    copies the total back down the tree, as TF's hierarchical copy does for GPUs without NCCL."""
+
+    def __init__(self, num_packs: int = 1, bytes_per_pack: int = 25 * 2**20):
+        super().__init__(bytes_per_pack)
+        if not isinstance(num_packs, int) or num_packs < 0:
+            raise ValueError(f"HierarchicalCopyAllReduce(num_packs={num_packs!r}): give a non-negative integer.")
+        self.num_packs = num_packs
+
+    def _all_sum(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
+        n = len(per_replica)
+        partial = [[t.clone() for t in per_replica[0]]] + [list(lst) for lst in per_replica[1:]]
+        stride = 1
+        while stride < n:
+            for r in range(0, n - stride, 2 * stride):
+                dst = partial[r]
+                if r != 0 and dst is per_replica[r]:
+                    dst = partial[r] = [t.clone() for t in dst]
+                for j, t in enumerate(partial[r + stride]):
+                    dst[j].add_(t.to(dst[j].device))
+            stride *= 2
+        total = partial[0]
+        return [total] + [[t.to(lst[j].device, copy=True) for j, t in enumerate(total)] for lst in per_replica[1:]]
+
+
+class NcclAllReduce(CrossDeviceOps):
+    """All-reduce across GPUs with NCCL (torch.cuda.nccl), one call per bucket."""
+
+    def __init__(self, num_packs: int = 1, bytes_per_pack: int = 25 * 2**20):
+        super().__init__(bytes_per_pack)
+        self.num_packs = num_packs
+
+    def check_devices(self, devices: Sequence[Device]) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError(f"NcclAllReduce needs CUDA GPUs, but torch sees none (devices={list(devices)}). "
+                             "Omit cross_device_ops= to use the CPU default, or run on a GPU machine.")
+        if not all(d.startswith("cuda") for d in devices):
+            raise ValueError(f"NcclAllReduce reduces across GPUs only; devices={list(devices)} includes others. "
+                             "Use only cuda:N devices, or HierarchicalCopyAllReduce / ReductionToOneDevice.")
+        import torch.cuda.nccl as nccl
+
+        probe = [torch.zeros(1, device=d) for d in devices]
+        if not nccl.is_available(probe):
+            raise ValueError("NcclAllReduce: this torch build has no NCCL support for these tensors. "
+                             "Use HierarchicalCopyAllReduce() instead.")
+
+    def _all_sum(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
+        import torch.cuda.nccl as nccl
+
+        out = [[t.clone() for t in lst] for lst in per_replica]
+        for column in zip(*out):
+            nccl.all_reduce(list(column))
+        return out
+
+
+class InMemoryAllReduce(CrossDeviceOps):
+    """The CPU default: reduce-scatter then all-gather between replica threads, in place.
+
+    Replica r sums slice r of every replica's buffer into its own buffer, then, after a barrier,
+    copies the other slices from their owners. Each slice is summed exactly once, so every replica
+    ends with the same bits; the work is split N ways and no buffer is allocated."""
+
+    def _all_sum(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
+        return _sum_on_one_device(per_replica, None)
+
+    def all_reduce(self, rendezvous: Rendezvous, replica_id: int, reduce_op: ReduceOp,
+                   flats: list[Tensor]) -> list[Tensor]:
+        if sum(f.numel() for f in flats) < _SMALL_NUMEL:
+            return super().all_reduce(rendezvous, replica_id, reduce_op, flats)
+        n = len(rendezvous._devices)
+        everyone = rendezvous.exchange(replica_id, flats, "all_reduce")
+        check_same_shapes(everyone)
+        for j, mine in enumerate(flats):
+            lo, hi = _slice(mine.numel(), n, replica_id)
+            if hi > lo:
+                acc = mine[lo:hi]
+                for k in range(n):
+                    if k != replica_id:
+                        acc.add_(everyone[k][j][lo:hi].to(acc.device, non_blocking=True))
+                if reduce_op is ReduceOp.MEAN:
+                    divide_(acc, n)
+        rendezvous.exchange(replica_id, None, "all_reduce (gather)")
+        for j, mine in enumerate(flats):
+            for k in range(n):
+                if k != replica_id:
+                    lo, hi = _slice(mine.numel(), n, k)
+                    if hi > lo:
+                        mine[lo:hi].copy_(everyone[k][j][lo:hi], non_blocking=True)
+        # No replica may refill its buffer while another still copies from it.
+        rendezvous.exchange(replica_id, None, "all_reduce (done)")
+        return flats
+
+
+def check_same_shapes(everyone: list[list[Tensor]]) -> None:
+    """Raises (in every replica alike) when replicas passed different tensors to one all_reduce."""
+    first = [(f.numel(), f.dtype) for f in everyone[0]]
+    for r, flats in enumerate(everyone[1:], start=1):
+        if [(f.numel(), f.dtype) for f in flats] != first:
+            raise ValueError(
+                f"all_reduce: replica {r} passed tensors of sizes/dtypes {[(f.numel(), f.dtype) for f in flats]} "
+                f"but replica 0 passed {first}. Every replica must all-reduce tensors of the same shapes "
+                "(reduce per-example values to a fixed shape first, e.g. sum them).")
+
+
+def _slice(numel: int, n: int, k: int) -> tuple[int, int]:
+    """Replica k's slice [lo, hi) of a buffer of `numel` elements split n ways."""
+    per = -(-numel // n)
+    per = -(-per // _CHUNK_ALIGN) * _CHUNK_ALIGN
+    return min(numel, k * per), min(numel, (k + 1) * per)
+
+
+def default_for(devices: Sequence[Device]) -> CrossDeviceOps:
+    """TF's choice per device set: NCCL across GPUs when available, else hierarchical copy; CPUs in memory."""
+    if all(d.startswith("cpu") for d in devices):
+        return InMemoryAllReduce()
+    if all(d.startswith("cuda") for d in devices) and len(devices) > 1:
+        try:
+            NcclAllReduce().check_devices(devices)
+            return NcclAllReduce()
+        except ValueError:
+            return HierarchicalCopyAllReduce()
+    return ReductionToOneDevice()

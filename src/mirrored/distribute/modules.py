@@ -1,0 +1,204 @@
+"""Mirrored torch modules and optimizers: `strategy.mirror(net)` and `strategy.mirror_optimizer(...)`.
+
+A MirroredModule keeps one copy of an `nn.Module` per replica (`.replicas`); calling it, or reading
+an attribute, uses the calling replica's copy (replica 0's in cross-replica context). A
+MirroredOptimizer keeps one torch optimizer per copy; `step()` in replica context first
+all-reduces the replica's gradients (SUM, as TF's apply_gradients does: scale each replica's loss
+by the GLOBAL batch), then every replica applies the same update, so the copies stay bitwise
+identical. Uses context.py, devices.py and variables.py; the strategy does the reduction.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from mirrored.distribute import context
+from mirrored.distribute.devices import torch_device
+
+if TYPE_CHECKING:
+    from mirrored.distribute.strategy import Strategy
+
+
+def _replica_id(strategy: Strategy) -> int:
+    ctx = context.get_replica_context()
+    if ctx is None or ctx.strategy is not strategy:
+        return 0
+    return ctx.replica_id_in_sync_group
+
+
+class MirroredModule:
+    """One copy of a module per replica; attribute access and calls go to the current replica's copy."""
+
+    def __init__(self, strategy: Strategy, module: nn.Module):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"strategy.mirror(module={type(module).__name__}): expected a torch.nn.Module.")
+        if isinstance(module, MirroredModule):
+            raise TypeError("strategy.mirror: this module is already mirrored.")
+        devices = strategy.extended.worker_devices
+        first = module.to(torch_device(devices[0]))
+        copies = [first] + [copy.deepcopy(first).to(torch_device(d)) for d in devices[1:]]
+        object.__setattr__(self, "_strategy", strategy)
+        object.__setattr__(self, "replicas", tuple(copies))
+
+    @property
+    def values(self) -> tuple[nn.Module, ...]:
+        return self.replicas
+
+    @property
+    def module(self) -> nn.Module:
+        """The current replica's copy."""
+        return self.replicas[_replica_id(self._strategy)]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"cannot set {name!r} on a MirroredModule: set it on every copy "
+                             "(for m in mnet.replicas: ...) so the replicas stay identical.")
+
+    # Calls that must reach every copy, not only the current one.
+    def train(self, mode: bool = True) -> MirroredModule:
+        for m in self.replicas:
+            m.train(mode)
+        return self
+
+    def eval(self) -> MirroredModule:
+        return self.train(False)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        result = None
+        for m in self.replicas:
+            result = m.load_state_dict(state_dict, strict=strict)
+        return result
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> MirroredModule:
+        for m in self.replicas:
+            m.apply(fn)
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> MirroredModule:
+        for m in self.replicas:
+            m.requires_grad_(requires_grad)
+        return self
+
+    def __repr__(self) -> str:
+        return f"MirroredModule({len(self.replicas)} replicas of {type(self.replicas[0]).__name__})"
+
+
+class MirroredOptimizer:
+    """One torch optimizer per replica copy of a MirroredModule."""
+
+    def __init__(self, strategy: Strategy, optimizer_cls: Callable[..., torch.optim.Optimizer],
+                 module: Any, hparams: dict[str, Any]):
+        if not isinstance(module, MirroredModule):
+            raise TypeError(f"strategy.mirror_optimizer(..., {type(module).__name__}): pass the module that "
+                            "strategy.mirror() returned, so each replica's optimizer gets that replica's parameters.")
+        if not callable(optimizer_cls):
+            raise TypeError(f"strategy.mirror_optimizer({optimizer_cls!r}): pass an optimizer class such as "
+                            "torch.optim.SGD (or a callable params -> optimizer).")
+        self._strategy = strategy
+        self._module = module
+        self.replicas = tuple(optimizer_cls(m.parameters(), **hparams) for m in module.replicas)
+        self._key = object()  # names this optimizer's gradient buffers in the strategy
+
+    @property
+    def values(self) -> tuple[torch.optim.Optimizer, ...]:
+        return self.replicas
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The current replica's optimizer."""
+        return self.replicas[_replica_id(self._strategy)]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def _params(self, rid: int) -> list[Tensor]:
+        return [p for g in self.replicas[rid].param_groups for p in g["params"]]
+
+    def reduce_gradients(self) -> None:
+        """All-reduces (SUM) the calling replica's gradients in place of its `.grad`s."""
+        ctx = context.get_replica_context()
+        if ctx is None or ctx.strategy is not self._strategy or ctx.num_replicas_in_sync == 1:
+            return
+        rid = ctx.replica_id_in_sync_group
+        params = self._params(rid)
+        reduced = self._strategy._reduce_gradients(ctx, self._key, params, [p.grad for p in params])
+        for p, g in zip(params, reduced):
+            p.grad = g
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Replica context: all-reduce this replica's gradients, then apply them with its optimizer."""
+        if closure is not None:
+            raise ValueError("MirroredOptimizer.step(closure) is not supported: run the forward/backward in "
+                             "the replica function, then call step().")
+        ctx = context.get_replica_context()
+        if ctx is None and self._strategy.num_replicas_in_sync > 1:
+            raise RuntimeError("MirroredOptimizer.step() was called in cross-replica context. Call it inside "
+                               "strategy.run(step_fn): each replica all-reduces its gradients, then updates.")
+        self.reduce_gradients()
+        return self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the current replica's gradients (every replica's in cross-replica context)."""
+        if context.get_replica_context() is None:
+            for opt in self.replicas:
+                opt.zero_grad(set_to_none=set_to_none)
+        else:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.replicas[0].state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for rid, opt in enumerate(self.replicas):
+            device = torch_device(self._strategy.extended.worker_devices[rid])
+            opt.load_state_dict(_to_device(copy.deepcopy(state_dict), device))
+
+    def __repr__(self) -> str:
+        return f"MirroredOptimizer({len(self.replicas)} replicas of {type(self.replicas[0]).__name__})"
+
+
+def _to_device(state: Any, device: torch.device) -> Any:
+    if isinstance(state, Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: _to_device(v, device) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_to_device(v, device) for v in state]
+    return state
+
+
+def named_copies(obj: Any) -> Iterator[tuple[str, list[Tensor]]]:
+    """(name, one tensor per replica) for every tensor of a mirrored module, optimizer or variable."""
+    from mirrored.distribute.variables import SyncOnReadVariable, Variable
+
+    if isinstance(obj, MirroredModule):
+        states = [m.state_dict(keep_vars=True) for m in obj.replicas]
+        for name in states[0]:
+            yield name, [s[name] for s in states]
+    elif isinstance(obj, MirroredOptimizer):
+        states = [opt.state_dict()["state"] for opt in obj.replicas]
+        for index in states[0]:
+            for key, value in states[0][index].items():
+                if isinstance(value, Tensor):
+                    yield f"optimizer state[{index}][{key!r}]", [s[index][key] for s in states]
+    elif isinstance(obj, SyncOnReadVariable):
+        raise TypeError(f"check_in_sync({obj.name!r}): a SyncOnReadVariable's copies differ by design "
+                        "(each replica accumulates its own); only mirrored state is kept in sync.")
+    elif isinstance(obj, Variable):
+        yield f"variable {obj.name!r}", list(obj.values)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from named_copies(item)
+    else:
+        raise TypeError(f"check_in_sync: expected a mirrored module, optimizer or variable; got "
+                        f"{type(obj).__name__}.")

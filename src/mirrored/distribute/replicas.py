@@ -1,0 +1,274 @@
+"""Replica threads: one persistent worker per replica, run in lock-step around collectives.
+
+`ReplicaPool.run(task)` hands `task(replica_id)` to every worker and waits for all of them; workers
+live across steps, so a step costs two hand-offs per replica, not a thread start. `Rendezvous` is
+how replicas meet inside a step (all_reduce, merge_call): each deposits a value, the last to
+arrive may combine them once, and everyone gets the result. Like tf.distribute's
+`_call_for_each_replica`, a replica that returns while others wait in a collective is an error,
+and so is a replica that does not arrive within `timeout_s`; either way the waiting replicas are
+released with an error naming who is missing, and an exception in one replica releases the others.
+Uses torch and devices.py only.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from mirrored.distribute.devices import Device
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class CollectiveTimeoutError(TimeoutError):
+    """A replica did not reach a collective within the strategy's timeout."""
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Replicas made different sequences of collective calls (all_reduce / merge_call)."""
+
+
+class _Released(Exception):
+    """Raised in a replica that was waiting when another replica failed; the pool reports the cause."""
+
+
+def _names(ids: Sequence[int], devices: Sequence[Device]) -> str:
+    return ", ".join(f"{i} ({devices[i]})" for i in ids)
+
+
+class Rendezvous:
+    """The meeting point of N replica threads within one step."""
+
+    def __init__(self, devices: Sequence[Device], timeout_s: float):
+        self._devices = tuple(devices)
+        self._n = len(devices)
+        self._timeout_s = timeout_s
+        self._cond = threading.Condition(threading.Lock())
+        self._generation = 0
+        self._slots: list[Any] = [None] * self._n
+        self._whats: list[str | None] = [None] * self._n
+        self._arrived = 0
+        self._combining = False
+        self._result: Any = None
+        self._done: set[int] = set()
+        self.error: BaseException | None = None  # why this step failed, once it has
+
+    def exchange(self, replica_id: int, value: Any, what: str,
+                 combine: Callable[[list[Any]], Any] | None = None) -> Any:
+        """Blocks until every replica deposited a value. Returns combine(values) (computed once, by
+        the last replica to arrive) or, without combine, the list of all values in replica order."""
+        with self._cond:
+            self._check_can_join(replica_id, what)
+            gen = self._generation
+            self._slots[replica_id] = value
+            self._whats[replica_id] = what
+            self._arrived += 1
+            if self._arrived < self._n:
+                return self._wait(gen, replica_id, what)
+            slots, whats = self._slots, self._whats
+            self._slots, self._whats = [None] * self._n, [None] * self._n
+            if any(w != what for w in whats):
+                calls = "; ".join(f"replica {i} called {w}" for i, w in enumerate(whats))
+                self._fail(CollectiveMismatchError(
+                    f"replicas made different collective calls ({calls}). Every replica must make the same "
+                    "merge_call()/all_reduce() calls in the same order."))
+                raise _Released(what)
+            if combine is None:
+                return self._publish(slots)
+            self._combining = True
+        try:
+            result = combine(slots)
+        except BaseException as e:
+            with self._cond:
+                self._combining = False
+                self._fail(_Released(f"{what} failed in replica {replica_id}"), notify_only=True)
+                self.error = self.error or e
+            raise
+        with self._cond:
+            self._combining = False
+            return self._publish(result)
+
+    def _publish(self, result: Any) -> Any:
+        self._result = result
+        self._arrived = 0
+        self._generation += 1
+        self._cond.notify_all()
+        return result
+
+    def _wait(self, gen: int, replica_id: int, what: str) -> Any:
+        deadline = time.monotonic() + self._timeout_s
+        while self._generation == gen and self.error is None:
+            if self._combining:
+                self._cond.wait()  # the combine step is running: its duration is not a missed rendezvous
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [i for i in range(self._n) if self._whats[i] is None]
+                waiting = [i for i in range(self._n) if self._whats[i] is not None]
+                self._fail(CollectiveTimeoutError(
+                    f"{what}: replica {_names(missing, self._devices)} did not arrive within "
+                    f"{self._timeout_s:g} s; replica {_names(waiting, self._devices)} waited for it. A replica "
+                    "is hung, or skipped a collective the others made (raise MirroredStrategy(timeout_s=...) "
+                    "if its work is just slow)."))
+                break
+            self._cond.wait(remaining)
+        if self._generation != gen:
+            return self._result
+        raise _Released(what)
+
+    def _check_can_join(self, replica_id: int, what: str) -> None:
+        if self.error is not None:
+            raise _Released(what)
+        if self._done:
+            self._fail(CollectiveMismatchError(
+                f"replica {replica_id} called {what}, but replica {_names(sorted(self._done), self._devices)} "
+                "already returned from its function. Every replica must make the same "
+                "merge_call()/all_reduce() calls (check for branches on replica_id or on the data)."))
+            raise _Released(what)
+
+    def finish(self, replica_id: int) -> None:
+        """Replica `replica_id` returned from its function: nobody may wait for it any more."""
+        with self._cond:
+            self._done.add(replica_id)
+            if self._arrived and self.error is None:
+                waiting = [i for i in range(self._n) if self._whats[i] is not None]
+                what = self._whats[waiting[0]]
+                self._fail(CollectiveMismatchError(
+                    f"replica {_names([replica_id], self._devices)} returned from its function while replica "
+                    f"{_names(waiting, self._devices)} waited in {what}. Some replicas made a different number "
+                    "of merge_call()/all_reduce() calls."))
+
+    def abort(self, error: BaseException) -> None:
+        """Releases every waiting replica because `error` ended the step."""
+        with self._cond:
+            self._fail(error)
+
+    def _fail(self, error: BaseException, notify_only: bool = False) -> None:
+        if self.error is None and not notify_only:
+            self.error = error
+        self._cond.notify_all()
+
+
+class _Run:
+    """Bookkeeping of one `ReplicaPool.run` call."""
+
+    __slots__ = ("cond", "pending", "results", "errors", "finished")
+
+    def __init__(self, n: int):
+        self.cond = threading.Condition(threading.Lock())
+        self.pending = n
+        self.results: list[Any] = [None] * n
+        self.errors: dict[int, BaseException] = {}
+        self.finished = [False] * n
+
+
+class _Worker:
+    def __init__(self, replica_id: int, device: Device, intra_op: int):
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=_worker_main, args=(self.inbox, replica_id, device, intra_op),
+            name=f"mirrored-replica-{replica_id}-{device}", daemon=True)
+        self.thread.start()
+
+
+def _worker_main(inbox: queue.SimpleQueue, replica_id: int, device: Device, intra_op: int) -> None:
+    # Runs on the replica's own thread, so these settings stay with the replica: torch's intra-op
+    # thread count is per thread (OpenMP), and the current CUDA device is per thread.
+    if device.startswith("cpu"):
+        torch.set_num_threads(intra_op)
+    else:
+        torch.cuda.set_device(torch.device(device))
+    while True:
+        item = inbox.get()
+        if item is _STOP:
+            return
+        run, task = item
+        try:
+            result, error = task(replica_id), None
+        except BaseException as e:  # noqa: BLE001 - everything reaches the caller of run()
+            result, error = None, e
+        with run.cond:
+            if error is None:
+                run.results[replica_id] = result
+            else:
+                run.errors[replica_id] = error
+            run.finished[replica_id] = True
+            run.pending -= 1
+            if run.pending == 0 or error is not None:
+                run.cond.notify_all()
+        del run, task, result, error, item
+
+
+class ReplicaPool:
+    """Persistent replica threads. Stop them with `shutdown()` (a strategy does it when collected)."""
+
+    def __init__(self, devices: Sequence[Device], intra_op_threads: int):
+        self._devices = tuple(devices)
+        self._intra_op = intra_op_threads
+        self._workers: list[_Worker] | None = None
+        self._lock = threading.Lock()
+
+    def _ensure_started(self) -> list[_Worker]:
+        if self._workers is None:
+            self._workers = [_Worker(i, d, self._intra_op) for i, d in enumerate(self._devices)]
+            logger.debug("started %d replica threads", len(self._workers))
+        return self._workers
+
+    def run(self, task: Callable[[int], Any], grace_s: float) -> tuple[list[Any], dict[int, BaseException]]:
+        """Runs task(replica_id) on every worker. Returns (results, errors by replica). After the first
+        error, waits at most `grace_s` for the other replicas; a worker still busy then is abandoned and
+        replaced, so the pool stays usable."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("strategy.run is already running on this strategy in another thread; "
+                               "calls to run() on one strategy must not overlap.")
+        try:
+            workers = self._ensure_started()
+            run = _Run(len(workers))
+            for w in workers:
+                w.inbox.put((run, task))
+            with run.cond:
+                deadline = None
+                while run.pending:
+                    if run.errors and deadline is None:
+                        deadline = time.monotonic() + grace_s
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    run.cond.wait(remaining)
+                stuck = [i for i, done in enumerate(run.finished) if not done]
+            if stuck:
+                self._replace(stuck)
+            return run.results, run.errors
+        finally:
+            self._lock.release()
+
+    def _replace(self, replica_ids: list[int]) -> None:
+        assert self._workers is not None
+        for i in replica_ids:
+            old = self._workers[i]
+            old.inbox.put(_STOP)  # it exits once its current task returns
+            self._workers[i] = _Worker(i, self._devices[i], self._intra_op)
+            logger.warning("replica %d (%s) did not finish after a failed step; started a new thread for it",
+                           i, self._devices[i])
+
+    def threads(self) -> list[threading.Thread]:
+        return [w.thread for w in self._workers or []]
+
+    def shutdown(self) -> None:
+        """Asks every worker to exit after its current task. Does not join (may run in a finalizer)."""
+        for w in self._workers or []:
+            w.inbox.put(_STOP)
+        self._workers = None
+
+
+def stop_on_collect(owner: object, pool: ReplicaPool) -> weakref.finalize:
+    """Shuts `pool` down when `owner` is garbage-collected (or at interpreter exit)."""
+    return weakref.finalize(owner, pool.shutdown)

@@ -1,0 +1,399 @@
+"""Strategies: MirroredStrategy, OneDeviceStrategy and the default strategy.
+
+One `Strategy` class does the work; the three differ only in their devices and in whether replicas
+run on threads. `run` hands the function to one persistent thread per replica (a single replica runs
+inline, on the caller's thread); replicas meet in collectives through a per-run `Rendezvous`;
+cross-replica `reduce`/`gather` combine `PerReplica` values on the first replica's device.
+Uses every other module of `distribute/` but multi_worker.py.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mirrored.distribute import buckets, context, replicas
+from mirrored.distribute.context import ReplicaContext
+from mirrored.distribute.cross_device_ops import CrossDeviceOps, as_reduce_op, default_for
+from mirrored.distribute.devices import Device, intra_op_threads, resolve_devices, torch_device
+from mirrored.distribute.values import (DistributedValues, Mirrored, Nested, PerReplica, ReduceOp, flatten,
+                                        pack_sequence_as, regroup, select_replica)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a missing replica before failing
+
+
+class OutOfSyncError(RuntimeError):
+    """The copies of a mirrored object differ (raised by `strategy.check_in_sync`)."""
+
+
+class ValueContext:
+    """What `experimental_distribute_values_from_function` tells its function (tf.distribute.ValueContext)."""
+
+    def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1):
+        self.replica_id_in_sync_group = replica_id_in_sync_group
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (f"ValueContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+class StrategyExtended:
+    """tf.distribute's `strategy.extended`, kept as a thin read-only shim."""
+
+    def __init__(self, strategy: Strategy):
+        self._strategy = strategy
+
+    @property
+    def worker_devices(self) -> tuple[Device, ...]:
+        return self._strategy._devices
+
+    @property
+    def parameter_devices(self) -> tuple[Device, ...]:
+        return self._strategy._devices
+
+    @property
+    def cross_device_ops(self) -> CrossDeviceOps:
+        return self._strategy._cross_device_ops
+
+
+class Strategy:
+    """Synchronous data parallelism over `devices`; see MirroredStrategy for the public constructor."""
+
+    _is_default = False
+
+    def __init__(self, devices: Sequence[Device], cross_device_ops: CrossDeviceOps | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"{type(self).__name__}(timeout_s={timeout_s!r}): give a positive number of seconds.")
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError(f"{type(self).__name__}(cross_device_ops={cross_device_ops!r}): expected a "
+                            "CrossDeviceOps such as mr.ReductionToOneDevice() or mr.NcclAllReduce().")
+        self._devices = tuple(devices)
+        self._cross_device_ops = cross_device_ops or default_for(self._devices)
+        if len(self._devices) > 1:
+            self._cross_device_ops.check_devices(self._devices)
+        self._timeout_s = float(timeout_s)
+        self.extended = StrategyExtended(self)
+        self._default_replica_context = ReplicaContext(self, 0)
+        self._pool: replicas.ReplicaPool | None = None
+        if len(self._devices) > 1:
+            self._pool = replicas.ReplicaPool(self._devices, intra_op_threads(self._devices))
+            replicas.stop_on_collect(self, self._pool)
+        self._grad_buffers: dict[Any, list[Any]] = {}
+        logger.info("%s: %d replica(s) on %s, cross-device ops %s", type(self).__name__, len(self._devices),
+                    ", ".join(self._devices), self._cross_device_ops)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(devices={list(self._devices)})"
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return len(self._devices)
+
+    @contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Variables, mirrored modules and metrics created in this block are mirrored on every replica."""
+        with context.enter_scope(self):
+            yield self
+
+    # ---- running replicas -------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+        """Runs fn once per replica, concurrently; returns PerReplica results (or the object itself where
+        every replica returned the same object). PerReplica arguments are unwrapped per replica."""
+        del options
+        if not callable(fn):
+            raise TypeError(f"strategy.run(fn={fn!r}): fn must be callable.")
+        frame = context._current()
+        if frame is not None and frame.replica_context is not None and not frame.strategy._is_default:
+            raise RuntimeError("strategy.run was called inside strategy.run (from replica "
+                               f"{frame.replica_context.replica_id_in_sync_group}'s function). Call the inner "
+                               "function directly: it already runs on every replica.")
+        args, kwargs = tuple(args), dict(kwargs or {})
+        if self._pool is None:
+            ctx = ReplicaContext(self, 0) if not self._is_default else self._default_replica_context
+            with context.push(self, ctx):
+                return fn(*select_replica(0, args), **select_replica(0, kwargs))
+        step = replicas.Rendezvous(self._devices, self._timeout_s)
+
+        def task(replica_id: int) -> Any:
+            ctx = ReplicaContext(self, replica_id)
+            ctx._step = step
+            try:
+                with context.push(self, ctx):
+                    result = fn(*select_replica(replica_id, args), **select_replica(replica_id, kwargs))
+            except BaseException as e:
+                if not isinstance(e, replicas._Released):
+                    step.abort(e)
+                raise
+            step.finish(replica_id)
+            return result
+
+        results, errors = self._pool.run(task, grace_s=self._timeout_s)
+        if errors or step.error is not None:
+            raise self._step_error(errors, step)
+        return regroup(results)
+
+    def _step_error(self, errors: dict[int, BaseException], step: replicas.Rendezvous) -> BaseException:
+        """The exception a failed step raises: the first replica's own error, named by replica."""
+        for rid in sorted(errors):
+            e = errors[rid]
+            if not isinstance(e, replicas._Released):
+                prefix = f"replica {rid} ({self._devices[rid]}): "
+                if len(e.args) == 1 and isinstance(e.args[0], str) and not e.args[0].startswith(prefix):
+                    e.args = (prefix + e.args[0],)
+                else:
+                    e.add_note(f"raised in {prefix.rstrip(': ')} of {self.num_replicas_in_sync}")
+                return e
+        if step.error is not None:
+            return step.error
+        return RuntimeError("strategy.run failed without an error from any replica (internal error).")
+
+    def _merge_call(self, ctx: ReplicaContext, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if ctx._step is None:
+            with context.push(self, None):
+                return select_replica(0, merge_fn(self, *args, **kwargs))
+
+        def combine(slots: list[tuple]) -> Any:
+            fn0 = slots[0][0]
+            merged_args = regroup([s[1] for s in slots])
+            merged_kwargs = regroup([s[2] for s in slots])
+            with context.push(self, None):
+                return fn0(self, *merged_args, **merged_kwargs)
+
+        result = ctx._step.exchange(ctx.replica_id_in_sync_group, (merge_fn, args, kwargs), "merge_call", combine)
+        return select_replica(ctx.replica_id_in_sync_group, result)
+
+    def _replica_all_reduce(self, ctx: ReplicaContext, reduce_op: ReduceOp | str, value: Nested) -> Nested:
+        op = as_reduce_op(reduce_op, "ReplicaContext.all_reduce")
+        device = torch_device(self._devices[ctx.replica_id_in_sync_group])
+        leaves = [_as_tensor(v, device) for v in flatten(value)]
+        if ctx._step is None:
+            return pack_sequence_as(value, leaves)
+        plan = buckets.plan(leaves, self._cross_device_ops.bytes_per_pack)
+        flats = [b.pack(leaves) for b in plan]
+        reduced = self._cross_device_ops.all_reduce(ctx._step, ctx.replica_id_in_sync_group, op, flats)
+        out: list[Tensor | None] = [None] * len(leaves)
+        for b, flat in zip(plan, reduced):
+            b.unpack(flat, out)
+        return pack_sequence_as(value, out)
+
+    def _reduce_gradients(self, ctx: ReplicaContext | None, key: Any, params: Sequence[Tensor],
+                          grads: list[Tensor | None]) -> list[Tensor | None]:
+        """SUM-all-reduces one replica's gradients into persistent buckets; returns views of them.
+        A gradient that is None on every replica stays None; None on some only counts as zeros."""
+        if ctx is None or ctx._step is None:
+            return grads
+        rid = ctx.replica_id_in_sync_group
+        mask = tuple(g is not None for g in grads)
+        masks = ctx._step.exchange(rid, mask, "all_reduce (gradient mask)")
+        union = tuple(any(m[i] for m in masks) for i in range(len(mask)))
+        if union != mask:
+            grads = list(grads)
+            for i, needed in enumerate(union):
+                if needed and grads[i] is None:  # this replica's loss did not reach the parameter
+                    grads[i] = torch.zeros_like(params[i])
+        sig = (key, rid, buckets.signature(grads))
+        cached = self._grad_buffers.get(sig)
+        if cached is None:
+            plan = buckets.plan(grads, self._cross_device_ops.bytes_per_pack)
+            cached = self._grad_buffers[sig] = [plan, [b.new_buffer() for b in plan]]
+        plan, flats = cached
+        for b, flat in zip(plan, flats):
+            b.pack(grads, out=flat)
+        reduced = self._cross_device_ops.all_reduce(ctx._step, rid, ReduceOp.SUM, flats)
+        out: list[Tensor | None] = [None] * len(grads)
+        for b, flat in zip(plan, reduced):
+            b.unpack(flat, out)
+        return out
+
+    # ---- cross-replica reductions -----------------------------------------------------------------
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combines per-replica values into one tensor (tf.distribute.Strategy.reduce).
+
+        With 2 replicas and a global batch of 8, a PerReplica of per-example losses of shape (4,) each
+        gives: reduce(SUM, v, axis=0) the sum of all 8; reduce(MEAN, v, axis=0) their mean (the total
+        count divides, so uneven parts weigh correctly); reduce(SUM, v) a tensor of shape (4,)."""
+        context.require_cross_replica("strategy.reduce")
+        op = as_reduce_op(reduce_op, "strategy.reduce")
+        n = self.num_replicas_in_sync
+        distributed = _is_distributed(value)
+        if axis is not None:
+            parts = [_as_tensor(p, None) for p in (self.experimental_local_results(value) if distributed else [value] * n)]
+            sums = PerReplica([p.sum(dim=axis) for p in parts])
+            total = self._sum_to_first(sums)
+            if op is ReduceOp.SUM:
+                return total
+            count = sum(p.shape[axis] for p in parts)
+            return total / count
+        if not distributed:
+            if n == 1 or op is ReduceOp.MEAN:
+                return value
+            if isinstance(value, (int, float)) and value == 0:
+                return value
+            raise ValueError(
+                f"strategy.reduce(SUM, value) got a plain {type(value).__name__}, not a PerReplica, on "
+                f"{n} replicas: it is unclear whether it is one replica's value or the total (TF refuses this "
+                "too). Pass the PerReplica that strategy.run returned, or use ReduceOp.MEAN for a value that is "
+                "the same on every replica.")
+        if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
+            return value.values[0]
+        total = self._sum_to_first(value)
+        return total / n if op is ReduceOp.MEAN and total.is_floating_point() else (
+            torch.div(total, n, rounding_mode="trunc") if op is ReduceOp.MEAN else total)
+
+    def _sum_to_first(self, value: Any) -> Tensor:
+        parts = [_as_tensor(p, None) for p in self.experimental_local_results(value)]
+        if len(parts) == 1:
+            return parts[0]
+        mirrored = self._cross_device_ops.reduce(ReduceOp.SUM, PerReplica(parts), destinations=self._devices[0])
+        return mirrored.values[0]
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates the replicas' values along `axis` on the first replica's device (tf's gather)."""
+        context.require_cross_replica("strategy.gather")
+        if not _is_distributed(value):
+            if self.num_replicas_in_sync == 1:
+                return value
+            raise ValueError("strategy.gather got a plain value, not a PerReplica: pass what strategy.run "
+                             "returned (a plain tensor has no per-replica parts to gather).")
+        parts = [_as_tensor(p, None) for p in self.experimental_local_results(value)]
+        if any(p.dim() == 0 for p in parts):
+            raise ValueError("strategy.gather: the per-replica values are scalars (rank 0), which have no axis to "
+                             "concatenate along. Gather tensors of rank >= 1, e.g. v.reshape(1).")
+        target = torch_device(self._devices[0])
+        return torch.cat([p.to(target) for p in parts], dim=axis)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The per-replica components of `value` as a tuple (a plain value gives a 1-tuple)."""
+        if isinstance(value, DistributedValues):
+            return value.values
+        if _is_distributed(value):
+            return tuple(value.values)
+        return (value,)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """Calls value_fn(ValueContext) once per replica and returns the results as a PerReplica."""
+        n = self.num_replicas_in_sync
+        results = []
+        for i, device in enumerate(self._devices):
+            v = value_fn(ValueContext(i, n))
+            results.append(v.to(torch_device(device)) if isinstance(v, Tensor) else v)
+        return results[0] if n == 1 else regroup(results)
+
+    # ---- mirrored state -----------------------------------------------------------------------------
+    def mirror(self, module: torch.nn.Module) -> Any:
+        """One copy of `module` per replica (the first is `module` itself, moved to device 0)."""
+        from mirrored.distribute.modules import MirroredModule
+
+        return MirroredModule(self, module)
+
+    def mirror_optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer], module: Any, **hparams: Any) -> Any:
+        """One `optimizer_cls` per replica; `step()` in replica context all-reduces gradients (SUM) first."""
+        from mirrored.distribute.modules import MirroredOptimizer
+
+        return MirroredOptimizer(self, optimizer_cls, module, hparams)
+
+    def check_in_sync(self, obj: Any) -> None:
+        """Raises OutOfSyncError naming the first tensor whose copies differ, and the replicas."""
+        from mirrored.distribute.modules import named_copies
+
+        for name, copies in named_copies(obj):
+            ref = copies[0].detach().cpu()
+            for r, t in enumerate(copies[1:], start=1):
+                other = t.detach().cpu()
+                if ref.shape != other.shape or ref.dtype != other.dtype or not _bitwise_equal(ref, other):
+                    diff = "" if ref.shape != other.shape else (
+                        f" (max abs difference {(ref.double() - other.double()).abs().max().item():.3g})"
+                        if ref.is_floating_point() else "")
+                    raise OutOfSyncError(f"{name}: replica 0 and replica {r} ({self._devices[r]}) hold different "
+                                         f"values{diff}; the copies must be bitwise identical after every step.")
+
+    # ---- input ----------------------------------------------------------------------------------------
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Splits each GLOBAL batch of `dataset` into per-replica parts, on each replica's device."""
+        from mirrored.distribute.input import DistributedDataset
+
+        return DistributedDataset(self, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], options: Any = None) -> Any:
+        """Calls dataset_fn(InputContext) per input pipeline; replicas take successive per-replica batches."""
+        from mirrored.distribute.input import DistributedDatasetsFromFunction
+
+        return DistributedDatasetsFromFunction(self, dataset_fn, options)
+
+
+def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
+    if a.is_floating_point():
+        return torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
+                           b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))
+    return torch.equal(a, b)
+
+
+def _is_distributed(value: Any) -> bool:
+    from mirrored.distribute.variables import Variable
+
+    return isinstance(value, DistributedValues) or (isinstance(value, Variable) and len(value.values) > 1)
+
+
+def _as_tensor(value: Any, device: torch.device | None) -> Tensor:
+    from mirrored.distribute.variables import Variable
+
+    if isinstance(value, Variable):
+        value = value.read_value()
+    t = value if isinstance(value, Tensor) else torch.as_tensor(value)
+    return t if device is None or t.device == device else t.to(device)
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous training on every device of one machine (tf.distribute.MirroredStrategy).
+
+    `devices=None` takes every visible GPU, else one CPU replica; `["cpu:0", "cpu:1"]` gives two
+    logical CPU replicas, each a thread with an even share of the cores. `timeout_s` bounds how long
+    a collective waits for a missing replica."""
+
+    def __init__(self, devices: Sequence[str | torch.device] | None = None,
+                 cross_device_ops: CrossDeviceOps | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        super().__init__(resolve_devices(devices, where="MirroredStrategy"), cross_device_ops, timeout_s)
+
+
+class OneDeviceStrategy(Strategy):
+    """Everything on one device, with the strategy API (tf.distribute.OneDeviceStrategy)."""
+
+    def __init__(self, device: str | torch.device):
+        super().__init__(resolve_devices([device], where="OneDeviceStrategy"))
+
+
+class _DefaultStrategy(Strategy):
+    """The strategy in force outside any scope: one replica, the current thread, no mirroring."""
+
+    _is_default = True
+
+    def __init__(self) -> None:
+        super().__init__(("cpu:0",))
+
+    @contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        with context.push(self, self._default_replica_context):
+            yield self
+
+
+_default: _DefaultStrategy | None = None
+_default_lock = threading.Lock()
+
+
+def default_strategy() -> Strategy:
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = _DefaultStrategy()
+    return _default
+

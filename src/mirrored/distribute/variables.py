@@ -1,0 +1,322 @@
+"""Variables: `mr.Variable` and the mirrored state it becomes inside a strategy's scope.
+
+Outside any scope a Variable holds one tensor. Created in a scope it holds one tensor per replica:
+a `MirroredVariable` (ON_WRITE: the copies are kept identical by every write) or a
+`SyncOnReadVariable` (ON_READ: each replica writes its own copy; a cross-replica read aggregates).
+The write rules follow tf.distribute 2.21 (measured); each method says which context does what.
+torch functions and arithmetic accept a Variable where they accept a tensor (its current value).
+Uses context.py, values.py and devices.py.
+"""
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from mirrored.distribute import context
+from mirrored.distribute.devices import torch_device
+from mirrored.distribute.values import PerReplica, map_structure
+
+if TYPE_CHECKING:
+    from mirrored.distribute.strategy import Strategy
+
+
+class VariableSynchronization(enum.Enum):
+    """When the copies of a variable are synchronised (tf.VariableSynchronization)."""
+
+    AUTO = 0
+    NONE = 1
+    ON_WRITE = 2
+    ON_READ = 3
+
+
+class VariableAggregation(enum.Enum):
+    """How per-replica writes (ON_WRITE) or copies (ON_READ) combine (tf.VariableAggregation)."""
+
+    NONE = 0
+    SUM = 1
+    MEAN = 2
+    ONLY_FIRST_REPLICA = 3
+
+
+def _as_enum(value: Any, kind: type[enum.Enum], arg: str) -> Any:
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str) and value.upper() in kind.__members__:
+        return kind[value.upper()]
+    raise ValueError(f"Variable({arg}={value!r}): expected one of "
+                     f"{', '.join(f'{kind.__name__}.{m}' for m in kind.__members__)}.")
+
+
+class Variable:
+    """A mutable tensor (tf.Variable). In a strategy's scope it becomes a MirroredVariable or a
+    SyncOnReadVariable, chosen by `synchronization`."""
+
+    def __new__(cls, initial_value: Any = None, trainable: bool | None = None, name: str | None = None,
+                dtype: torch.dtype | None = None, synchronization: Any = VariableSynchronization.AUTO,
+                aggregation: Any = VariableAggregation.NONE):
+        if cls is not Variable:
+            return super().__new__(cls)
+        sync = _as_enum(synchronization, VariableSynchronization, "synchronization")
+        strategy = context.get_strategy()
+        if strategy._is_default:
+            return super().__new__(cls)
+        if context.get_replica_context() is not None:
+            raise RuntimeError(
+                f"Variable(name={name!r}) was created inside strategy.run (replica context). Create variables "
+                "in `with strategy.scope():` so every replica gets a copy, then use them inside run().")
+        return super().__new__(SyncOnReadVariable if sync is VariableSynchronization.ON_READ else MirroredVariable)
+
+    def __init__(self, initial_value: Any = None, trainable: bool | None = None, name: str | None = None,
+                 dtype: torch.dtype | None = None, synchronization: Any = VariableSynchronization.AUTO,
+                 aggregation: Any = VariableAggregation.NONE):
+        if initial_value is None:
+            raise ValueError(f"Variable(name={name!r}): initial_value is required.")
+        if callable(initial_value):
+            initial_value = initial_value()
+        self._sync = _as_enum(synchronization, VariableSynchronization, "synchronization")
+        self._aggregation = _as_enum(aggregation, VariableAggregation, "aggregation")
+        if trainable is None:
+            trainable = self._sync is not VariableSynchronization.ON_READ
+        elif trainable and self._sync is VariableSynchronization.ON_READ:
+            raise ValueError(f"Variable(name={name!r}): synchronization=ON_READ cannot be trainable (as in TF); "
+                             "pass trainable=False.")
+        self._trainable = bool(trainable)
+        self._name = name or "Variable"
+        self._strategy: Strategy = context.get_strategy()
+        value = torch.as_tensor(_unwrap(initial_value), dtype=dtype)
+        requires_grad = self._trainable and (value.is_floating_point() or value.is_complex())
+        copies = []
+        for device in self._strategy.extended.worker_devices:
+            t = value.detach().to(torch_device(device), copy=True)
+            copies.append(t.requires_grad_(requires_grad))
+        self._values: tuple[Tensor, ...] = tuple(copies)
+
+    # ---- properties --------------------------------------------------------------------------
+    @property
+    def values(self) -> tuple[Tensor, ...]:
+        """One tensor per replica, in replica order."""
+        return self._values
+
+    name = property(lambda self: self._name)
+    trainable = property(lambda self: self._trainable)
+    synchronization = property(lambda self: self._sync)
+    aggregation = property(lambda self: self._aggregation)
+    shape = property(lambda self: self._values[0].shape)
+    dtype = property(lambda self: self._values[0].dtype)
+    device = property(lambda self: self._local().device)
+
+    def _replica_id(self) -> int | None:
+        """This variable's replica in the current context, None in cross-replica context."""
+        ctx = context.get_replica_context()
+        if ctx is None or ctx.strategy is not self._strategy:
+            return None
+        return ctx.replica_id_in_sync_group
+
+    def _local(self) -> Tensor:
+        rid = self._replica_id()
+        return self._values[rid or 0]
+
+    # ---- reads -------------------------------------------------------------------------------
+    def read_value(self) -> Tensor:
+        """The value: this replica's copy in replica context; see subclasses for cross-replica reads."""
+        return self._local()
+
+    def value(self) -> Tensor:
+        return self.read_value()
+
+    def numpy(self) -> Any:
+        return self.read_value().detach().cpu().numpy()
+
+    def item(self) -> Any:
+        return self.read_value().item()
+
+    # ---- writes: a plain variable has one copy -----------------------------------------------
+    def assign(self, value: Any) -> Variable:
+        return self._update(value, "assign")
+
+    def assign_add(self, delta: Any) -> Variable:
+        return self._update(delta, "assign_add")
+
+    def assign_sub(self, delta: Any) -> Variable:
+        return self._update(delta, "assign_sub")
+
+    def _update(self, value: Any, op: str) -> Variable:
+        _write(self._values[0], value, op)
+        return self
+
+    # ---- behaving like a tensor ----------------------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        args, kwargs = map_structure(_unwrap, (tuple(args), dict(kwargs or {})))
+        return func(*args, **kwargs)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype)
+
+    def __float__(self) -> float:
+        return float(self.read_value())
+
+    def __int__(self) -> int:
+        return int(self.read_value())
+
+    def __bool__(self) -> bool:
+        return bool(self.read_value())
+
+    def __repr__(self) -> str:
+        kind = type(self).__name__
+        if len(self._values) == 1:
+            return f"<{kind} {self._name!r} shape={tuple(self.shape)} dtype={self.dtype} value={self._values[0].tolist()}>"
+        body = ", ".join(f"{i}: {v.tolist()}" for i, v in enumerate(self._values))
+        return f"<{kind} {self._name!r} shape={tuple(self.shape)} dtype={self.dtype} {{{body}}}>"
+
+
+def _unwrap(x: Any) -> Any:
+    return x.read_value() if isinstance(x, Variable) else x
+
+
+def _binary(name: str) -> Any:
+    def method(self: Variable, other: Any) -> Any:
+        return getattr(self.read_value(), name)(_unwrap(other))
+
+    method.__name__ = name
+    return method
+
+
+for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
+            "lt", "le", "gt", "ge", "eq", "ne"):
+    for _name in (f"__{_op}__", f"__r{_op}__"):
+        if hasattr(Tensor, _name):
+            setattr(Variable, _name, _binary(_name))
+Variable.__neg__ = lambda self: -self.read_value()  # type: ignore[attr-defined]
+Variable.__abs__ = lambda self: abs(self.read_value())  # type: ignore[attr-defined]
+Variable.__getitem__ = lambda self, key: self.read_value()[key]  # type: ignore[attr-defined]
+Variable.__hash__ = object.__hash__  # type: ignore[assignment]  # identity, as tf.Variable
+
+
+def _write(target: Tensor, value: Any, op: str) -> None:
+    """target := value / += / -= value, in place, outside autograd."""
+    value = torch.as_tensor(_unwrap(value), dtype=target.dtype).to(target.device)
+    if value.shape != target.shape and value.numel() != 1 and torch.broadcast_shapes(value.shape, target.shape) != target.shape:
+        raise ValueError(f"Variable.{op}: value of shape {tuple(value.shape)} does not fit a variable of shape "
+                         f"{tuple(target.shape)}.")
+    with torch.no_grad():
+        if op == "assign":
+            target.copy_(value)
+        elif op == "assign_add":
+            target.add_(value)
+        else:
+            target.sub_(value)
+
+
+def _apply(current: Tensor, value: Tensor, op: str) -> Tensor:
+    """The value a copy takes after `op` with `value`, without writing it."""
+    if op == "assign":
+        return value
+    return current + value if op == "assign_add" else current - value
+
+
+class MirroredVariable(Variable):
+    """ON_WRITE: one identical copy per replica (tf.distribute.MirroredVariable).
+
+    Cross-replica context: a read gives replica 0's copy; a write updates every copy.
+    Replica context: a read gives the replica's copy. A write with aggregation NONE updates only
+    the calling replica's copy (the caller supplies equal values, as an optimizer applying
+    all-reduced gradients does); SUM, MEAN and ONLY_FIRST_REPLICA first combine the values of all
+    replicas (a merge_call) and then every copy gets the same result."""
+
+    def _update(self, value: Any, op: str) -> Variable:
+        rid = self._replica_id()
+        if rid is None:
+            for t in self._values:
+                _write(t, value, op)
+            return self
+        agg = self._aggregation
+        if agg is VariableAggregation.NONE:
+            _write(self._values[rid], value, op)
+            return self
+        if agg is VariableAggregation.MEAN and not (self.dtype.is_floating_point or self.dtype.is_complex):
+            raise ValueError(
+                f"MirroredVariable {self._name!r}.{op} in replica context: aggregation MEAN cannot average into "
+                f"an integer variable ({self.dtype}). Use aggregation=SUM or ONLY_FIRST_REPLICA, or a float dtype.")
+        ctx = context.get_replica_context()
+        ctx.merge_call(_merge_update, args=(self, value, op))
+        return self
+
+
+def _merge_update(strategy: Strategy, var: MirroredVariable, value: Any, op: str) -> None:
+    """Runs once, in cross-replica context: combines the replicas' values and writes every copy."""
+    parts = strategy.experimental_local_results(value)
+    parts = [torch.as_tensor(_unwrap(p), dtype=var.dtype) for p in parts]
+    agg = var.aggregation
+    if agg is VariableAggregation.ONLY_FIRST_REPLICA or len(parts) == 1:
+        combined = parts[0]
+    else:
+        from mirrored.distribute.values import ReduceOp
+
+        reduce_op = ReduceOp.SUM if agg is VariableAggregation.SUM else ReduceOp.MEAN
+        combined = strategy.reduce(reduce_op, PerReplica(parts))
+    for t in var.values:
+        _write(t, combined, op)
+
+
+class SyncOnReadVariable(Variable):
+    """ON_READ: each replica writes its own copy; a cross-replica read aggregates them.
+
+    Replica context: reads and writes touch the replica's own copy.
+    Cross-replica context: a read gives SUM / MEAN of the copies, or replica 0's for
+    ONLY_FIRST_REPLICA. `assign` writes every copy so that the aggregate reads back the value
+    (SUM: each copy gets value / replicas, as TF does; integers split exactly). `assign_add` and
+    `assign_sub` with SUM are refused there, as in TF: the meaning (add to each copy, or to the
+    total) is ambiguous."""
+
+    def read_value(self) -> Tensor:
+        rid = self._replica_id()
+        if rid is not None:
+            return self._values[rid]
+        agg = self._aggregation
+        if agg is VariableAggregation.ONLY_FIRST_REPLICA or len(self._values) == 1:
+            return self._values[0]
+        if agg is VariableAggregation.NONE:
+            raise ValueError(
+                f"SyncOnReadVariable {self._name!r} has aggregation NONE, so it cannot be read in cross-replica "
+                "context (there is no rule to combine its copies). Create it with aggregation=SUM, MEAN or "
+                "ONLY_FIRST_REPLICA, or read one copy with strategy.experimental_local_results(var).")
+        dev = self._values[0].device
+        total = self._values[0].detach().clone()
+        for t in self._values[1:]:
+            total += t.detach().to(dev)
+        if agg is VariableAggregation.MEAN:
+            total = total / len(self._values) if total.is_floating_point() else torch.div(
+                total, len(self._values), rounding_mode="trunc")
+        return total
+
+    def _update(self, value: Any, op: str) -> Variable:
+        rid = self._replica_id()
+        if rid is not None:
+            _write(self._values[rid], value, op)
+            return self
+        n = len(self._values)
+        if self._aggregation is VariableAggregation.SUM and n > 1:
+            if op != "assign":
+                raise ValueError(
+                    f"SyncOnReadVariable {self._name!r}.{op} in cross-replica context is not supported when "
+                    "aggregation is SUM (as in TF): it is unclear whether to change each copy or the total. "
+                    "Call it inside strategy.run, or assign() the new total.")
+            for t, part in zip(self._values, _split_total(torch.as_tensor(_unwrap(value), dtype=self.dtype), n)):
+                _write(t, part, "assign")
+            return self
+        for t in self._values:
+            _write(t, value, op)
+        return self
+
+
+def _split_total(total: Tensor, n: int) -> list[Tensor]:
+    """n parts whose sum is `total`: total / n each for floats; for integers, exact shares."""
+    if total.is_floating_point() or total.is_complex():
+        return [total / n] * n
+    share = torch.div(total, n, rounding_mode="floor")
+    return [total - share * (n - 1)] + [share] * (n - 1)
