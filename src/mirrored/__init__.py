@@ -1,1 +1,69 @@
-"""mirrored: synchronous data-parallel training on PyTorch, the tf.distribute.MirroredStrategy way."""
+"""mirrored: synchronous data-parallel training on PyTorch, the tf.distribute.MirroredStrategy way.
+
+    import mirrored as mr
+    strategy = mr.MirroredStrategy()            # every GPU, or devices=["cpu:0", "cpu:1"]
+    with strategy.scope():
+        model = mr.Model(mr.models.resnet_cifar(num_classes=10))
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(dataset_of_global_batches, epochs=5)
+
+The distribution core is imported eagerly; the namespaces (data, datasets, models, layers, losses,
+metrics, optimizers, callbacks, profiler) and Model load on first use.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from mirrored.distribute import (CollectiveMismatchError, CollectiveTimeoutError, CrossDeviceOps,
+                                 DistributedValues, HierarchicalCopyAllReduce, InMemoryAllReduce, InputContext,
+                                 InputOptions, Mirrored, MirroredStrategy, MirroredVariable, NcclAllReduce,
+                                 OneDeviceStrategy, OutOfSyncError, PerReplica, ReduceOp, ReductionToOneDevice,
+                                 ReplicaContext, Strategy, SyncOnReadVariable, ValueContext, Variable,
+                                 VariableAggregation, VariableSynchronization, get_replica_context, get_strategy,
+                                 has_strategy, in_cross_replica_context)
+
+__version__ = "0.1.0"
+
+_NAMESPACES = {
+    "data": "mirrored.data",
+    "datasets": "mirrored.datasets",
+    "models": "mirrored.models",
+    "layers": "mirrored.training.layers",
+    "losses": "mirrored.training.losses",
+    "metrics": "mirrored.training.metrics",
+    "optimizers": "mirrored.training.optimizers",
+    "callbacks": "mirrored.training.callbacks",
+    "profiler": "mirrored.profiler",
+}
+_LAZY_NAMES = {
+    "Model": ("mirrored.training.model", "Model"),
+    "MultiWorkerMirroredStrategy": ("mirrored.distribute.multi_worker", "MultiWorkerMirroredStrategy"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMESPACES:
+        module = importlib.import_module(_NAMESPACES[name])
+        globals()[name] = module
+        return module
+    if name in _LAZY_NAMES:
+        module_name, attr = _LAZY_NAMES[name]
+        value = getattr(importlib.import_module(module_name), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mirrored' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_NAMESPACES) + list(_LAZY_NAMES))
+
+
+__all__ = [
+    "CollectiveMismatchError", "CollectiveTimeoutError", "CrossDeviceOps", "DistributedValues",
+    "HierarchicalCopyAllReduce", "InMemoryAllReduce", "InputContext", "InputOptions", "Mirrored",
+    "MirroredStrategy", "MirroredVariable", "NcclAllReduce", "OneDeviceStrategy", "OutOfSyncError", "PerReplica",
+    "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "SyncOnReadVariable", "ValueContext",
+    "Variable", "VariableAggregation", "VariableSynchronization", "get_replica_context", "get_strategy",
+    "has_strategy", "in_cross_replica_context", *_NAMESPACES, *_LAZY_NAMES,
+]

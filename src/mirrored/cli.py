@@ -1,0 +1,242 @@
+"""`mirrored train | evaluate | bench`: the main job and its tools on the command line.
+
+`mirrored train` trains the small CIFAR-style ResNet on the embedded digits (offline, anywhere) on
+every GPU, or on 2 logical CPU replicas of a CPU-only machine, then prints test metrics and
+images/s and writes a checkpoint, a CSV log and a PNG plot into --out. `--dataset cassava` or
+`folder:PATH` train on real images. `mirrored evaluate CHECKPOINT` re-scores a saved model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_MODELS_FOR_SIZE = {"resnet_cifar": 32, "resnet20": 32, "resnet18": 224, "resnet34": 224, "resnet50": 224}
+
+
+class CliError(Exception):
+    """A bad flag or setting: printed as one line, exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mirrored", description="Synchronous data-parallel training on PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model (default: small ResNet on the embedded digits)")
+    train.add_argument("--dataset", default="digits", help="digits (embedded), cassava, or folder:PATH")
+    train.add_argument("--data-dir", default=None, help="TFDS data directory (default: $TFDS_DATA_DIR or "
+                       "~/tensorflow_datasets)")
+    train.add_argument("--download", action="store_true", help="download cassava if it is missing")
+    train.add_argument("--model", default=None, help="resnet_cifar (default for digits), resnet18, resnet34, "
+                       "resnet50 (default for images)")
+    where = train.add_mutually_exclusive_group()
+    where.add_argument("--replicas", type=_positive_int, default=None,
+                       help="N logical replicas (cpu:0..N-1, or the first N GPUs)")
+    where.add_argument("--devices", default=None, help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu:0,cpu:1")
+    train.add_argument("--epochs", type=_positive_int, default=4)
+    train.add_argument("--batch-size", type=_positive_int, default=None,
+                       help="GLOBAL batch size (default: 32 per replica)")
+    train.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default 0.05 x global/64)")
+    train.add_argument("--image-size", type=_positive_int, default=None, help="resize images to this square size")
+    train.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    train.add_argument("--resume", action="store_true", help="continue an interrupted run from --out/backup")
+    train.add_argument("--out", default="runs/train", help="output folder (default: runs/train)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--verbose", type=int, choices=[0, 1, 2], default=None,
+                       help="0 silent, 1 progress bar, 2 one line per epoch (default: 1 on a terminal, else 2)")
+    evaluate = sub.add_parser("evaluate", help="evaluate a checkpoint written by `mirrored train`")
+    evaluate.add_argument("checkpoint")
+    evaluate.add_argument("--dataset", default=None, help="default: the dataset the checkpoint was trained on")
+    evaluate.add_argument("--data-dir", default=None)
+    evaluate.add_argument("--split", default="test")
+    evaluate.add_argument("--batch-size", type=_positive_int, default=None)
+    evaluate.add_argument("--replicas", type=_positive_int, default=None)
+    return parser
+
+
+def _strategy(args: argparse.Namespace) -> Any:
+    import mirrored as mr
+
+    if getattr(args, "devices", None):
+        return mr.MirroredStrategy(devices=[d.strip() for d in args.devices.split(",") if d.strip()])
+    gpus = mr.distribute.devices.visible_gpus()
+    if args.replicas is not None:
+        pool = gpus if gpus else [f"cpu:{i}" for i in range(args.replicas)]
+        if len(pool) < args.replicas:
+            raise CliError(f"--replicas {args.replicas}: only {len(pool)} GPU(s) are visible ({', '.join(pool)}). "
+                           "Use --replicas <= that, or --devices cpu:0,cpu:1 for CPU replicas.")
+        return mr.MirroredStrategy(devices=pool[:args.replicas])
+    return mr.MirroredStrategy(devices=gpus or ["cpu:0", "cpu:1"])
+
+
+def _load(name: str, split: str, data_dir: str | None, image_size: int, download: bool,
+          shuffle_files: bool = False) -> tuple[Any, Any]:
+    """(dataset of (image float32 HWC in [0, 1], label), info) for --dataset."""
+    import mirrored as mr
+
+    if name == "digits":
+        ds, info = mr.datasets.load("digits", split=split, as_supervised=True, with_info=True,
+                                    read_config={"image_size": image_size, "channels": 3})
+        return ds.map(lambda x, y: (x.float() / 255.0, y)), info
+    if name == "cassava":
+        ds, info = mr.datasets.load("cassava", split=split, data_dir=data_dir, as_supervised=True, with_info=True,
+                                    download=download, shuffle_files=shuffle_files)
+    elif name.startswith("folder:"):
+        root = name[len("folder:"):]
+        if not Path(root).is_dir():
+            raise CliError(f"--dataset {name}: {root!r} is not a folder. Give folder:PATH with one sub-folder "
+                           "of images per class.")
+        ds, info = mr.datasets.image_folder(root, split=split, as_supervised=True, with_info=True)
+    else:
+        raise CliError(f"--dataset {name!r}: use digits, cassava or folder:PATH.")
+    size = (image_size, image_size)
+    return ds.map(lambda x, y: (mr.data.images.resize(x, size) / 255.0, y),
+                  num_parallel_calls=mr.data.AUTOTUNE), info
+
+
+def _splits(name: str) -> tuple[str, str | None, str]:
+    """(train split, validation split or None, test split) of a dataset."""
+    if name == "cassava":
+        return "train", "validation", "test"
+    if name.startswith("folder:"):
+        return "train[:80%]", None, "train[80%:]"
+    return "train", None, "test"
+
+
+def _plot(history: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = range(1, len(history.get("loss", [])) + 1)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key in zip(axes, ("loss", "accuracy")):
+        for prefix, style in (("", "-o"), ("val_", "--s")):
+            if prefix + key in history:
+                ax.plot(list(epochs), history[prefix + key], style, label=(prefix or "train_") + key)
+        ax.set_xlabel("epoch")
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    import mirrored as mr
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    strategy = _strategy(args)
+    n = strategy.num_replicas_in_sync
+    model_name = args.model or ("resnet_cifar" if args.dataset == "digits" else "resnet18")
+    image_size = args.image_size or _MODELS_FOR_SIZE.get(model_name, 224)
+    global_batch = args.batch_size or 32 * n
+    lr = args.lr or 0.05 * global_batch / 64
+    print(f"replicas: {n} on {', '.join(strategy.extended.worker_devices)} | cross-device ops: "
+          f"{type(strategy.extended.cross_device_ops).__name__} | global batch {global_batch} "
+          f"({', '.join(map(str, mr.distribute.input.split_sizes(global_batch, n)))} per replica)")
+    train_split, val_split, test_split = _splits(args.dataset)
+    train_ds, info = _load(args.dataset, train_split, args.data_dir, image_size, args.download, shuffle_files=True)
+    num_classes = info.features["label"].num_classes
+    test_ds, _ = _load(args.dataset, test_split, args.data_dir, image_size, False)
+    val_ds = _load(args.dataset, val_split, args.data_dir, image_size, False)[0] if val_split else test_ds
+    train = train_ds.shuffle(2048, seed=args.seed).batch(global_batch).prefetch(mr.data.AUTOTUNE)
+    val = val_ds.batch(global_batch).prefetch(mr.data.AUTOTUNE)
+    test = test_ds.batch(global_batch).prefetch(mr.data.AUTOTUNE)
+    with strategy.scope():
+        try:
+            net = mr.models.get(model_name, num_classes=num_classes)
+        except ValueError as e:
+            raise CliError(f"--model {model_name!r}: {e}") from None
+        model = mr.Model(net)
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=lr, momentum=0.9),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                      precision=None if args.precision == "fp32" else args.precision)
+    backup = out / "backup"
+    if not args.resume and backup.exists():
+        import shutil
+
+        shutil.rmtree(backup)
+    verbose = args.verbose if args.verbose is not None else (1 if sys.stdout.isatty() else 2)
+    callbacks = [mr.callbacks.CSVLogger(str(out / "log.csv")),
+                 mr.callbacks.BackupAndRestore(str(backup)),
+                 mr.callbacks.ModelCheckpoint(str(out / "best.safetensors"), monitor="val_accuracy",
+                                              save_best_only=True)]
+    start = time.perf_counter()
+    history = model.fit(train, epochs=args.epochs, validation_data=val, callbacks=callbacks, verbose=verbose)
+    seconds = time.perf_counter() - start
+    images = info.splits[train_split].num_examples * len(history.history.get("loss", []))
+    results = model.evaluate(test, return_dict=True, verbose=0)
+    model.save(out / "model.safetensors")
+    _plot(history.history, out / "history.png")
+    (out / "run.json").write_text(json.dumps({"dataset": args.dataset, "model": model_name, "image_size":
+                                              image_size, "replicas": n, "test": results}, indent=2))
+    metrics = " - ".join(f"test_{k}: {v:.4f}" for k, v in results.items())
+    print(f"{metrics} - {images / seconds:.0f} images/s over {seconds:.1f} s of training")
+    print(f"wrote {out / 'model.safetensors'}, {out / 'log.csv'}, {out / 'history.png'}")
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    import mirrored as mr
+
+    path = Path(args.checkpoint)
+    if not path.is_file():
+        raise CliError(f"evaluate: no checkpoint at {str(path)!r}. Pass the model.safetensors that "
+                       "`mirrored train` wrote into --out.")
+    run_info = path.parent / "run.json"
+    saved = json.loads(run_info.read_text()) if run_info.exists() else {}
+    dataset = args.dataset or saved.get("dataset", "digits")
+    image_size = saved.get("image_size", 32)
+    strategy = _strategy(argparse.Namespace(devices=None, replicas=args.replicas))
+    with strategy.scope():
+        model = mr.Model.load(path)
+    test, _ = _load(dataset, args.split, args.data_dir, image_size, False)
+    batch = args.batch_size or 32 * strategy.num_replicas_in_sync
+    results = model.evaluate(test.batch(batch), return_dict=True, verbose=0)
+    print(" - ".join(f"{k}: {v:.4f}" for k, v in results.items()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("MIRRORED_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": cmd_train, "evaluate": cmd_evaluate}[args.command](args)
+    except CliError as e:
+        print(f"mirrored {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,541 @@
+"""`mr.Model`: a Keras-style compile / fit / evaluate / predict / save around any torch.nn.Module.
+
+Created in a strategy's scope, the module is mirrored on every replica and each training step runs
+on all of them (`strategy.run`). Loss scaling is exact: per-example losses are summed and divided by
+the number of examples in the GLOBAL step (the real count, so an uneven last batch weighs right),
+which makes N replicas give one device's update. Keras on TF instead averages per-replica means in
+that last batch; we do not, on purpose. Metrics keep sync-on-read state: each replica accumulates,
+a read sums across replicas. Uses the public surface of `mirrored.distribute` and `mirrored.data`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+import mirrored.distribute as md
+from mirrored.training import callbacks as callbacks_lib
+from mirrored.training import checkpoint, losses, metrics as metrics_lib, optimizers
+from mirrored.training.layers import has_sync_batchnorm
+
+logger = logging.getLogger(__name__)
+
+_FORMAT = "mirrored.Model/1"
+
+
+def _device_of(module: nn.Module) -> str:
+    for t in list(module.parameters()) + list(module.buffers()):
+        return str(t.device) if t.device.type != "cpu" else "cpu:0"
+    return "cpu:0"
+
+
+def _unpack(batch: Any) -> tuple[Any, Any, Any]:
+    """(x, y, sample_weight) from a dataset element, as Keras' unpack_x_y_sample_weight."""
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 1:
+            return batch[0], None, None
+        if len(batch) == 2:
+            return batch[0], batch[1], None
+        if len(batch) == 3:
+            return batch[0], batch[1], batch[2]
+        raise ValueError(f"a dataset element has {len(batch)} parts; expected (x,), (x, y) or (x, y, sample_weight).")
+    if isinstance(batch, dict) and "image" in batch and "label" in batch:
+        return batch["image"], batch["label"], None
+    return batch, None, None
+
+
+def _nchw(x: Any) -> Any:
+    """NHWC image batches (as datasets yield them) become NCHW views in channels_last memory: no copy."""
+    if isinstance(x, Tensor) and x.dim() == 4 and x.shape[-1] in (1, 3, 4) and x.shape[1] not in (1, 3, 4):
+        return x.permute(0, 3, 1, 2)
+    return x
+
+
+class Model:
+    """Wraps a torch.nn.Module (which returns logits) with Keras's training API, under a strategy."""
+
+    def __init__(self, module: nn.Module, name: str | None = None):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"mr.Model({type(module).__name__}): expected a torch.nn.Module.")
+        strategy = md.get_strategy()
+        if not md.has_strategy():  # outside any scope: one replica where the module already lives
+            strategy = md.OneDeviceStrategy(_device_of(module))
+        if md.get_replica_context() is not None and md.has_strategy():
+            raise RuntimeError("mr.Model(...) was created inside strategy.run; create it in `with strategy.scope():`.")
+        self.name = name or type(module).__name__
+        self.distribute_strategy = strategy
+        with strategy.scope():
+            self._net = strategy.mirror(module)
+        self._sync_bn = has_sync_batchnorm(module)
+        self.optimizer: optimizers.Optimizer | None = None
+        self._mopt: Any = None
+        self._loss: losses.Loss | None = None
+        self._metrics: list[Any] = []
+        self._loss_tracker: Any = None
+        self._compiled = False
+        self.stop_training = False
+        self.history: Any = None
+        self._resume_at: tuple[int, int] | None = None
+        self._pending_data_state: Any = None
+        self._epoch_data_state: Any = None
+        self._precision: str | None = None
+        self._scalers: list[Any] = []
+
+    # ---- structure -------------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """Replica 0's module (every replica's copy is identical)."""
+        return self._net.replicas[0]
+
+    @property
+    def replicas(self) -> tuple[nn.Module, ...]:
+        return self._net.replicas
+
+    @property
+    def metrics(self) -> list[Any]:
+        return ([self._loss_tracker] if self._loss_tracker is not None else []) + list(self._metrics)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._net(*args, **kwargs)
+
+    def summary(self, print_fn: Any = print) -> None:
+        """Prints the top-level layers with their parameter counts, and the totals."""
+        rows = [(name, type(child).__name__, sum(p.numel() for p in child.parameters()))
+                for name, child in self.module.named_children()]
+        total = sum(p.numel() for p in self.module.parameters())
+        trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        width = max([len(r[0]) + len(r[1]) + 3 for r in rows] + [30])
+        lines = [f'Model: "{self.name}" on {self.distribute_strategy.num_replicas_in_sync} replica(s)',
+                 "-" * (width + 16), f"{'Layer (type)':<{width}}{'Param #':>16}", "=" * (width + 16)]
+        lines += [f"{f'{n} ({t})':<{width}}{c:>16,}" for n, t, c in rows]
+        lines += ["=" * (width + 16), f"Total params: {total:,}", f"Trainable params: {trainable:,}",
+                  f"Non-trainable params: {total - trainable:,}"]
+        print_fn("\n".join(lines))
+
+    # ---- compile -----------------------------------------------------------------------------------
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Sequence[Any] | None = None,
+                steps_per_execution: int = 1, precision: str | None = None) -> None:
+        """Chooses the optimizer, loss and metrics. Strings mean Keras names; losses take logits."""
+        if loss is None:
+            raise ValueError("compile(loss=None): give a loss, e.g. loss=\"sparse_categorical_crossentropy\".")
+        if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
+            raise ValueError(f"compile(steps_per_execution={steps_per_execution!r}): give an integer >= 1.")
+        if precision not in (None, "fp32", "bf16", "fp16"):
+            raise ValueError(f"compile(precision={precision!r}): use None/\"fp32\", \"bf16\" or \"fp16\".")
+        devices = self.distribute_strategy.extended.worker_devices
+        if precision == "fp16" and not all(d.startswith("cuda") for d in devices):
+            raise ValueError("compile(precision=\"fp16\") needs CUDA devices (fp16 with loss scaling); on CPU use "
+                             "precision=\"bf16\".")
+        strategy = self.distribute_strategy
+        with strategy.scope():
+            self.optimizer = optimizers.get(optimizer)
+            self._mopt = strategy.mirror_optimizer(lambda params: self.optimizer.build(params), self._net)
+            self._loss = losses.get(loss)
+            loss_name = getattr(self._loss, "name", None)
+            self._metrics = [metrics_lib.get(m, loss_name=loss_name) for m in (metrics or [])]
+            self._loss_tracker = metrics_lib.Mean(name="loss")
+        self._steps_per_execution = steps_per_execution
+        self._precision = None if precision == "fp32" else precision
+        self._scalers = [torch.amp.GradScaler("cuda") for _ in devices] if precision == "fp16" else []
+        self._compile_config = {"optimizer": self.optimizer.get_config(), "loss": loss if isinstance(loss, str) else
+                                loss_name, "metrics": [m if isinstance(m, str) else getattr(m, "name", None)
+                                                       for m in (metrics or [])], "precision": precision}
+        self._compiled = True
+
+    def _require_compiled(self, what: str) -> None:
+        if not self._compiled:
+            raise RuntimeError(f"Model.{what}() needs compile() first: model.compile(optimizer=..., loss=...).")
+
+    def _autocast(self, device: torch.device) -> Any:
+        if self._precision is None:
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self._precision == "bf16" else torch.float16
+        return torch.autocast(device_type=device.type, dtype=dtype)
+
+    # ---- one replica's steps (replica context) ----------------------------------------------------
+    def _forward(self, net: nn.Module, x: Any) -> Tensor:
+        x = _nchw(x)
+        device = next((p.device for p in net.parameters()), torch.device("cpu"))
+        with self._autocast(device):
+            out = net(x)
+        return out.float() if isinstance(out, Tensor) and out.dtype in (torch.bfloat16, torch.float16) else out
+
+    def _update_metrics(self, y: Any, logits: Tensor, per_example: Tensor, sample_weight: Any) -> None:
+        self._loss_tracker.update_state(per_example.detach())
+        for m in self._metrics:
+            m.update_state(y, logits.detach(), sample_weight)
+
+    def _train_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
+        ctx = md.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+        net = self._net.replicas[rid]
+        opt = self._mopt
+        scaler = self._scalers[rid] if self._scalers else None
+        for (x, y, sw), count in zip(batches, global_counts):
+            # An empty part (a short last batch) still joins the gradient all-reduce; with SyncBatchNorm
+            # it must also run forward, whose statistics all-reduce every replica joins.
+            if _rows(x) or self._sync_bn:
+                logits = self._forward(net, x)
+                per_example = self._loss.per_example(y, logits)
+                if sw is not None:
+                    per_example = per_example * sw
+                loss = per_example.sum() / count + self._regularization(net, ctx.num_replicas_in_sync)
+                (scaler.scale(loss) if scaler else loss).backward()
+                if _rows(x):
+                    with torch.no_grad():
+                        self._update_metrics(y, logits, per_example, sw)
+            opt.reduce_gradients()
+            if scaler is not None:
+                scaler.step(opt.optimizer)
+                scaler.update()
+            else:
+                opt.optimizer.step()
+            opt.optimizer.zero_grad(set_to_none=True)
+            self._sync_buffers(ctx, net)
+
+    @staticmethod
+    def _regularization(net: nn.Module, num_replicas: int) -> Tensor | float:
+        """A module's `regularization_loss()` (if it has one), divided by the replica count as TF does."""
+        fn = getattr(net, "regularization_loss", None)
+        return fn() / num_replicas if callable(fn) else 0.0
+
+    @staticmethod
+    def _sync_buffers(ctx: Any, net: nn.Module) -> None:
+        """Averages floating-point buffers (BatchNorm running statistics) across replicas, as TF's
+        MEAN-aggregated moving averages do, so the replicas stay identical."""
+        if ctx.num_replicas_in_sync == 1:
+            return
+        bufs = [b for b in net.buffers() if b.is_floating_point()]
+        if bufs:
+            for b, avg in zip(bufs, ctx.all_reduce(md.ReduceOp.MEAN, bufs)):
+                b.copy_(avg)
+
+    def _test_replica(self, batches: list[tuple[Any, Any, Any]]) -> None:
+        rid = md.get_replica_context().replica_id_in_sync_group
+        net = self._net.replicas[rid]
+        with torch.no_grad():
+            for x, y, sw in batches:
+                if _rows(x):
+                    logits = self._forward(net, x)
+                    per_example = self._loss.per_example(y, logits)
+                    if sw is not None:
+                        per_example = per_example * sw
+                    self._update_metrics(y, logits, per_example, sw)
+
+    def _predict_replica(self, x: Any) -> Tensor:
+        net = self._net.replicas[md.get_replica_context().replica_id_in_sync_group]
+        with torch.no_grad():
+            if not _rows(x):
+                probe = next(iter(net.parameters()))
+                return torch.empty((0,), device=probe.device)
+            return self._forward(net, x)
+
+    # ---- data -----------------------------------------------------------------------------------------
+    def _as_dataset(self, x: Any, y: Any, batch_size: int | None, sample_weight: Any, shuffle: bool,
+                    where: str) -> Iterable[Any]:
+        from mirrored.data import Dataset
+
+        if x is None:
+            raise ValueError(f"Model.{where}: no data given (x=None).")
+        if isinstance(x, (np.ndarray, Tensor)):
+            n = len(x)
+            if batch_size is None:
+                batch_size = 32 * self.distribute_strategy.num_replicas_in_sync
+                logger.info("%s: batch_size not given; using %d (32 per replica)", where, batch_size)
+            parts = tuple(p for p in (x, y, sample_weight) if p is not None)
+            for p in parts:
+                if len(p) != n:
+                    raise ValueError(f"Model.{where}: x has {n} rows but another array has {len(p)}; "
+                                     "x, y and sample_weight must have one row per example.")
+            ds = Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
+            if shuffle:
+                ds = ds.shuffle(n)
+            return ds.batch(batch_size)
+        if y is not None:
+            raise ValueError(f"Model.{where}: y= is only for arrays; a dataset yields (x, y) pairs itself.")
+        if batch_size is not None:
+            raise ValueError(f"Model.{where}: batch_size= is only for arrays; a dataset is batched already "
+                             "(by the GLOBAL batch size).")
+        if not isinstance(x, Iterable) or isinstance(x, Iterator):
+            raise TypeError(f"Model.{where}: expected an mr.data.Dataset of GLOBAL batches (or arrays with "
+                            f"batch_size=); got {type(x).__name__}.")
+        return x
+
+    def _batches(self, dist: Iterable[Any], steps: int | None, skip: int = 0) -> Iterator[list[tuple[Any, int]]]:
+        """Groups of `steps_per_execution` (x, y, sw) distributed batches with their global sizes."""
+        group: list[tuple[Any, int]] = []
+        taken = 0
+        for i, batch in enumerate(dist):
+            if steps is not None and taken >= steps:
+                break
+            taken += 1
+            if i < skip:
+                continue
+            x, y, sw = _unpack(batch)
+            group.append(((x, y, sw), _global_rows(x)))
+            if len(group) == self._steps_per_execution:
+                yield group
+                group = []
+        if group:
+            yield group
+
+    # ---- fit / evaluate / predict ------------------------------------------------------------------------
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            verbose: Any = "auto", callbacks: Sequence[Any] | None = None, validation_data: Any = None,
+            shuffle: bool = True, sample_weight: Any = None, initial_epoch: int = 0,
+            steps_per_epoch: int | None = None, validation_steps: int | None = None,
+            validation_freq: int = 1) -> Any:
+        """Trains for `epochs` epochs over a dataset of GLOBAL batches (or arrays with batch_size)."""
+        self._require_compiled("fit")
+        dataset = self._as_dataset(x, y, batch_size, sample_weight, shuffle, "fit")
+        val = None
+        if validation_data is not None:
+            if isinstance(validation_data, tuple) and len(validation_data) in (2, 3):
+                vx, vy, *vsw = validation_data
+                val = self._as_dataset(vx, vy, batch_size, vsw[0] if vsw else None, False, "fit(validation_data)")
+            else:
+                val = self._as_dataset(validation_data, None, None, None, False, "fit(validation_data)")
+        strategy = self.distribute_strategy
+        dist = strategy.experimental_distribute_dataset(dataset)
+        steps = steps_per_epoch if steps_per_epoch is not None else _len_or_none(dataset)
+        verbose = 1 if verbose == "auto" else verbose
+        cbs = callbacks_lib.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=self,
+                                         verbose=verbose, epochs=epochs, steps=steps)
+        self.stop_training = False
+        self._resume_at = None
+        cbs.on_train_begin()
+        start_epoch, skip = initial_epoch, 0
+        if self._resume_at is not None:
+            start_epoch, skip = self._resume_at
+        for m in self._net.replicas:
+            m.train()
+        epoch_logs: dict[str, float] = {}
+        for epoch in range(start_epoch, epochs):
+            self.reset_metrics()
+            if self._pending_data_state is not None and hasattr(dataset, "set_state"):
+                dataset.set_state(self._pending_data_state)
+                self._pending_data_state = None
+            self._epoch_data_state = dataset.get_state() if hasattr(dataset, "get_state") else None
+            self._epoch, self._step_in_epoch = epoch, skip
+            cbs.on_epoch_begin(epoch)
+            logs: dict[str, float] = {}
+            step = skip
+            for group in self._batches(dist, steps, skip=skip):
+                cbs.on_train_batch_begin(step)
+                strategy.run(self._train_replica, args=([b for b, _ in group], [n for _, n in group]))
+                step += len(group)
+                self._step_in_epoch = step
+                logs = self._logs()
+                cbs.on_train_batch_end(step - 1, {**logs, "num_examples": sum(n for _, n in group)})
+                if self.stop_training:
+                    break
+            skip = 0
+            epoch_logs = dict(logs) if logs else self._logs()
+            if val is not None and (epoch + 1) % validation_freq == 0 and not self.stop_training:
+                val_logs = self._evaluate(val, validation_steps, None)
+                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                for m in self._net.replicas:
+                    m.train()
+            cbs.on_epoch_end(epoch, epoch_logs)
+            if self.stop_training:
+                break
+        cbs.on_train_end(epoch_logs)
+        return self.history
+
+    def _evaluate(self, dataset: Iterable[Any], steps: int | None, cbs: Any) -> dict[str, float]:
+        strategy = self.distribute_strategy
+        for m in self._net.replicas:
+            m.eval()
+        self.reset_metrics()
+        if cbs is not None:
+            cbs.on_test_begin()
+        for i, group in enumerate(self._batches(strategy.experimental_distribute_dataset(dataset), steps)):
+            if cbs is not None:
+                cbs.on_test_batch_begin(i)
+            strategy.run(self._test_replica, args=([b for b, _ in group],))
+            if cbs is not None:
+                cbs.on_test_batch_end(i, self._logs())
+        logs = self._logs()
+        if cbs is not None:
+            cbs.on_test_end(logs)
+        return logs
+
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: Any = "auto",
+                 sample_weight: Any = None, steps: int | None = None, callbacks: Sequence[Any] | None = None,
+                 return_dict: bool = False) -> Any:
+        """Loss and metrics over a dataset: a list [loss, *metrics], or a dict with return_dict=True."""
+        self._require_compiled("evaluate")
+        dataset = self._as_dataset(x, y, batch_size, sample_weight, False, "evaluate")
+        cbs = callbacks_lib.CallbackList(callbacks, add_history=False, add_progbar=False, model=self,
+                                         verbose=0 if verbose == "auto" else verbose, epochs=1, steps=steps)
+        logs = self._evaluate(dataset, steps, cbs)
+        return logs if return_dict else (list(logs.values()) if len(logs) > 1 else next(iter(logs.values())))
+
+    def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto", steps: int | None = None,
+                callbacks: Sequence[Any] | None = None) -> np.ndarray:
+        """Model outputs for every input row, in input order (the uneven last batch included)."""
+        del verbose, callbacks
+        strategy = self.distribute_strategy
+        if isinstance(x, (np.ndarray, Tensor)):
+            dataset = self._as_dataset(x, None, batch_size, None, False, "predict")
+        else:
+            dataset = self._as_dataset(x, None, None, None, False, "predict")
+        for m in self._net.replicas:
+            m.eval()
+        outputs = []
+        for i, batch in enumerate(strategy.experimental_distribute_dataset(dataset)):
+            if steps is not None and i >= steps:
+                break
+            bx, _, _ = _unpack(batch)
+            result = strategy.run(self._predict_replica, args=(bx,))
+            parts = [p for p in strategy.experimental_local_results(result) if p.numel() or p.dim() > 1]
+            outputs.append(torch.cat([p.detach().cpu() for p in parts], dim=0).numpy())
+        if not outputs:
+            raise ValueError("Model.predict: the dataset yielded no batches.")
+        return np.concatenate(outputs, axis=0)
+
+    # ---- metrics -----------------------------------------------------------------------------------
+    def reset_metrics(self) -> None:
+        for m in self.metrics:
+            m.reset_state()
+
+    def _logs(self) -> dict[str, float]:
+        return {m.name: float(m.result()) for m in self.metrics}
+
+    # ---- weights and checkpoints ------------------------------------------------------------------
+    def get_weights(self) -> list[np.ndarray]:
+        """The state_dict's tensors (parameters and buffers) as numpy arrays, in state_dict order."""
+        return [t.detach().cpu().numpy().copy() for t in self.module.state_dict().values()]
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Sets every replica's state_dict from a list in get_weights() order."""
+        keys = list(self.module.state_dict().keys())
+        if len(weights) != len(keys):
+            raise ValueError(f"set_weights: got {len(weights)} arrays but the model's state_dict has {len(keys)} "
+                             "entries; pass the list get_weights() returns.")
+        state = {}
+        for k, (key, w) in enumerate(zip(keys, weights)):
+            t = torch.as_tensor(np.asarray(w))
+            ref = self.module.state_dict()[key]
+            if tuple(t.shape) != tuple(ref.shape):
+                raise ValueError(f"set_weights: weight {k} ({key}) has shape {tuple(t.shape)}, expected "
+                                 f"{tuple(ref.shape)}.")
+            state[key] = t.to(ref.dtype)
+        self._net.load_state_dict(state)
+
+    def _state_tensors(self, with_optimizer: bool) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        tensors = {f"model/{k}": v.detach() for k, v in self.module.state_dict().items()}
+        meta: dict[str, Any] = {"format": _FORMAT, "replicas": self.distribute_strategy.num_replicas_in_sync,
+                                "model_config": getattr(self.module, "_mirrored_config", None)}
+        if with_optimizer and self._mopt is not None:
+            opt_tensors, opt_meta = checkpoint.optimizer_state_to_flat(self._mopt.state_dict())
+            tensors.update(opt_tensors)
+            meta["optimizer"] = opt_meta
+            meta["compile"] = self._compile_config
+        return tensors, meta
+
+    def save(self, path: str | Path) -> None:
+        """Weights, optimizer state and compile settings in one safetensors file, written atomically."""
+        tensors, meta = self._state_tensors(with_optimizer=True)
+        checkpoint.save_checkpoint(path, tensors, meta)
+
+    def save_weights(self, path: str | Path) -> None:
+        tensors, meta = self._state_tensors(with_optimizer=False)
+        checkpoint.save_checkpoint(path, tensors, meta)
+
+    def load_weights(self, path: str | Path) -> None:
+        """Loads the weights of a checkpoint saved on any number of replicas into every replica."""
+        self._net.load_state_dict(checkpoint.load_state_dict(path))
+
+    def _load_optimizer(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        if self._mopt is not None and "optimizer" in meta:
+            self._mopt.load_state_dict(checkpoint.optimizer_state_from_flat(tensors, meta["optimizer"]))
+
+    @classmethod
+    def load(cls, path: str | Path, module: nn.Module | None = None, compile: bool = True) -> Model:
+        """A Model from `save()`'s file. Pass `module=` (an instance of the same architecture) unless the
+        model came from `mr.models`, whose name and arguments the file records. Never unpickles."""
+        tensors, meta = checkpoint.load_checkpoint(path)
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"Model.load({str(path)!r}): not a mirrored Model file (format {meta.get('format')!r}).")
+        if module is None:
+            config = meta.get("model_config")
+            if not config:
+                raise ValueError(f"Model.load({str(path)!r}): the file does not record how to build the module "
+                                 "(it was not made by mr.models). Pass module=YourNet(...) to load the weights into.")
+            from mirrored import models
+
+            module = models.get(config["name"], **config.get("kwargs", {}))
+        model = cls(module)
+        model._net.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
+        cfg = meta.get("compile")
+        if compile and cfg and isinstance(cfg.get("loss"), str):
+            opt_cfg = dict(cfg["optimizer"])
+            name = opt_cfg.pop("name")
+            opt = optimizers.get(name.lower()) if name.lower() in ("sgd", "adam", "adamw", "rmsprop") else None
+            if opt is not None:
+                opt = optimizers.Optimizer(opt._torch_cls, opt_cfg.pop("learning_rate"), name, **opt_cfg)
+                model.compile(optimizer=opt, loss=cfg["loss"], metrics=[m for m in cfg["metrics"] if m],
+                              precision=cfg.get("precision"))
+                model._load_optimizer(tensors, meta)
+        return model
+
+    # ---- interrupted runs (BackupAndRestore) --------------------------------------------------------
+    def _save_training_state(self, path: str | Path, epoch: int, step: int) -> None:
+        """Everything a resumed fit needs to continue exactly: weights, optimizer, RNG, data order, metrics."""
+        tensors, meta = self._state_tensors(with_optimizer=True)
+        rng_tensors, rng_meta = checkpoint.capture_rng_state()
+        tensors.update({f"rng/{k}": v for k, v in rng_tensors.items()})
+        for i, m in enumerate(self.metrics):
+            for j, var in enumerate(getattr(m, "variables", [])):
+                for r, t in enumerate(var.values):
+                    tensors[f"metrics/{i}/{j}/{r}"] = t.detach()
+        meta.update({"epoch": int(epoch), "step": int(step), "rng": rng_meta, "data_state": self._epoch_data_state})
+        checkpoint.save_checkpoint(path, tensors, meta)
+
+    def _restore_training_state(self, path: str | Path) -> tuple[int, int]:
+        tensors, meta = checkpoint.load_checkpoint(path)
+        self._net.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
+        self._load_optimizer(tensors, meta)
+        checkpoint.restore_rng_state({k[len("rng/"):]: v for k, v in tensors.items() if k.startswith("rng/")},
+                                     meta["rng"])
+        self._pending_data_state = meta.get("data_state")
+        if meta.get("replicas") == self.distribute_strategy.num_replicas_in_sync:
+            for i, m in enumerate(self.metrics):
+                for j, var in enumerate(getattr(m, "variables", [])):
+                    for r, t in enumerate(var.values):
+                        key = f"metrics/{i}/{j}/{r}"
+                        if key in tensors:
+                            with torch.no_grad():
+                                t.copy_(tensors[key])
+        return int(meta["epoch"]), int(meta["step"])
+
+    def __repr__(self) -> str:
+        return f"Model({self.name}, replicas={self.distribute_strategy.num_replicas_in_sync})"
+
+
+def _rows(x: Any) -> int:
+    leaf = md.values.flatten(x)[0]
+    return len(leaf)
+
+
+def _global_rows(x: Any) -> int:
+    leaf = md.values.flatten(x)[0]
+    if isinstance(leaf, md.PerReplica):
+        return sum(len(v) for v in leaf.values)
+    return len(leaf)
+
+
+def _len_or_none(dataset: Any) -> int | None:
+    try:
+        n = len(dataset)
+    except TypeError:
+        return None
+    return n if n >= 0 else None
