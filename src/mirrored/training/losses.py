@@ -1,0 +1,583 @@
+"""Losses with Keras names and PyTorch conventions, plus the distributed averaging helpers.
+
+Models return logits, so every crossentropy here defaults to `from_logits=True`. A loss object's
+`__call__(y_true, y_pred, sample_weight=None)` returns the reduced loss (Keras's reductions);
+`per_example(y_true, y_pred)` returns one loss per example for a distributed loop, which sums and
+divides by the GLOBAL batch size itself: `compute_average_loss` (tf.nn.compute_average_loss).
+`get(identifier)` turns a name, a loss object, a torch.nn loss module or a function into a loss.
+
+Uses torch only; the replica context (for the replica count and the replica id in errors) is
+looked up at call time in mirrored.distribute.context when that module is loaded, so this module
+never imports mirrored.distribute.
+"""
+from __future__ import annotations
+
+import copy
+import re
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "BinaryCrossentropy",
+    "CategoricalCrossentropy",
+    "Loss",
+    "LossFunctionWrapper",
+    "MeanAbsoluteError",
+    "MeanSquaredError",
+    "SparseCategoricalCrossentropy",
+    "TorchLossWrapper",
+    "binary_crossentropy",
+    "categorical_crossentropy",
+    "compute_average_loss",
+    "get",
+    "mean_absolute_error",
+    "mean_squared_error",
+    "scale_regularization_loss",
+    "sparse_categorical_crossentropy",
+]
+
+_EPSILON = 1e-7  # Keras's backend epsilon: probabilities are clipped to [eps, 1 - eps] before log
+_PROBABILITY_ROW_SUM_ATOL = 1e-3  # rows of softmax output sum to 1 up to float error
+# Softmax outputs show from the first batch on; after this many calls a loss object stops checking,
+# so a long run pays nothing for the warning.
+_PROBABILITY_CHECK_CALLS = 10
+_REDUCTIONS = ("sum_over_batch_size", "sum", "none")
+
+
+# ---------------------------------------------------------------------------------------------
+# Replica context, looked up lazily.
+
+def _context_module() -> Any:
+    """mirrored.distribute.context if something has imported it, else None. No strategy can exist
+    before that module is loaded, so looking it up (instead of importing it) is enough, and it keeps
+    this module usable without mirrored.distribute."""
+    return sys.modules.get("mirrored.distribute.context")
+
+
+def _replica_context() -> Any:
+    """The calling replica's ReplicaContext inside `strategy.run`; None outside any strategy and in
+    cross-replica context."""
+    context = _context_module()
+    if context is None or not context.has_strategy():
+        return None
+    return context.get_replica_context()
+
+
+def _in_cross_replica_context() -> bool:
+    context = _context_module()
+    return context is not None and context.has_strategy() and context.in_cross_replica_context()
+
+
+def _num_replicas_in_sync(what: str) -> int:
+    if _in_cross_replica_context():
+        raise RuntimeError(
+            f"{what} was called in cross-replica context (inside `with strategy.scope():` but outside "
+            "strategy.run), where there is no per-replica batch. Call it inside the function given to "
+            "strategy.run, or pass global_batch_size=."
+        )
+    ctx = _replica_context()
+    return 1 if ctx is None else int(ctx.num_replicas_in_sync)
+
+
+# ---------------------------------------------------------------------------------------------
+# Averaging across replicas.
+
+def _weighted(losses: Tensor, sample_weight: Tensor | float | None, what: str) -> Tensor:
+    if sample_weight is None:
+        return losses
+    return losses * _broadcast_sample_weight(sample_weight, losses, what)
+
+
+def _broadcast_sample_weight(sample_weight: Tensor | float, values: Tensor, what: str) -> Tensor:
+    """Weights of shape (B,) or (B, ...) aligned on the leading (batch) dims of `values`, as Keras does;
+    a (B, 1) weight also applies to (B,) values."""
+    weight = torch.as_tensor(sample_weight, device=values.device)
+    if not weight.is_floating_point():
+        weight = weight.to(values.dtype if values.is_floating_point() else torch.float32)
+    elif values.is_floating_point():
+        weight = weight.to(values.dtype)
+    if weight.ndim == values.ndim + 1 and weight.shape[-1] == 1:
+        weight = weight.squeeze(-1)
+    if 0 < weight.ndim < values.ndim:
+        weight = weight.reshape(weight.shape + (1,) * (values.ndim - weight.ndim))
+    try:
+        return torch.broadcast_to(weight, values.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{what}: sample_weight of shape {tuple(weight.shape)} does not fit values of shape "
+            f"{tuple(values.shape)}. Give one weight per example (shape (batch,)) or one per value."
+        ) from None
+
+
+def compute_average_loss(
+    per_example_loss: Tensor,
+    sample_weight: Tensor | float | None = None,
+    global_batch_size: int | None = None,
+) -> Tensor:
+    """Sum of (weighted) per-example losses / GLOBAL batch size, so gradients summed across replicas
+    equal the single-device gradient. Same as tf.nn.compute_average_loss.
+
+    Args:
+      per_example_loss: losses of shape (per_replica_batch, ...), e.g. from `per_example`.
+      sample_weight: optional weights, broadcast over the leading dims of per_example_loss.
+      global_batch_size: the batch size over all replicas. If None: per_replica_batch *
+        num_replicas_in_sync, which is only right when the global batch splits evenly; a short final
+        batch (10 over 3 replicas -> 4, 4, 2) needs the true size passed here.
+    """
+    if not isinstance(per_example_loss, Tensor):
+        raise TypeError(f"compute_average_loss: per_example_loss must be a torch.Tensor, got "
+                        f"{type(per_example_loss).__name__}.")
+    if per_example_loss.ndim == 0:
+        raise ValueError(
+            "compute_average_loss: per_example_loss is a scalar, so it was already reduced. Pass one loss "
+            "per example: loss_obj.per_example(y_true, y_pred), or F.cross_entropy(..., reduction='none')."
+        )
+    losses = _weighted(per_example_loss, sample_weight, "compute_average_loss")
+    if global_batch_size is None:
+        global_batch_size = losses.shape[0] * _num_replicas_in_sync("compute_average_loss")
+        if global_batch_size == 0:  # this replica's part of a short batch is empty: it adds nothing
+            return losses.sum()
+    else:
+        _check_global_batch_size(global_batch_size)
+    return losses.sum() / global_batch_size
+
+
+def _check_global_batch_size(global_batch_size: Any) -> None:
+    if isinstance(global_batch_size, Tensor) and global_batch_size.ndim == 0 \
+            and not global_batch_size.is_floating_point():
+        global_batch_size = int(global_batch_size)
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
+        raise TypeError(f"compute_average_loss: global_batch_size must be an int, got "
+                        f"{global_batch_size!r} ({type(global_batch_size).__name__}).")
+    if global_batch_size <= 0:
+        raise ValueError(f"compute_average_loss: global_batch_size={global_batch_size} must be positive: "
+                         "the number of examples in one step over all replicas.")
+
+
+def scale_regularization_loss(regularization_loss: Tensor | Sequence[Tensor]) -> Tensor:
+    """Sum of the regularization losses / num_replicas_in_sync, so that summing across replicas
+    counts them once. Same as tf.nn.scale_regularization_loss."""
+    if isinstance(regularization_loss, Tensor):
+        total = regularization_loss.sum()
+    elif isinstance(regularization_loss, Sequence) and regularization_loss:
+        total = torch.stack([torch.as_tensor(r).sum() for r in regularization_loss]).sum()
+    else:
+        raise TypeError("scale_regularization_loss: expected a tensor or a non-empty list of tensors, got "
+                        f"{regularization_loss!r}.")
+    return total / _num_replicas_in_sync("scale_regularization_loss")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks at the boundary.
+
+def _shape(t: Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def _check_tensors(what: str, y_true: Any, y_pred: Any) -> tuple[Tensor, Tensor]:
+    if not isinstance(y_pred, Tensor):
+        raise TypeError(f"{what}: y_pred must be a torch.Tensor (the model's output), got {type(y_pred).__name__}.")
+    if not y_pred.is_floating_point():
+        raise TypeError(f"{what}: y_pred has dtype {y_pred.dtype}; predictions must be floating point.")
+    return torch.as_tensor(y_true, device=y_pred.device), y_pred  # labels follow the logits' device
+
+
+def _match_rank(what: str, y_true: Tensor, y_pred: Tensor) -> tuple[Tensor, Tensor]:
+    """Same shapes, allowing (B,) against (B, 1) as Keras does; anything else is an error instead of a
+    silent (B, B) broadcast."""
+    if y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
+        y_true = y_true.squeeze(-1)
+    elif y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
+        y_pred = y_pred.squeeze(-1)
+    if y_true.shape != y_pred.shape:
+        raise ValueError(f"{what}: y_true has shape {_shape(y_true)} but y_pred has shape {_shape(y_pred)}; "
+                         "they must match (a trailing dim of 1 on either side is allowed).")
+    return y_true, y_pred
+
+
+def _looks_like_probabilities(y_pred: Tensor, axis: int | None) -> bool:
+    """With a class axis: every value in [0, 1] and every row summing to 1 (softmax output). Without:
+    every value strictly inside (0, 1) (sigmoid output), so that the all-zero logits of a zero-initialised
+    head do not count. One device sync."""
+    if y_pred.numel() == 0:
+        return False
+    lo, hi = torch.aminmax(y_pred.detach())
+    if axis is None:
+        return bool((lo > 0) & (hi < 1))
+    row_sums = y_pred.detach().sum(dim=axis)
+    return bool((lo >= 0) & (hi <= 1) & ((row_sums - 1).abs() <= _PROBABILITY_ROW_SUM_ATOL).all())
+
+
+def _check_labels_in_range(what: str, labels: Tensor, logits: Tensor, num_classes: int,
+                           ignore_class: int | None) -> None:
+    """Labels must be class ids in [0, num_classes). One aminmax and one device sync per call; the
+    loop over examples runs only on the error path. (On GPU this sync per step could become an
+    asynchronous device-side assert later; F.cross_entropy's own check kills the CUDA context.)"""
+    if labels.numel() == 0:
+        return
+    checked = labels
+    if ignore_class is not None:  # a masked select would sync on its size; zero the ignored ones instead
+        checked = torch.where(labels == ignore_class, torch.zeros_like(labels), labels)
+    lo, hi = torch.stack(torch.aminmax(checked)).tolist()
+    if lo >= 0 and hi < num_classes:
+        return
+    bad = ((labels < 0) | (labels >= num_classes))
+    if ignore_class is not None:
+        bad &= labels != ignore_class
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    label = int(labels[index])
+    where = f"example {index[0]}" if len(index) == 1 else f"example {index[0]}, position {index[1:]}"
+    ctx = _replica_context()
+    if ctx is not None:
+        where += f" of replica {ctx.replica_id_in_sync_group}'s batch"
+    raise ValueError(
+        f"{what}: label {label} ({where}) is outside [0, {num_classes}) for logits of shape {_shape(logits)}. "
+        f"Labels are class ids 0..{num_classes - 1}: check the dataset's num_classes and the model's num_classes=."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-example loss functions (reduction "none").
+
+def _sparse_ce(y_true: Any, y_pred: Tensor, from_logits: bool, ignore_class: int | None = None,
+               axis: int = -1, what: str = "sparse_categorical_crossentropy") -> Tensor:
+    y_true, y_pred = _check_tensors(what, y_true, y_pred)
+    if y_true.is_floating_point() or y_true.dtype == torch.bool or y_true.is_complex():
+        raise TypeError(
+            f"{what}: labels have dtype {y_true.dtype}; they must be integer class ids (e.g. torch.int64). "
+            "If they are one-hot or probabilities, use categorical_crossentropy; if they are whole numbers "
+            "stored as floats, convert them with labels.long()."
+        )
+    if y_pred.ndim == 0:
+        raise ValueError(f"{what}: y_pred is a scalar; expected logits of shape (batch, num_classes).")
+    axis = axis % y_pred.ndim
+    if y_true.ndim == y_pred.ndim and y_true.shape[axis] == 1:
+        y_true = y_true.squeeze(axis)  # Keras accepts labels of shape (B, 1)
+    expected = y_pred.shape[:axis] + y_pred.shape[axis + 1:]
+    if y_true.shape != expected:
+        raise ValueError(
+            f"{what}: labels of shape {_shape(y_true)} do not fit logits of shape {_shape(y_pred)}: expected "
+            f"labels of shape {tuple(expected)}, one class id per example (classes on axis {axis})."
+        )
+    num_classes = y_pred.shape[axis]
+    _check_labels_in_range(what, y_true, y_pred, num_classes, ignore_class)
+    y_true = y_true.long()
+    if ignore_class is not None:
+        valid = y_true != ignore_class
+        y_true = torch.where(valid, y_true, torch.zeros_like(y_true))
+    log_probs = _log_probs(y_pred, from_logits, axis)
+    losses = -log_probs.gather(axis, y_true.unsqueeze(axis)).squeeze(axis)
+    if ignore_class is not None:
+        losses = torch.where(valid, losses, torch.zeros_like(losses))
+    return losses
+
+
+def _log_probs(y_pred: Tensor, from_logits: bool, axis: int) -> Tensor:
+    if from_logits:
+        return F.log_softmax(y_pred, dim=axis)
+    # Keras normalises probability rows and clips them away from 0 and 1 before the log.
+    probs = y_pred / y_pred.sum(dim=axis, keepdim=True)
+    return probs.clamp(_EPSILON, 1 - _EPSILON).log()
+
+
+def sparse_categorical_crossentropy(y_true: Any, y_pred: Tensor, from_logits: bool = True,
+                                    ignore_class: int | None = None, axis: int = -1) -> Tensor:
+    """Per-example crossentropy between integer class ids and logits (or probabilities).
+
+    Labels of shape y_pred.shape without `axis` (a trailing 1 is allowed); labels equal to
+    ignore_class get loss 0. Raises ValueError for labels outside [0, num_classes)."""
+    return _sparse_ce(y_true, y_pred, from_logits, ignore_class, axis)
+
+
+def categorical_crossentropy(y_true: Any, y_pred: Tensor, from_logits: bool = True,
+                             label_smoothing: float = 0.0, axis: int = -1) -> Tensor:
+    """Per-example crossentropy between one-hot (or soft) labels and logits (or probabilities)."""
+    what = "categorical_crossentropy"
+    y_true, y_pred = _check_tensors(what, y_true, y_pred)
+    if y_true.shape != y_pred.shape:
+        hint = " Integer class ids need sparse_categorical_crossentropy." if y_true.ndim == y_pred.ndim - 1 else ""
+        raise ValueError(f"{what}: y_true has shape {_shape(y_true)} but y_pred has shape {_shape(y_pred)}; "
+                         f"one-hot labels must have the logits' shape.{hint}")
+    y_true = y_true.to(y_pred.dtype)
+    if label_smoothing:
+        y_true = y_true * (1 - label_smoothing) + label_smoothing / y_pred.shape[axis]
+    return -(y_true * _log_probs(y_pred, from_logits, axis)).sum(dim=axis)
+
+
+def _mean_last_axis(values: Tensor) -> Tensor:
+    """Keras averages over the last axis; 1-D inputs hold one value per example, so stay as they are."""
+    return values.mean(dim=-1) if values.ndim >= 2 else values
+
+
+def binary_crossentropy(y_true: Any, y_pred: Tensor, from_logits: bool = True,
+                        label_smoothing: float = 0.0) -> Tensor:
+    """Per-example binary crossentropy (mean over the last axis when y_pred has rank >= 2)."""
+    what = "binary_crossentropy"
+    y_true, y_pred = _check_tensors(what, y_true, y_pred)
+    y_true, y_pred = _match_rank(what, y_true, y_pred)
+    y_true = y_true.to(y_pred.dtype)
+    if label_smoothing:
+        y_true = y_true * (1 - label_smoothing) + 0.5 * label_smoothing
+    if from_logits:
+        values = F.binary_cross_entropy_with_logits(y_pred, y_true, reduction="none")
+    else:
+        p = y_pred.clamp(_EPSILON, 1 - _EPSILON)
+        values = -(y_true * p.log() + (1 - y_true) * (1 - p).log())
+    return _mean_last_axis(values)
+
+
+def mean_squared_error(y_true: Any, y_pred: Tensor) -> Tensor:
+    """Per-example mean squared error (mean over the last axis when y_pred has rank >= 2)."""
+    y_true, y_pred = _match_rank("mean_squared_error", *_check_tensors("mean_squared_error", y_true, y_pred))
+    return _mean_last_axis((y_pred - y_true.to(y_pred.dtype)).square())
+
+
+def mean_absolute_error(y_true: Any, y_pred: Tensor) -> Tensor:
+    """Per-example mean absolute error (mean over the last axis when y_pred has rank >= 2)."""
+    y_true, y_pred = _match_rank("mean_absolute_error", *_check_tensors("mean_absolute_error", y_true, y_pred))
+    return _mean_last_axis((y_pred - y_true.to(y_pred.dtype)).abs())
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss objects.
+
+class Loss:
+    """Base class: subclasses implement `_per_example`; `__call__` applies sample weights and the
+    reduction: "sum_over_batch_size" (sum / number of loss values), "sum", or "none"."""
+
+    _probability_axis: int | None = None  # class axis for the probability check; None: no check
+
+    def __init__(self, name: str, reduction: str = "sum_over_batch_size", from_logits: bool = False):
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"{type(self).__name__}(reduction={reduction!r}): expected one of {list(_REDUCTIONS)}.")
+        self.name = name
+        self.reduction = reduction
+        self.from_logits = from_logits
+        self._checks_left = _PROBABILITY_CHECK_CALLS if from_logits else 0
+
+    def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _checked(self, y_true: Any, y_pred: Tensor) -> tuple[Tensor, str | None]:
+        losses = self._per_example(y_true, y_pred)
+        warning = None
+        # Racy across replica threads by design: at worst a second replica checks once more.
+        if self._checks_left > 0:
+            self._checks_left -= 1
+            if _looks_like_probabilities(y_pred, self._probability_axis):
+                self._checks_left = 0
+                looks = ("all values in [0, 1] and rows summing to 1" if self._probability_axis is not None
+                         else "all values inside (0, 1)")
+                warning = (
+                    f"{self.name}: y_pred looks like probabilities ({looks}) but from_logits=True. Models here "
+                    "return logits: drop the final softmax/sigmoid, or pass from_logits=False."
+                )
+        return losses, warning
+
+    def per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
+        """One loss per example (reduction "none"), unweighted; for compute_average_loss."""
+        losses, warning = self._checked(y_true, y_pred)
+        if warning:
+            warnings.warn(warning, UserWarning, stacklevel=2)
+        return losses
+
+    def __call__(self, y_true: Any, y_pred: Tensor, sample_weight: Tensor | float | None = None) -> Tensor:
+        """The loss reduced with `self.reduction`, after weighting each example by sample_weight."""
+        losses, warning = self._checked(y_true, y_pred)
+        if warning:
+            warnings.warn(warning, UserWarning, stacklevel=2)
+        losses = _weighted(losses, sample_weight, self.name)
+        if self.reduction == "none":
+            return losses
+        if self.reduction == "sum":
+            return losses.sum()
+        return losses.sum() / self._denominator(y_true, losses)
+
+    def _denominator(self, y_true: Any, losses: Tensor) -> int | Tensor:
+        """The count "sum_over_batch_size" divides by; at least 1, so an empty batch gives 0."""
+        return max(losses.numel(), 1)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, reduction={self.reduction!r})"
+
+
+class SparseCategoricalCrossentropy(Loss):
+    """Crossentropy between integer class ids and logits (from_logits=True) or probabilities.
+
+    With ignore_class, those labels get loss 0 and "sum_over_batch_size" divides by the number of other
+    labels (Keras, and torch's ignore_index). `per_example` keeps them as zeros, so the distributed
+    average still divides by the global batch size."""
+
+    _probability_axis = -1
+
+    def __init__(self, from_logits: bool = True, ignore_class: int | None = None,
+                 reduction: str = "sum_over_batch_size", name: str = "sparse_categorical_crossentropy",
+                 axis: int = -1):
+        super().__init__(name, reduction, from_logits)
+        self.ignore_class = ignore_class
+        self.axis = axis
+        self._probability_axis = axis
+
+    def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
+        return _sparse_ce(y_true, y_pred, self.from_logits, self.ignore_class, self.axis, self.name)
+
+    def _denominator(self, y_true: Any, losses: Tensor) -> int | Tensor:
+        if self.ignore_class is None:
+            return max(losses.numel(), 1)
+        labels = torch.as_tensor(y_true, device=losses.device).reshape(losses.shape)
+        return (labels != self.ignore_class).sum().clamp(min=1)
+
+    def __repr__(self) -> str:
+        return (f"SparseCategoricalCrossentropy(from_logits={self.from_logits}, ignore_class={self.ignore_class}, "
+                f"reduction={self.reduction!r})")
+
+
+class CategoricalCrossentropy(Loss):
+    """Crossentropy between one-hot (or soft) labels and logits; label_smoothing mixes the labels with
+    the uniform distribution."""
+
+    _probability_axis = -1
+
+    def __init__(self, from_logits: bool = True, label_smoothing: float = 0.0,
+                 reduction: str = "sum_over_batch_size", name: str = "categorical_crossentropy", axis: int = -1):
+        if not 0 <= label_smoothing <= 1:
+            raise ValueError(f"CategoricalCrossentropy(label_smoothing={label_smoothing}): must be in [0, 1].")
+        super().__init__(name, reduction, from_logits)
+        self.label_smoothing = label_smoothing
+        self.axis = axis
+        self._probability_axis = axis
+
+    def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
+        return categorical_crossentropy(y_true, y_pred, self.from_logits, self.label_smoothing, self.axis)
+
+    def __repr__(self) -> str:
+        return (f"CategoricalCrossentropy(from_logits={self.from_logits}, label_smoothing={self.label_smoothing}, "
+                f"reduction={self.reduction!r})")
+
+
+class BinaryCrossentropy(Loss):
+    """Binary crossentropy between 0/1 labels and logits (from_logits=True) or probabilities."""
+
+    def __init__(self, from_logits: bool = True, label_smoothing: float = 0.0,
+                 reduction: str = "sum_over_batch_size", name: str = "binary_crossentropy"):
+        if not 0 <= label_smoothing <= 1:
+            raise ValueError(f"BinaryCrossentropy(label_smoothing={label_smoothing}): must be in [0, 1].")
+        super().__init__(name, reduction, from_logits)
+        self.label_smoothing = label_smoothing
+
+    def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
+        return binary_crossentropy(y_true, y_pred, self.from_logits, self.label_smoothing)
+
+    def __repr__(self) -> str:
+        return (f"BinaryCrossentropy(from_logits={self.from_logits}, label_smoothing={self.label_smoothing}, "
+                f"reduction={self.reduction!r})")
+
+
+class MeanSquaredError(Loss):
+    """Mean of squared differences over the last axis, per example."""
+
+    def __init__(self, reduction: str = "sum_over_batch_size", name: str = "mean_squared_error"):
+        super().__init__(name, reduction)
+
+    def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
+        return mean_squared_error(y_true, y_pred)
+
+
+class MeanAbsoluteError(Loss):
+    """Mean of absolute differences over the last axis, per example."""
+
+    def __init__(self, reduction: str = "sum_over_batch_size", name: str = "mean_absolute_error"):
+        super().__init__(name, reduction)
+
+    def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
+        return mean_absolute_error(y_true, y_pred)
+
+
+class LossFunctionWrapper(Loss):
+    """A function fn(y_true, y_pred) -> per-example losses, as a loss object."""
+
+    def __init__(self, fn: Callable[[Any, Tensor], Tensor], reduction: str = "sum_over_batch_size",
+                 name: str | None = None):
+        super().__init__(name or getattr(fn, "__name__", type(fn).__name__), reduction)
+        self.fn = fn
+
+    def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
+        losses = self.fn(y_true, y_pred)
+        if not isinstance(losses, Tensor) or losses.ndim == 0:
+            got = "a scalar" if isinstance(losses, Tensor) else type(losses).__name__
+            raise ValueError(f"loss function {self.name!r} returned {got}; a loss function must return one loss "
+                             "per example (shape (batch, ...)).")
+        return losses
+
+
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+
+
+class TorchLossWrapper(Loss):
+    """A torch.nn loss module (nn.CrossEntropyLoss(), nn.MSELoss(), ...) as a loss object.
+
+    A copy of the module with reduction='none' gives the per-example losses, called in torch's order
+    module(y_pred, y_true); the original is left untouched. The reduction is then Keras's: with
+    "sum_over_batch_size" the module's weight=/ignore_index= options give sum(w_i * l_i) / batch, not
+    torch's weighted mean sum(w_i * l_i) / sum(w_i)."""
+
+    def __init__(self, module: nn.Module, reduction: str = "sum_over_batch_size", name: str | None = None):
+        super().__init__(name or _snake_case(type(module).__name__), reduction)
+        self.module = copy.copy(module)  # shallow: shares weight= tensors, owns its reduction
+        self.module.reduction = "none"
+
+    def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
+        if isinstance(self.module, (nn.CrossEntropyLoss, nn.NLLLoss)) and isinstance(y_true, Tensor) \
+                and not y_true.is_floating_point() and y_pred.ndim >= 2:
+            # torch's own check raises an IndexError on CPU and a device-side assert on CUDA.
+            _check_labels_in_range(self.name, y_true, y_pred, y_pred.shape[1], self.module.ignore_index)
+        return self.module(y_pred, y_true)
+
+    def __repr__(self) -> str:
+        return f"TorchLossWrapper({self.module!r}, reduction={self.reduction!r})"
+
+
+_LOSSES: dict[str, type[Loss]] = {
+    "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+    "categorical_crossentropy": CategoricalCrossentropy,
+    "binary_crossentropy": BinaryCrossentropy,
+    "mean_squared_error": MeanSquaredError,
+    "mse": MeanSquaredError,
+    "mean_absolute_error": MeanAbsoluteError,
+    "mae": MeanAbsoluteError,
+}
+
+
+def get(identifier: str | Loss | nn.Module | Callable[[Any, Tensor], Tensor]) -> Loss:
+    """A loss object from a name in _LOSSES (crossentropies with from_logits=True), a Loss (returned
+    as is), a torch.nn loss module (wrapped, see TorchLossWrapper), or a function
+    fn(y_true, y_pred) -> per-example losses."""
+    if isinstance(identifier, Loss):
+        return identifier
+    if isinstance(identifier, str):
+        try:
+            return _LOSSES[identifier.lower()]()
+        except KeyError:
+            raise ValueError(f"unknown loss {identifier!r}. Known names: {', '.join(_LOSSES)}; or pass a loss "
+                             "object, a torch.nn loss module, or a function(y_true, y_pred).") from None
+    if isinstance(identifier, nn.Module):
+        if not hasattr(identifier, "reduction"):
+            raise TypeError(
+                f"losses.get: {type(identifier).__name__} is an nn.Module without a `reduction` attribute, so its "
+                "argument order and reduction are unknown. Pass a function instead: "
+                "lambda y_true, y_pred: per-example losses."
+            )
+        return TorchLossWrapper(identifier)
+    if isinstance(identifier, type) and issubclass(identifier, Loss):
+        return identifier()
+    if callable(identifier):
+        return LossFunctionWrapper(identifier)
+    raise TypeError(f"losses.get: cannot make a loss from {identifier!r} ({type(identifier).__name__}). "
+                    f"Pass one of {', '.join(_LOSSES)}, a loss object, a torch.nn loss module, or a function.")

@@ -1,0 +1,351 @@
+"""images.py against independent numpy references and the TFDS fixture's expected pixels."""
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mirrored.data.images import (central_crop, convert_image_dtype, decode_image, decode_jpeg,
+                                  decode_png, encode_jpeg, encode_png, normalize,
+                                  pad_to_bounding_box, random_crop, random_flip_left_right,
+                                  random_flip_up_down, resize, resize_with_crop_or_pad, to_chw,
+                                  to_hwc)
+from mirrored.data.tfrecord import parse_example, read_records
+
+
+def rng_image(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding and encoding
+
+
+def test_decodes_fixture_jpegs_like_expected(fixtures_dir):
+    # The expected means come from TF's decoder, which uses libjpeg's fast integer DCT; Pillow
+    # uses the accurate one, so means differ by up to ~0.9 of a level (hence the tolerance).
+    expected = json.loads((fixtures_dir / "tfds" / "cassava_expected.json").read_text())
+    for split, rows in expected["splits"].items():
+        path = fixtures_dir / "tfds/cassava/0.1.0" / f"cassava-{split}.tfrecord-00000-of-00001"
+        for i, (record, row) in enumerate(zip(read_records(path), rows)):
+            jpeg = parse_example(record)["image"][0]
+            image = decode_image(jpeg, name=f"record {i} of {path.name}")
+            assert image.dtype == torch.uint8
+            assert list(image.shape) == row["shape"]
+            assert abs(image.double().mean().item() - row["mean"]) <= 1.0, (split, i)
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3, 4])
+def test_png_round_trip_is_exact(channels):
+    pixels = rng_image(13, 17, channels)
+    data = encode_png(torch.from_numpy(pixels))
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    decoded = decode_png(data, channels=0)
+    assert decoded.dtype == torch.uint8 and decoded.shape == (13, 17, channels)
+    np.testing.assert_array_equal(decoded.numpy(), pixels)
+    assert decoded.numpy().flags.writeable
+
+
+def test_channel_conversions_follow_pillow_modes():
+    rgba = rng_image(6, 5, 4)
+    data = encode_png(rgba)
+    np.testing.assert_array_equal(decode_image(data, 3).numpy(), rgba[..., :3])  # alpha dropped
+    gray = decode_image(data, 1).numpy()[..., 0].astype(np.float64)
+    r, g, b = (rgba[..., i].astype(np.float64) for i in range(3))
+    assert np.abs(gray - (0.299 * r + 0.587 * g + 0.114 * b)).max() <= 1.0  # ITU-R 601-2 luma
+    gray_png = encode_png(rgba[..., :1])
+    rgb = decode_image(gray_png, 3).numpy()
+    np.testing.assert_array_equal(rgb, np.repeat(rgba[..., :1], 3, axis=2))
+    assert decode_image(gray_png, 4).numpy()[..., 3].min() == 255
+
+
+def test_decodes_palette_and_16_bit_pngs():
+    palette = Image.new("P", (4, 3))
+    palette.putpalette([10, 20, 30] * 256)
+    out = io.BytesIO()
+    palette.save(out, format="PNG")
+    assert decode_image(out.getvalue(), 0).numpy().reshape(-1, 3).tolist()[0] == [10, 20, 30]
+    deep = np.array([[0, 255, 256, 65535]], dtype=np.uint16)
+    out = io.BytesIO()
+    Image.fromarray(deep).save(out, format="PNG")
+    assert decode_image(out.getvalue(), 0)[..., 0].tolist() == [[0, 0, 1, 255]]  # high byte
+
+
+def test_jpeg_round_trip_is_close():
+    y, x = np.mgrid[0:48, 0:64]
+    smooth = np.stack([x * 4, y * 5, (x + y) * 2], axis=-1).astype(np.uint8)
+    data = encode_jpeg(torch.from_numpy(smooth), quality=95)
+    assert data[:3] == b"\xff\xd8\xff"
+    decoded = decode_jpeg(data)
+    assert decoded.shape == (48, 64, 3)
+    assert np.abs(decoded.numpy().astype(int) - smooth).mean() < 2.0
+
+
+def test_bad_bytes_error_names_the_record():
+    with pytest.raises(ValueError, match=r"record 5 of cassava-train.*b'not an image"):
+        decode_image(b"not an image at all", name="record 5 of cassava-train")
+    truncated = encode_jpeg(rng_image(32, 32, 3))[:200]
+    with pytest.raises(ValueError, match="cannot decode record 1"):
+        decode_image(truncated, name="record 1")
+    with pytest.raises(ValueError, match="channels=2"):
+        decode_image(encode_png(rng_image(2, 2, 3)), channels=2)
+    with pytest.raises(TypeError, match="encoded image bytes"):
+        decode_image(np.zeros((2, 2, 3), np.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        encode_png(np.zeros((2, 2, 3), np.float32))
+    with pytest.raises(ValueError, match="1 or 3 channels"):
+        encode_jpeg(np.zeros((2, 2, 4), np.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# Resizing: references written from the definitions, with loops, in float64
+
+
+def ref_bilinear(image: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    """Half-pixel-center bilinear: source = (dst + 0.5) * in / out - 0.5, edges clamped."""
+    in_h, in_w = image.shape[:2]
+    out = np.zeros((out_h, out_w, image.shape[2]))
+    for i in range(out_h):
+        sy = max((i + 0.5) * in_h / out_h - 0.5, 0.0)
+        y0 = min(int(math.floor(sy)), in_h - 1)
+        y1, fy = min(y0 + 1, in_h - 1), sy - y0
+        for j in range(out_w):
+            sx = max((j + 0.5) * in_w / out_w - 0.5, 0.0)
+            x0 = min(int(math.floor(sx)), in_w - 1)
+            x1, fx = min(x0 + 1, in_w - 1), sx - x0
+            top = image[y0, x0] * (1 - fx) + image[y0, x1] * fx
+            bottom = image[y1, x0] * (1 - fx) + image[y1, x1] * fx
+            out[i, j] = top * (1 - fy) + bottom * fy
+    return out
+
+
+def ref_kernel_weights(in_size: int, out_size: int, kernel, radius: float,
+                       widen: bool) -> np.ndarray:
+    """Dense [out, in] weights: kernel at (p + 0.5 - center) / s, s = scale if widened, taps
+    outside the image dropped and the rest renormalized (TF's scale_and_translate rule)."""
+    scale = in_size / out_size
+    s = max(scale, 1.0) if widen else 1.0
+    weights = np.zeros((out_size, in_size))
+    for i in range(out_size):
+        center = (i + 0.5) * scale
+        for p in range(in_size):
+            distance = p + 0.5 - center
+            weights[i, p] = kernel(distance / s) if abs(distance) < radius * s else 0.0
+        weights[i] /= weights[i].sum()
+    return weights
+
+
+def keys_cubic(x: float, a: float = -0.5) -> float:
+    x = abs(x)
+    if x <= 1:
+        return (a + 2) * x**3 - (a + 3) * x**2 + 1
+    if x < 2:
+        return a * x**3 - 5 * a * x**2 + 8 * a * x - 4 * a
+    return 0.0
+
+
+def triangle(x: float) -> float:
+    return max(0.0, 1 - abs(x))
+
+
+def apply_separable(image: np.ndarray, wh: np.ndarray, ww: np.ndarray) -> np.ndarray:
+    return np.einsum("ip,jq,pqc->ijc", wh, ww, image.astype(np.float64))
+
+
+SIZES = [(7, 9), (20, 30), (5, 40), (1, 1), (13, 13)]
+
+
+def test_bilinear_matches_reference():
+    image = rng_image(13, 13, 3).astype(np.float64)
+    for out_size in SIZES:
+        got = resize(torch.from_numpy(image.astype(np.uint8)), out_size)
+        assert got.dtype == torch.float32 and got.shape == (*out_size, 3)
+        # 1e-3 on 0..255 values is 4e-6 relative: the float32 rounding of source coordinates.
+        np.testing.assert_allclose(got.numpy(), ref_bilinear(image, *out_size), atol=1e-3)
+        unit = image / 255  # in [0, 1], as after convert_image_dtype
+        got = resize(torch.from_numpy(unit.astype(np.float32)), out_size)
+        np.testing.assert_allclose(got.numpy(), ref_bilinear(unit, *out_size), atol=1e-4)
+
+
+def test_bilinear_batched_float_input():
+    batch = np.random.default_rng(1).random((3, 11, 6, 2)).astype(np.float32)
+    got = resize(torch.from_numpy(batch), (4, 15))
+    assert got.shape == (3, 4, 15, 2) and got.is_contiguous()
+    for n in range(3):
+        np.testing.assert_allclose(got[n].numpy(), ref_bilinear(batch[n].astype(np.float64), 4, 15),
+                                   atol=1e-4)
+
+
+@pytest.mark.parametrize("method, kernel, radius, antialias", [
+    ("bicubic", keys_cubic, 2.0, False),
+    ("bicubic", keys_cubic, 2.0, True),
+    ("bilinear", triangle, 1.0, True),
+])
+def test_kernel_resizes_match_reference(method, kernel, radius, antialias):
+    image = rng_image(13, 13, 3).astype(np.float64) / 255
+    for out_size in SIZES:
+        got = resize(image.astype(np.float32), out_size, method=method, antialias=antialias)
+        wh = ref_kernel_weights(13, out_size[0], kernel, radius, antialias)
+        ww = ref_kernel_weights(13, out_size[1], kernel, radius, antialias)
+        np.testing.assert_allclose(got.numpy(), apply_separable(image, wh, ww), atol=1e-4)
+
+
+@pytest.mark.parametrize("in_size, out_size", [((12, 12), (4, 6)), ((12, 10), (5, 7)),
+                                               ((5, 7), (12, 10))])
+def test_area_is_the_mean_over_covered_area(in_size, out_size):
+    # Reference: replicate each pixel out_size times, so each output covers whole blocks.
+    image = rng_image(*in_size, 2).astype(np.float64)
+    (h, w), (oh, ow) = in_size, out_size
+    fine = image.repeat(oh, axis=0).repeat(ow, axis=1)
+    expected = fine.reshape(oh, h, ow, w, 2).mean(axis=(1, 3))
+    got = resize(torch.from_numpy(image.astype(np.uint8)), out_size, method="area")
+    np.testing.assert_allclose(got.numpy(), expected, atol=1e-4)
+
+
+def test_nearest_keeps_dtype_and_matches_reference():
+    image = rng_image(5, 7, 3)
+    got = resize(image, (11, 4), method="nearest")
+    assert got.dtype == torch.uint8
+    rows = [min(int(math.floor((i + 0.5) * 5 / 11)), 4) for i in range(11)]
+    cols = [min(int(math.floor((j + 0.5) * 7 / 4)), 6) for j in range(4)]
+    np.testing.assert_array_equal(got.numpy(), image[rows][:, cols])
+
+
+def test_resize_validates_size():
+    for size in [(0, 5), (5,), (2, 3, 4), (2.5, 3), "ab", (True, 2), None]:
+        with pytest.raises(ValueError, match="size must be"):
+            resize(rng_image(4, 4, 3), size)
+
+
+def test_resize_validates_image_and_method():
+    with pytest.raises(ValueError, match="unknown method 'lanczos'"):
+        resize(rng_image(4, 4, 3), (2, 2), method="lanczos")
+    with pytest.raises(ValueError, match="HWC image or an NHWC batch"):
+        resize(rng_image(4, 4), (2, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout and dtype
+
+
+def test_convert_image_dtype_follows_tf():
+    everything = torch.arange(256, dtype=torch.uint8)
+    floats = convert_image_dtype(everything)
+    np.testing.assert_array_equal(floats.numpy(),
+                                  np.arange(256, dtype=np.float32) * np.float32(1 / 255))
+    assert floats.min() == 0 and floats.max() == 1
+    assert torch.equal(convert_image_dtype(floats, torch.uint8), everything)
+    edge = convert_image_dtype(torch.tensor([-0.2, 0.0, 0.5, 0.999, 1.0, 1.3]), torch.uint8)
+    assert edge.tolist() == [0, 0, 127, 255, 255, 255]  # x * 255.5, truncated, saturated
+    wide = convert_image_dtype(everything, torch.int32)
+    assert wide.tolist() == [v << 23 for v in range(256)]
+    assert torch.equal(convert_image_dtype(wide, torch.uint8), everything)
+    assert convert_image_dtype(floats, torch.float64).dtype == torch.float64
+    assert convert_image_dtype(floats) is floats
+    with pytest.raises(TypeError, match="unsupported dtype torch.bool"):
+        convert_image_dtype(everything, torch.bool)
+
+
+def test_layout_views():
+    image = torch.from_numpy(rng_image(4, 5, 3))
+    chw = to_chw(image)
+    assert chw.shape == (3, 4, 5) and chw.data_ptr() == image.data_ptr()
+    assert torch.equal(to_hwc(chw), image)
+    batch = torch.from_numpy(rng_image(2, 4, 5, 3))
+    nchw = to_chw(batch)
+    assert nchw.shape == (2, 3, 4, 5) and nchw.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(to_hwc(nchw), batch)
+
+
+def test_normalize_matches_numpy():
+    image = np.random.default_rng(2).random((2, 4, 5, 3)).astype(np.float32)
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    got = normalize(torch.from_numpy(image), mean, std)
+    np.testing.assert_allclose(got.numpy(), (image - np.array(mean)) / np.array(std), rtol=1e-5,
+                               atol=1e-6)
+    chw = normalize(to_chw(torch.from_numpy(image)), mean, std, axis=1)
+    np.testing.assert_allclose(to_hwc(chw).numpy(), got.numpy(), rtol=1e-6)
+    with pytest.raises(TypeError, match="convert_image_dtype"):
+        normalize(torch.zeros(2, 2, 3, dtype=torch.uint8), mean, std)
+    with pytest.raises(ValueError, match="mean has 2 values but the image has 3 channels"):
+        normalize(torch.zeros(2, 2, 3), [0.5, 0.5], std)
+    with pytest.raises(ValueError, match="std contains 0"):
+        normalize(torch.zeros(2, 2, 3), mean, [1.0, 0.0, 1.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Crops, pads and flips
+
+
+def test_flips_are_either_identity_or_mirror_and_reproducible():
+    image = torch.from_numpy(rng_image(3, 4, 2))
+    seen = set()
+    for seed in range(20):
+        out = random_flip_left_right(image, torch.Generator().manual_seed(seed))
+        again = random_flip_left_right(image, torch.Generator().manual_seed(seed))
+        assert torch.equal(out, again)
+        flipped = torch.equal(out, image.flip(1))
+        assert flipped or torch.equal(out, image)
+        seen.add(flipped)
+        up_down = random_flip_up_down(image, torch.Generator().manual_seed(seed))
+        assert torch.equal(up_down, image.flip(0)) or torch.equal(up_down, image)
+    assert seen == {True, False}
+
+
+def test_batched_flip_decides_per_image():
+    batch = torch.from_numpy(rng_image(16, 3, 4, 2))
+    out = random_flip_left_right(batch, torch.Generator().manual_seed(0))
+    flipped = [torch.equal(out[n], batch[n].flip(1)) for n in range(16)]
+    for n in range(16):
+        assert flipped[n] or torch.equal(out[n], batch[n])
+    assert 0 < sum(flipped) < 16
+
+
+def test_random_crop_is_a_window_of_the_image():
+    image = torch.from_numpy(rng_image(10, 12, 3))
+    offsets = set()
+    for seed in range(30):
+        crop = random_crop(image, (4, 5), torch.Generator().manual_seed(seed))
+        assert crop.shape == (4, 5, 3)
+        found = [(y, x) for y in range(7) for x in range(8)
+                 if torch.equal(image[y:y + 4, x:x + 5], crop)]
+        assert found
+        offsets.add(found[0])
+    assert len(offsets) > 5
+    assert random_crop(image, (4, 5, 3)).shape == (4, 5, 3)  # TF's full-shape form
+    batch = torch.from_numpy(rng_image(2, 10, 12, 3))
+    assert random_crop(batch, (6, 6)).shape == (2, 6, 6, 3)
+    with pytest.raises(ValueError, match="cannot crop 11x5"):
+        random_crop(image, (11, 5))
+    with pytest.raises(ValueError, match="outside height and width"):
+        random_crop(image, (4, 5, 1))
+
+
+def test_central_crop_follows_tf_arithmetic():
+    image = torch.arange(10 * 10).reshape(10, 10, 1)
+    crop = central_crop(image, 0.5)
+    # TF: start = int((10 - 10 * 0.5) / 2) = 2, size = 10 - 2 * 2 = 6
+    assert torch.equal(crop, image[2:8, 2:8])
+    assert central_crop(image, 1.0).shape == image.shape
+    with pytest.raises(ValueError, match="central_fraction"):
+        central_crop(image, 0.0)
+
+
+def test_pad_and_crop_or_pad():
+    image = torch.from_numpy(rng_image(3, 4, 2))
+    padded = pad_to_bounding_box(image, 1, 2, 6, 7)
+    assert padded.shape == (6, 7, 2)
+    assert torch.equal(padded[1:4, 2:6], image) and padded.sum() == image.to(torch.int64).sum()
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_to_bounding_box(image, 4, 0, 6, 7)
+    # Target taller and narrower: pad rows evenly ((7-3)//2 = 2 on top), crop columns centrally.
+    out = resize_with_crop_or_pad(image, 7, 2)
+    assert out.shape == (7, 2, 2)
+    assert torch.equal(out[2:5], image[:, 1:3]) and out[:2].sum() == 0 and out[5:].sum() == 0
+    batch = torch.from_numpy(rng_image(2, 3, 4, 2))
+    assert resize_with_crop_or_pad(batch, 5, 5).shape == (2, 5, 5, 2)

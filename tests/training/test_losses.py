@@ -1,0 +1,427 @@
+"""training/losses.py against plain torch references (F.cross_entropy & co.) and closed forms."""
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mirrored.training import losses
+from mirrored.training.losses import (
+    BinaryCrossentropy,
+    CategoricalCrossentropy,
+    MeanAbsoluteError,
+    MeanSquaredError,
+    SparseCategoricalCrossentropy,
+    compute_average_loss,
+    scale_regularization_loss,
+    sparse_categorical_crossentropy,
+)
+
+
+def close(got, want, rtol=1e-6, atol=1e-6):
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.fixture
+def batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 5, generator=g) * 3
+    labels = torch.randint(0, 5, (16,), generator=g)
+    weights = torch.rand(16, generator=g)
+    return logits, labels, weights
+
+
+class _FakeStrategy:
+    """Just what distribute/context.py reads from a strategy."""
+    _is_default = False
+
+    def __init__(self, num_replicas: int):
+        self.num_replicas_in_sync = num_replicas
+
+
+@contextlib.contextmanager
+def in_replica(replica_id: int, num_replicas: int):
+    """Runs the block as replica `replica_id` of `num_replicas`, through the real context module."""
+    context = pytest.importorskip("mirrored.distribute.context")
+    strategy = _FakeStrategy(num_replicas)
+    with context.push(strategy, context.ReplicaContext(strategy, replica_id)):
+        yield
+
+
+@contextlib.contextmanager
+def in_cross_replica():
+    context = pytest.importorskip("mirrored.distribute.context")
+    with context.push(_FakeStrategy(2), None):
+        yield
+
+
+# --- sparse categorical crossentropy ------------------------------------------------------------
+
+def test_sparse_ce_per_example_matches_torch(batch):
+    logits, labels, _ = batch
+    close(sparse_categorical_crossentropy(labels, logits), F.cross_entropy(logits, labels, reduction="none"))
+    close(SparseCategoricalCrossentropy().per_example(labels, logits),
+          F.cross_entropy(logits, labels, reduction="none"))
+
+
+def test_sparse_ce_reductions_and_sample_weight(batch):
+    logits, labels, w = batch
+    ref = F.cross_entropy(logits, labels, reduction="none")
+    close(SparseCategoricalCrossentropy()(labels, logits), F.cross_entropy(logits, labels))
+    close(SparseCategoricalCrossentropy(reduction="sum")(labels, logits), ref.sum())
+    close(SparseCategoricalCrossentropy(reduction="none")(labels, logits), ref)
+    # Keras: sum_over_batch_size divides the weighted sum by the batch size, not by sum(w).
+    close(SparseCategoricalCrossentropy()(labels, logits, sample_weight=w), (ref * w).sum() / 16)
+    close(SparseCategoricalCrossentropy()(labels, logits, sample_weight=w[:, None]), (ref * w).sum() / 16)
+    close(SparseCategoricalCrossentropy()(labels, logits, sample_weight=2.0), 2 * ref.mean())
+
+
+def test_sparse_ce_from_probabilities(batch):
+    logits, labels, _ = batch
+    probs = logits.softmax(-1)
+    want = -probs[torch.arange(16), labels].clamp(1e-7, 1 - 1e-7).log()
+    close(sparse_categorical_crossentropy(labels, probs, from_logits=False), want)
+
+
+def test_sparse_ce_accepts_column_labels_and_small_int_dtypes(batch):
+    logits, labels, _ = batch
+    want = F.cross_entropy(logits, labels, reduction="none")
+    close(sparse_categorical_crossentropy(labels[:, None], logits), want)
+    close(sparse_categorical_crossentropy(labels.to(torch.uint8), logits), want)
+    close(sparse_categorical_crossentropy(labels.to(torch.int32), logits), want)
+    close(sparse_categorical_crossentropy(labels.tolist(), logits), want)
+
+
+def test_sparse_ce_sequence_logits_on_last_axis():
+    g = torch.Generator().manual_seed(1)
+    logits, labels = torch.randn(4, 7, 3, generator=g), torch.randint(0, 3, (4, 7), generator=g)
+    want = F.cross_entropy(logits.permute(0, 2, 1), labels, reduction="none")  # torch: classes on dim 1
+    close(sparse_categorical_crossentropy(labels, logits), want)
+    close(sparse_categorical_crossentropy(labels, logits.permute(0, 2, 1), axis=1), want)
+    close(SparseCategoricalCrossentropy()(labels, logits), want.mean())
+
+
+def test_sparse_ce_ignore_class_matches_torch_ignore_index(batch):
+    logits, labels, _ = batch
+    labels = labels.clone()
+    labels[[1, 4, 9]] = -1
+    loss = SparseCategoricalCrossentropy(ignore_class=-1)
+    close(loss(labels, logits), F.cross_entropy(logits, labels, ignore_index=-1))
+    per_example = loss.per_example(labels, logits)
+    close(per_example, F.cross_entropy(logits, labels, ignore_index=-1, reduction="none"))
+    assert torch.equal(per_example[[1, 4, 9]], torch.zeros(3))
+    labels[:] = -1
+    assert loss(labels, logits).item() == 0.0  # all ignored: 0, not nan
+
+
+def test_sparse_ce_gradient_matches_torch(batch):
+    logits, labels, _ = batch
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    SparseCategoricalCrossentropy()(labels, a).backward()
+    F.cross_entropy(b, labels).backward()
+    close(a.grad, b.grad)
+
+
+def test_label_out_of_range_message():
+    logits = torch.zeros(16, 5)
+    labels = torch.zeros(16, dtype=torch.long)
+    labels[9] = 5
+    with pytest.raises(ValueError) as err:
+        sparse_categorical_crossentropy(labels, logits)
+    assert str(err.value) == (
+        "sparse_categorical_crossentropy: label 5 (example 9) is outside [0, 5) for logits of shape (16, 5). "
+        "Labels are class ids 0..4: check the dataset's num_classes and the model's num_classes=."
+    )
+
+
+def test_label_out_of_range_names_the_replica():
+    logits = torch.zeros(16, 5)
+    labels = torch.zeros(16, dtype=torch.long)
+    labels[15] = 5
+    with in_replica(1, 2), pytest.raises(ValueError) as err:
+        SparseCategoricalCrossentropy()(labels, logits)
+    assert str(err.value) == (
+        "sparse_categorical_crossentropy: label 5 (example 15 of replica 1's batch) is outside [0, 5) for logits "
+        "of shape (16, 5). Labels are class ids 0..4: check the dataset's num_classes and the model's num_classes=."
+    )
+
+
+def test_negative_label_and_first_bad_example_reported():
+    labels = torch.tensor([0, 1, -2, 7])
+    with pytest.raises(ValueError, match=r"label -2 \(example 2\) is outside \[0, 3\)"):
+        sparse_categorical_crossentropy(labels, torch.zeros(4, 3))
+    with pytest.raises(ValueError, match=r"label 3 \(example 1, position \(2,\)\) is outside \[0, 3\)"):
+        sparse_categorical_crossentropy(torch.tensor([[0, 0, 0], [0, 0, 3]]), torch.zeros(2, 3, 3))
+    # an ignored label may lie outside the range
+    sparse_categorical_crossentropy(torch.tensor([0, 255]), torch.zeros(2, 3), ignore_class=255)
+
+
+def test_float_labels_and_bad_shapes_are_clear_errors():
+    with pytest.raises(TypeError, match=r"dtype torch.float32; they must be integer class ids.*labels.long\(\)"):
+        sparse_categorical_crossentropy(torch.tensor([0.0, 1.0]), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"labels of shape \(3,\) do not fit logits of shape \(2, 3\): "
+                                         r"expected labels of shape \(2,\)"):
+        sparse_categorical_crossentropy(torch.tensor([0, 1, 2]), torch.zeros(2, 3))
+    with pytest.raises(TypeError, match="y_pred has dtype torch.int64"):
+        sparse_categorical_crossentropy(torch.tensor([0, 1]), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="Integer class ids need sparse_categorical_crossentropy"):
+        CategoricalCrossentropy()(torch.tensor([0, 1]), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"y_true has shape \(4,\) but y_pred has shape \(4, 2\)"):
+        MeanSquaredError()(torch.zeros(4), torch.zeros(4, 2))
+
+
+# --- the probability warning ---------------------------------------------------------------------
+
+def test_probabilities_under_from_logits_warn_once_per_loss_object(batch):
+    logits, labels, _ = batch
+    probs = logits.softmax(-1)
+    loss = SparseCategoricalCrossentropy()
+    with pytest.warns(UserWarning, match="looks like probabilities.*from_logits=True") as record:
+        loss(labels, probs)
+        loss(labels, probs)
+        loss.per_example(labels, probs)
+    assert len([w for w in record if "probabilities" in str(w.message)]) == 1
+    assert record[0].filename == __file__  # stacklevel points at the caller
+    with pytest.warns(UserWarning, match="looks like probabilities"):
+        SparseCategoricalCrossentropy()(labels, probs)  # a new object warns again
+
+
+def test_no_warning_for_logits_or_from_logits_false(batch):
+    logits, labels, _ = batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SparseCategoricalCrossentropy()(labels, logits)
+        SparseCategoricalCrossentropy(from_logits=False)(labels, logits.softmax(-1))
+        CategoricalCrossentropy()(F.one_hot(labels, 5), logits)
+        # in [0, 1] but rows do not sum to 1: still logits
+        SparseCategoricalCrossentropy()(labels, torch.rand(16, 5, generator=torch.Generator().manual_seed(3)))
+
+
+def test_categorical_and_binary_warn_on_probabilities(batch):
+    logits, labels, _ = batch
+    with pytest.warns(UserWarning, match="rows summing to 1"):
+        CategoricalCrossentropy()(F.one_hot(labels, 5), logits.softmax(-1))
+    with pytest.warns(UserWarning, match=r"all values inside \(0, 1\)\) but from_logits=True"):
+        BinaryCrossentropy()(torch.ones(8), torch.sigmoid(torch.randn(8)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        BinaryCrossentropy()(torch.ones(8), torch.zeros(8))  # a zero-initialised head's logits
+        SparseCategoricalCrossentropy()(labels, torch.zeros(16, 5))
+
+
+# --- other losses ---------------------------------------------------------------------------------
+
+def test_categorical_ce_matches_torch_with_label_smoothing(batch):
+    logits, labels, w = batch
+    onehot = F.one_hot(labels, 5)
+    close(CategoricalCrossentropy().per_example(onehot, logits), F.cross_entropy(logits, labels, reduction="none"))
+    close(CategoricalCrossentropy(label_smoothing=0.1)(onehot, logits),
+          F.cross_entropy(logits, labels, label_smoothing=0.1))
+    soft = torch.softmax(torch.randn(16, 5), -1)
+    close(CategoricalCrossentropy()(soft, logits, sample_weight=w),
+          (F.cross_entropy(logits, soft, reduction="none") * w).sum() / 16)
+    probs = logits.softmax(-1)
+    close(CategoricalCrossentropy(from_logits=False).per_example(onehot, probs),
+          -(onehot * probs.clamp(1e-7, 1 - 1e-7).log()).sum(-1))
+
+
+def test_binary_ce_matches_torch():
+    g = torch.Generator().manual_seed(2)
+    logits, targets = torch.randn(8, 1, generator=g) * 4, torch.randint(0, 2, (8,), generator=g)
+    want = F.binary_cross_entropy_with_logits(logits[:, 0], targets.float(), reduction="none")
+    close(BinaryCrossentropy().per_example(targets, logits), want)          # (8,) labels vs (8, 1) logits
+    close(BinaryCrossentropy().per_example(targets[:, None], logits), want)
+    close(BinaryCrossentropy()(targets, logits[:, 0]), want.mean())
+    close(BinaryCrossentropy(from_logits=False)(targets, torch.sigmoid(logits)),
+          F.binary_cross_entropy(torch.sigmoid(logits[:, 0]), targets.float()), rtol=1e-5, atol=1e-5)
+    smoothed = targets.float() * 0.8 + 0.1
+    close(BinaryCrossentropy(label_smoothing=0.2)(targets, logits),
+          F.binary_cross_entropy_with_logits(logits[:, 0], smoothed))
+    multi_logits, multi_targets = torch.randn(8, 3, generator=g), torch.randint(0, 2, (8, 3), generator=g).float()
+    close(BinaryCrossentropy().per_example(multi_targets, multi_logits),  # Keras: mean over the last axis
+          F.binary_cross_entropy_with_logits(multi_logits, multi_targets, reduction="none").mean(-1))
+
+
+def test_mse_and_mae_match_torch():
+    g = torch.Generator().manual_seed(4)
+    pred, true, w = torch.randn(6, 3, generator=g), torch.randn(6, 3, generator=g), torch.rand(6, generator=g)
+    close(MeanSquaredError()(true, pred), F.mse_loss(pred, true))
+    close(MeanAbsoluteError()(true, pred), F.l1_loss(pred, true))
+    close(MeanSquaredError().per_example(true, pred), ((pred - true) ** 2).mean(-1))
+    close(MeanAbsoluteError()(true, pred, sample_weight=w), ((pred - true).abs().mean(-1) * w).sum() / 6)
+    close(MeanSquaredError()(true[:, 0], pred[:, :1]), F.mse_loss(pred[:, 0], true[:, 0]))  # (6,) vs (6, 1)
+
+
+def test_sample_weight_shape_mismatch_is_an_error(batch):
+    logits, labels, _ = batch
+    with pytest.raises(ValueError, match=r"sample_weight of shape \(3,\) does not fit values of shape \(16,\)"):
+        SparseCategoricalCrossentropy()(labels, logits, sample_weight=torch.ones(3))
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match=r"reduction='mean'.*sum_over_batch_size"):
+        SparseCategoricalCrossentropy(reduction="mean")
+    with pytest.raises(ValueError, match="label_smoothing=1.5"):
+        CategoricalCrossentropy(label_smoothing=1.5)
+
+
+# --- distributed averaging -----------------------------------------------------------------------
+
+def test_compute_average_loss_divides_by_the_global_batch(batch):
+    logits, labels, w = batch
+    per_example = F.cross_entropy(logits, labels, reduction="none")
+    close(compute_average_loss(per_example, global_batch_size=64), per_example.sum() / 64)
+    close(compute_average_loss(per_example, sample_weight=w, global_batch_size=64), (per_example * w).sum() / 64)
+    close(compute_average_loss(per_example), per_example.mean())  # no strategy: the local batch
+    seq = torch.rand(4, 3)
+    close(compute_average_loss(seq, sample_weight=torch.tensor([1.0, 0.0, 2.0, 1.0]), global_batch_size=8),
+          (seq.sum(1) * torch.tensor([1.0, 0.0, 2.0, 1.0])).sum() / 8)
+    assert compute_average_loss(torch.zeros(0), global_batch_size=4).item() == 0.0
+
+
+def test_compute_average_loss_gradients_summed_over_replicas_equal_one_device(batch):
+    logits, labels, _ = batch
+    whole = logits.clone().requires_grad_()
+    F.cross_entropy(whole, labels).backward()
+    parts = [logits[:10].clone().requires_grad_(), logits[10:].clone().requires_grad_()]  # uneven split
+    for part, lab in zip(parts, (labels[:10], labels[10:])):
+        compute_average_loss(F.cross_entropy(part, lab, reduction="none"), global_batch_size=16).backward()
+    close(torch.cat([p.grad for p in parts]), whole.grad)
+
+
+def test_compute_average_loss_infers_global_batch_in_replica_context(batch):
+    logits, labels, _ = batch
+    per_example = F.cross_entropy(logits, labels, reduction="none")
+    with in_replica(0, 4):
+        close(compute_average_loss(per_example), per_example.sum() / 64)
+        close(scale_regularization_loss(torch.tensor(2.0)), torch.tensor(0.5))
+        close(scale_regularization_loss([torch.tensor(2.0), torch.tensor([1.0, 1.0])]), torch.tensor(1.0))
+        assert compute_average_loss(torch.zeros(0)).item() == 0.0  # this replica's part is empty
+    close(scale_regularization_loss(torch.tensor(2.0)), torch.tensor(2.0))
+
+
+def test_compute_average_loss_in_cross_replica_context_needs_a_batch_size():
+    with in_cross_replica():
+        with pytest.raises(RuntimeError, match="cross-replica context.*pass global_batch_size="):
+            compute_average_loss(torch.ones(4))
+        close(compute_average_loss(torch.ones(4), global_batch_size=8), torch.tensor(0.5))
+        with pytest.raises(RuntimeError, match="scale_regularization_loss was called in cross-replica context"):
+            scale_regularization_loss(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("size, error, match", [
+    (0, ValueError, "global_batch_size=0 must be positive"),
+    (-8, ValueError, "global_batch_size=-8 must be positive"),
+    (8.0, TypeError, "global_batch_size must be an int, got 8.0"),
+    (True, TypeError, "must be an int"),
+    ("8", TypeError, "must be an int"),
+])
+def test_compute_average_loss_validates_global_batch_size(size, error, match):
+    with pytest.raises(error, match=match):
+        compute_average_loss(torch.ones(4), global_batch_size=size)
+
+
+def test_compute_average_loss_rejects_reduced_losses():
+    with pytest.raises(ValueError, match="per_example_loss is a scalar.*reduction='none'"):
+        compute_average_loss(torch.tensor(1.0), global_batch_size=4)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        compute_average_loss([1.0, 2.0], global_batch_size=4)
+    close(compute_average_loss(torch.ones(4), global_batch_size=torch.tensor(8)), torch.tensor(0.5))
+
+
+# --- registry -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, cls", [
+    ("sparse_categorical_crossentropy", SparseCategoricalCrossentropy),
+    ("categorical_crossentropy", CategoricalCrossentropy),
+    ("binary_crossentropy", BinaryCrossentropy), ("mse", MeanSquaredError), ("mean_squared_error", MeanSquaredError),
+    ("mae", MeanAbsoluteError), ("MSE", MeanSquaredError)])
+def test_get_by_name(name, cls):
+    loss = losses.get(name)
+    assert type(loss) is cls
+    if hasattr(loss, "from_logits") and cls not in (MeanSquaredError, MeanAbsoluteError):
+        assert loss.from_logits is True
+
+
+def test_get_unknown_name_lists_the_keys():
+    with pytest.raises(ValueError, match="unknown loss 'hinge'. Known names: sparse_categorical_crossentropy, "
+                                         "categorical_crossentropy, binary_crossentropy, mean_squared_error, mse"):
+        losses.get("hinge")
+    with pytest.raises(TypeError, match="cannot make a loss from 3"):
+        losses.get(3)
+
+
+def test_get_passes_loss_objects_through():
+    loss = SparseCategoricalCrossentropy(ignore_class=0)
+    assert losses.get(loss) is loss
+
+
+def test_get_wraps_torch_loss_modules(batch):
+    logits, labels, w = batch
+    module = nn.CrossEntropyLoss()
+    loss = losses.get(module)
+    assert module.reduction == "mean"  # the caller's module is left alone
+    assert loss.name == "cross_entropy_loss"
+    close(loss.per_example(labels, logits), F.cross_entropy(logits, labels, reduction="none"))
+    close(loss(labels, logits), F.cross_entropy(logits, labels))
+    close(loss(labels, logits, sample_weight=w), (F.cross_entropy(logits, labels, reduction="none") * w).sum() / 16)
+    with pytest.raises(ValueError, match=r"cross_entropy_loss: label 9 \(example 0\) is outside \[0, 5\)"):
+        loss(torch.full((16,), 9), logits)
+    pred, true = torch.randn(4, 3), torch.randn(4, 3)
+    close(losses.get(nn.MSELoss())(true, pred), F.mse_loss(pred, true))
+    assert losses.get(nn.BCEWithLogitsLoss()).name == "bce_with_logits_loss"
+
+
+def test_get_wraps_functions_and_rejects_modules_without_reduction(batch):
+    logits, labels, _ = batch
+
+    def my_loss(y_true, y_pred):
+        return F.cross_entropy(y_pred, y_true, reduction="none")
+
+    loss = losses.get(my_loss)
+    assert loss.name == "my_loss"
+    close(loss(labels, logits), F.cross_entropy(logits, labels))
+    with pytest.raises(ValueError, match="returned a scalar.*one loss per example"):
+        losses.get(lambda t, p: F.cross_entropy(p, t))(labels, logits)
+    with pytest.raises(TypeError, match="without a `reduction` attribute"):
+        losses.get(nn.Linear(2, 2))
+
+
+def test_losses_module_does_not_import_distribute():
+    """Loads losses.py on its own (not through `import mirrored`, whose __init__ loads distribute/)."""
+    code = ("import importlib.util, sys, torch; "
+            f"spec = importlib.util.spec_from_file_location('standalone_losses', {losses.__file__!r}); "
+            "l = importlib.util.module_from_spec(spec); spec.loader.exec_module(l); "
+            "l.compute_average_loss(torch.ones(2)); l.scale_regularization_loss(torch.ones(2)); "
+            "l.sparse_categorical_crossentropy(torch.tensor([0]), torch.zeros(1, 2)); "
+            "l.get('mse')(torch.zeros(2), torch.zeros(2)); "
+            "assert not [m for m in sys.modules if m.startswith('mirrored')], sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_under_a_real_strategy(batch):
+    """compute_average_loss infers the global batch, and a bad label names its replica, inside strategy.run."""
+    strategy_mod = pytest.importorskip("mirrored.distribute.strategy")
+    values_mod = pytest.importorskip("mirrored.distribute.values")
+    logits, labels, _ = batch
+    strategy = strategy_mod.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    loss = SparseCategoricalCrossentropy()
+
+    def step(y, x):
+        return compute_average_loss(loss.per_example(y, x))
+
+    parts = values_mod.PerReplica([labels[:8], labels[8:]]), values_mod.PerReplica([logits[:8], logits[8:]])
+    total = sum(strategy.experimental_local_results(strategy.run(step, args=parts)))
+    close(total, F.cross_entropy(logits, labels))
+    bad = labels.clone()
+    bad[8 + 3] = 7
+    parts = values_mod.PerReplica([bad[:8], bad[8:]]), parts[1]
+    with pytest.raises(ValueError, match=r"label 7 \(example 3 of replica 1's batch\) is outside \[0, 5\)"):
+        strategy.run(step, args=parts)
+    del strategy
