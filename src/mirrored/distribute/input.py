@@ -91,6 +91,18 @@ def _part(leaf: Any, lo: int, hi: int) -> Any:
     return leaf
 
 
+def _empty_part(leaf: Any, replica: int) -> Any:
+    """An empty batch shaped like `leaf`, for a replica the data ran out for; an unbatched (scalar)
+    leaf has no empty form, and repeating it would feed that replica a duplicate example."""
+    if (isinstance(leaf, (Tensor, np.ndarray)) and leaf.ndim == 0) or isinstance(leaf, (bool, int, float, complex)):
+        raise ValueError(
+            f"distribute_datasets_from_function: the dataset ran out in the middle of a step, so replica {replica} "
+            f"gets an empty batch, but its elements are scalars ({type(leaf).__name__}), which have no empty form. "
+            "Batch the dataset by the per-replica size: "
+            "ds.batch(input_context.get_per_replica_batch_size(GLOBAL_BATCH_SIZE)).")
+    return _part(leaf, 0, 0)
+
+
 def _to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:
     if not isinstance(value, Tensor) or value.device == device:
         return value
@@ -227,7 +239,7 @@ class DistributedDatasetsFromFunction:
             if not parts:
                 return
             while len(parts) < n:  # the data ran out mid-step: the remaining replicas get empty batches
-                parts.append(map_structure(lambda leaf: _part(leaf, 0, 0), parts[0]))
+                parts.append(map_structure(lambda leaf: _empty_part(leaf, len(parts)), parts[0]))
             placed = [self._splitter.place(p, r) for r, p in enumerate(parts)]
             if n == 1:
                 yield placed[0]

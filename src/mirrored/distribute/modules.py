@@ -83,6 +83,13 @@ class MirroredModule:
             m.apply(fn)
         return self
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the current replica's gradients inside strategy.run, every replica's outside it."""
+        ctx = context.get_replica_context()
+        own = ctx is not None and ctx.strategy is self._strategy
+        for m in (self.module,) if own else self.replicas:
+            m.zero_grad(set_to_none=set_to_none)
+
     def requires_grad_(self, requires_grad: bool = True) -> MirroredModule:
         for m in self.replicas:
             m.requires_grad_(requires_grad)
@@ -141,15 +148,18 @@ class MirroredOptimizer:
             raise ValueError("MirroredOptimizer.step(closure) is not supported: run the forward/backward in "
                              "the replica function, then call step().")
         ctx = context.get_replica_context()
-        if ctx is None and self._strategy.num_replicas_in_sync > 1:
-            raise RuntimeError("MirroredOptimizer.step() was called in cross-replica context. Call it inside "
-                               "strategy.run(step_fn): each replica all-reduces its gradients, then updates.")
+        in_own_replica = ctx is not None and ctx.strategy is self._strategy
+        if not in_own_replica and self._strategy.num_replicas_in_sync > 1:  # else replica 0 alone would step
+            raise RuntimeError("MirroredOptimizer.step() was called outside strategy.run (cross-replica context), "
+                               "where it would update replica 0's copy only. Call it inside strategy.run(step_fn): "
+                               "each replica all-reduces its gradients, then updates.")
         self.reduce_gradients()
         return self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the current replica's gradients (every replica's in cross-replica context)."""
-        if context.get_replica_context() is None:
+        """Clears the current replica's gradients (every replica's outside strategy.run)."""
+        ctx = context.get_replica_context()
+        if ctx is None or ctx.strategy is not self._strategy:
             for opt in self.replicas:
                 opt.zero_grad(set_to_none=set_to_none)
         else:

@@ -9,6 +9,7 @@ Uses every other module of `distribute/` but multi_worker.py.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -81,8 +82,6 @@ class Strategy:
         if len(self._devices) > 1:
             self._cross_device_ops.check_devices(self._devices)
         self._timeout_s = float(timeout_s)
-        self.extended = StrategyExtended(self)
-        self._default_replica_context = ReplicaContext(self, 0)
         self._pool: replicas.ReplicaPool | None = None
         if len(self._devices) > 1:
             self._pool = replicas.ReplicaPool(self._devices, intra_op_threads(self._devices))
@@ -97,6 +96,12 @@ class Strategy:
     @property
     def num_replicas_in_sync(self) -> int:
         return len(self._devices)
+
+    @property
+    def extended(self) -> StrategyExtended:
+        # Built on access, not stored: a strategy must hold no reference cycle, so that dropping the
+        # last reference stops its replica threads at once instead of at the next cyclic GC.
+        return StrategyExtended(self)
 
     @contextmanager
     def scope(self) -> Iterator[Strategy]:
@@ -116,6 +121,15 @@ class Strategy:
             raise RuntimeError("strategy.run was called inside strategy.run (from replica "
                                f"{frame.replica_context.replica_id_in_sync_group}'s function). Call the inner "
                                "function directly: it already runs on every replica.")
+        if frame is not None and any(f.strategy is self and f.replica_context is not None for f in context._stack()):
+            raise RuntimeError("strategy.run was called inside a merge_call function, while the replicas wait in "
+                               "that merge_call; this is not supported. Return what you need from merge_fn and "
+                               "call run() after the current step.")
+        if frame is not None and frame.strategy is not self and not frame.strategy._is_default:
+            # TF's run enters this strategy's scope, which refuses to nest in another strategy's.
+            raise RuntimeError(f"{self!r}.run was called inside the scope of {frame.strategy!r}: mixing two "
+                               "strategies is not supported (as in tf.distribute). Leave the other strategy's "
+                               "scope first.")
         args, kwargs = tuple(args), dict(kwargs or {})
         if self._pool is None:
             ctx = ReplicaContext(self, 0) if not self._is_default else self._default_replica_context
@@ -215,7 +229,7 @@ class Strategy:
         return out
 
     # ---- cross-replica reductions -----------------------------------------------------------------
-    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:
         """Combines per-replica values into one tensor (tf.distribute.Strategy.reduce).
 
         With 2 replicas and a global batch of 8, a PerReplica of per-example losses of shape (4,) each
@@ -231,7 +245,8 @@ class Strategy:
             total = self._sum_to_first(sums)
             if op is ReduceOp.SUM:
                 return total
-            count = sum(p.shape[axis] for p in parts)
+            axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+            count = sum(math.prod(p.shape[a] for a in axes) for p in parts)
             return total / count
         if not distributed:
             if n == 1 or op is ReduceOp.MEAN:
@@ -245,6 +260,8 @@ class Strategy:
                 "the same on every replica.")
         if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
             return value.values[0]
+        if op is ReduceOp.MEAN and _is_mirrored_variable(value):  # identical copies: no rounding, as in TF
+            return value.values[0].detach().clone()
         total = self._sum_to_first(value)
         return total / n if op is ReduceOp.MEAN and total.is_floating_point() else (
             torch.div(total, n, rounding_mode="trunc") if op is ReduceOp.MEAN else total)
@@ -286,7 +303,8 @@ class Strategy:
         for i, device in enumerate(self._devices):
             v = value_fn(ValueContext(i, n))
             results.append(v.to(torch_device(device)) if isinstance(v, Tensor) else v)
-        return results[0] if n == 1 else regroup(results)
+        # TF wraps every leaf, even where all replicas returned the same object (a constant).
+        return results[0] if n == 1 else regroup(results, always_wrap=True)
 
     # ---- mirrored state -----------------------------------------------------------------------------
     def mirror(self, module: torch.nn.Module) -> Any:
@@ -337,6 +355,12 @@ def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _is_mirrored_variable(value: Any) -> bool:
+    from mirrored.distribute.variables import MirroredVariable
+
+    return isinstance(value, MirroredVariable)
+
+
 def _is_distributed(value: Any) -> bool:
     from mirrored.distribute.variables import Variable
 
@@ -378,6 +402,7 @@ class _DefaultStrategy(Strategy):
 
     def __init__(self) -> None:
         super().__init__(("cpu:0",))
+        self._default_replica_context = ReplicaContext(self, 0)  # a cycle, but this strategy lives forever
 
     @contextmanager
     def scope(self) -> Iterator[Strategy]:

@@ -3,7 +3,8 @@
 `PerReplica` holds one value per replica that may differ (a batch split, a loss); `Mirrored` holds
 copies known to be identical (a reduced gradient). Both are `DistributedValues` with `.values`.
 The nest helpers walk tuples, lists, dicts and namedtuples, the structures tf.nest walks, so a
-`strategy.run` argument or result may be any nesting of them. Uses nothing else from mirrored.
+`strategy.run` argument or result may be any nesting of them (a list of strings is one leaf, as a
+string tensor is in tf.nest). Uses nothing else from mirrored.
 """
 from __future__ import annotations
 
@@ -73,10 +74,16 @@ def _rebuild(template: Any, items: list[Any]) -> Any:
     return type(template)(items)
 
 
+def is_string_vector(x: Any) -> bool:
+    """A non-empty list of str / bytes: one leaf (a batch of strings, as mr.data's `batch` makes of str
+    leaves and as tf.nest sees a string tensor), so a distributed batch splits it with the rest."""
+    return type(x) is list and len(x) > 0 and all(isinstance(s, (str, bytes)) for s in x)
+
+
 def _children(x: Any) -> list[Any] | None:
     if isinstance(x, dict):
         return list(x.values())
-    if isinstance(x, (list, tuple)):
+    if isinstance(x, (list, tuple)) and not is_string_vector(x):
         return list(x)
     return None
 
@@ -145,11 +152,13 @@ def select_replica(replica_id: int, structure: Nested) -> Nested:
     )
 
 
-def regroup(per_replica: Sequence[Nested], wrap: type[DistributedValues] = PerReplica) -> Nested:
+def regroup(per_replica: Sequence[Nested], wrap: type[DistributedValues] = PerReplica,
+            always_wrap: bool = False) -> Nested:
     """Turns one result per replica into one result: the object itself where every replica returned
-    the same object (so one replica gives plain values, as in TF), else nested containers of `wrap`."""
+    the same object (so one replica gives plain values, as in TF), else nested containers of `wrap`.
+    `always_wrap` wraps every leaf even then, as TF's experimental_distribute_values_from_function does."""
     first = per_replica[0]
-    if all(v is first for v in per_replica[1:]):
+    if not always_wrap and all(v is first for v in per_replica[1:]):
         return first
     kids = _children(first)
     if kids is not None and all(type(v) is type(first) for v in per_replica[1:]):
@@ -157,5 +166,5 @@ def regroup(per_replica: Sequence[Nested], wrap: type[DistributedValues] = PerRe
         same_keys = not isinstance(first, dict) or all(list(v.keys()) == list(first.keys()) for v in per_replica[1:])
         if same_keys and all(len(o) == len(kids) for o in others):
             columns = zip(kids, *others)
-            return _rebuild(first, [regroup(col, wrap) for col in columns])
+            return _rebuild(first, [regroup(col, wrap, always_wrap) for col in columns])
     return wrap(per_replica)

@@ -157,14 +157,15 @@ class Variable:
         a = self.numpy()
         return a if dtype is None else a.astype(dtype)
 
+    # detach(): converting a tensor that requires grad to a Python number warns in torch.
     def __float__(self) -> float:
-        return float(self.read_value())
+        return float(self.read_value().detach())
 
     def __int__(self) -> int:
-        return int(self.read_value())
+        return int(self.read_value().detach())
 
     def __bool__(self) -> bool:
-        return bool(self.read_value())
+        return bool(self.read_value().detach())
 
     def __repr__(self) -> str:
         kind = type(self).__name__
@@ -200,7 +201,7 @@ Variable.__hash__ = object.__hash__  # type: ignore[assignment]  # identity, as 
 def _write(target: Tensor, value: Any, op: str) -> None:
     """target := value / += / -= value, in place, outside autograd."""
     value = torch.as_tensor(_unwrap(value), dtype=target.dtype).to(target.device)
-    if value.shape != target.shape and value.numel() != 1 and torch.broadcast_shapes(value.shape, target.shape) != target.shape:
+    if value.shape != target.shape and value.numel() != 1 and not _broadcasts_to(value.shape, target.shape):
         raise ValueError(f"Variable.{op}: value of shape {tuple(value.shape)} does not fit a variable of shape "
                          f"{tuple(target.shape)}.")
     with torch.no_grad():
@@ -210,6 +211,13 @@ def _write(target: Tensor, value: Any, op: str) -> None:
             target.add_(value)
         else:
             target.sub_(value)
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    try:  # broadcast_shapes raises, rather than returns, for shapes that do not broadcast
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
 
 
 def _apply(current: Tensor, value: Tensor, op: str) -> Tensor:
@@ -252,6 +260,14 @@ def _merge_update(strategy: Strategy, var: MirroredVariable, value: Any, op: str
     parts = strategy.experimental_local_results(value)
     parts = [torch.as_tensor(_unwrap(p), dtype=var.dtype) for p in parts]
     agg = var.aggregation
+    if (len(parts) == 1 and agg is VariableAggregation.SUM and strategy.num_replicas_in_sync > 1
+            and not bool((parts[0] == 0).all())):
+        # Every replica passed the same object (a constant): TF refuses to sum it (the total would
+        # depend on whether the replicas built the value themselves or shared one); zeros sum to zero.
+        raise ValueError(
+            f"MirroredVariable {var.name!r}.{op} in replica context with aggregation SUM got the same value "
+            f"({value!r}) from every replica, so summing it is ambiguous (TF raises too). Pass a per-replica "
+            "value (computed inside the replica function), or use aggregation MEAN or ONLY_FIRST_REPLICA.")
     if agg is VariableAggregation.ONLY_FIRST_REPLICA or len(parts) == 1:
         combined = parts[0]
     else:

@@ -1,0 +1,318 @@
+"""Conformance: MirroredVariable (ON_WRITE) and SyncOnReadVariable (ON_READ) semantics.
+
+Sources (tensorflow/python/distribute/): mirrored_strategy_test.py (MirroredVariableUpdateTest,
+SyncOnReadVariableAssignTest), strategy_test_lib.py (_test_global_step_update), mirrored_variable_test.py,
+values_util.py (on_write_assign / on_read_assign_cross_replica / on_read_assign_add_cross_replica),
+values.py (_on_write_update_replica, SyncOnReadVariable._get_cross_replica). TF 2.x semantics:
+aggregation NONE in replica context updates only the calling replica's copy.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mirrored.distribute as md
+
+TIMEOUT_S = 20.0
+AGG = md.VariableAggregation
+SYNC = md.VariableSynchronization
+
+
+def strategy_of(n: int) -> md.MirroredStrategy:
+    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
+
+
+def replica_id() -> int:
+    return md.get_replica_context().replica_id_in_sync_group
+
+
+def copies(var) -> list:
+    return [t.item() for t in var.values]
+
+
+# ---- ON_WRITE ------------------------------------------------------------------------------------
+
+def test_variable_in_scope_is_mirrored_with_one_copy_per_device():
+    """mirrored_variable_test: a variable created in the scope is mirrored; outside it is plain."""
+    s = strategy_of(3)
+    with s.scope():
+        v = md.Variable(1.0, name="foo")
+    assert isinstance(v, md.MirroredVariable)
+    assert len(v.values) == 3 and copies(v) == [1.0, 1.0, 1.0]
+    assert s.experimental_local_results(v) == v.values
+    plain = md.Variable(1.0)
+    assert type(plain) is md.Variable and len(plain.values) == 1
+
+
+def test_mirrored_assign_cross_replica_updates_every_copy():
+    """MirroredVariableUpdateTest.testAssign/AssignAdd/AssignSubMirroredVarCrossDeviceContext:
+    in cross-replica context assign 6 -> 6; assign_add 6 -> 7 then 2 -> 9; assign_sub 2 from 5 -> 3,
+    on every copy."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(1.0, name="foo")
+        w = md.Variable(5.0, name="bar")
+        assert v.assign(6.0).read_value().item() == 6.0
+        assert copies(v) == [6.0, 6.0]
+        v.assign(1.0)
+        assert v.assign_add(6.0).read_value().item() == 7.0
+        v.assign_add(2.0)
+        assert copies(v) == [9.0, 9.0]
+        assert w.assign_sub(2.0).read_value().item() == 3.0
+        assert copies(w) == [3.0, 3.0]
+
+
+def test_mirrored_replica_assign_without_aggregation_same_value():
+    """testAssignMirroredVarReplicaContextWithoutAggregationType: aggregation NONE, every replica
+    assigns 5.0 -> every copy is 5.0."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(1.0, name="foo")
+    s.run(lambda: v.assign(5.0))
+    assert copies(v) == [5.0, 5.0]
+
+
+def test_mirrored_replica_assign_none_updates_only_callers_copy():
+    """values._on_write_update_replica: aggregation NONE writes the calling replica's own copy only
+    (the caller promises equal values, as an optimizer applying all-reduced gradients does)."""
+    s = strategy_of(3)
+    with s.scope():
+        v = md.Variable(0.0)
+
+    def fn():
+        if replica_id() == 1:
+            v.assign(7.0)
+
+    s.run(fn)
+    assert copies(v) == [0.0, 7.0, 0.0]
+
+
+def test_mirrored_replica_assign_with_sum_of_a_constant_raises():
+    """testAssignMirroredVarReplicaContextWithSum: aggregation SUM and the same non-distributed 5.0 from
+    every replica -> ValueError (reduce_non_distributed_value refuses to SUM identical values)."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(1.0, aggregation=AGG.SUM)
+    with pytest.raises(ValueError, match="aggregation SUM"):
+        s.run(lambda: v.assign(5.0))
+    assert copies(v) == [1.0, 1.0]  # nothing was written
+
+
+def test_mirrored_replica_assign_with_sum_of_per_replica_values():
+    """ON_WRITE with SUM: each replica's value is summed, then every copy gets the total."""
+    s = strategy_of(3)
+    with s.scope():
+        v = md.Variable(0.0, aggregation=AGG.SUM)
+    s.run(lambda: v.assign(torch.tensor(float(replica_id() + 1))))
+    assert copies(v) == [6.0, 6.0, 6.0]
+    s.run(lambda: v.assign_add(torch.tensor(1.0)))
+    assert copies(v) == [9.0, 9.0, 9.0]
+
+
+def test_mirrored_replica_assign_with_mean():
+    """testAssignMirroredVarReplicaContext / testAssignAdd... / testAssignSub...: aggregation MEAN with
+    value = replica_id on 2 replicas: assign -> 0.5; assign_add to 1.0 -> 1.5; assign_sub from 5.0 -> 4.5."""
+    s = strategy_of(2)
+    with s.scope():
+        a = md.Variable(1.0, aggregation=AGG.MEAN)
+        b = md.Variable(1.0, aggregation=AGG.MEAN)
+        c = md.Variable(5.0, aggregation=AGG.MEAN)
+
+    def fn():
+        value = torch.tensor(float(replica_id()))
+        a.assign(value)
+        b.assign_add(value)
+        c.assign_sub(value)
+
+    s.run(fn)
+    assert copies(a) == [0.5, 0.5] and copies(b) == [1.5, 1.5] and copies(c) == [4.5, 4.5]
+
+
+def test_mirrored_replica_assign_with_mean_of_a_single_value():
+    """testAssign/AssignAdd/AssignSubMirroredVarReplicaContextWithSingleValue: MEAN of the same plain
+    value from every replica is that value: assign 5 -> 5; assign_add 5 to 1 -> 6; assign_sub 1 from 5 -> 4."""
+    s = strategy_of(2)
+    with s.scope():
+        a = md.Variable(1.0, aggregation=AGG.MEAN)
+        b = md.Variable(1.0, aggregation=AGG.MEAN)
+        c = md.Variable(5.0, aggregation=AGG.MEAN)
+
+    def fn():
+        a.assign(5.0)
+        b.assign_add(5.0)
+        c.assign_sub(1.0)
+
+    s.run(fn)
+    assert copies(a) == [5.0, 5.0] and copies(b) == [6.0, 6.0] and copies(c) == [4.0, 4.0]
+
+
+def test_only_first_replica_global_step():
+    """strategy_test_lib._test_global_step_update: an int64 ONLY_FIRST_REPLICA variable, assign_add(1)
+    in every replica, reads 1 on every replica afterwards (inside run and in cross-replica context)."""
+    s = strategy_of(3)
+    with s.scope():
+        step = md.Variable(torch.tensor(0, dtype=torch.int64), trainable=False, aggregation=AGG.ONLY_FIRST_REPLICA)
+
+    def fn():
+        step.assign_add(1)
+        return step.read_value().item()
+
+    assert set(s.experimental_local_results(s.run(fn))) == {1}
+    assert copies(step) == [1, 1, 1]
+    assert step.dtype == torch.int64
+
+
+def test_only_first_replica_takes_replica_zero_value():
+    """apply_aggregation(ONLY_FIRST_REPLICA): the first replica's value is broadcast to every copy."""
+    s = strategy_of(3)
+    with s.scope():
+        v = md.Variable(0.0, aggregation=AGG.ONLY_FIRST_REPLICA)
+    s.run(lambda: v.assign(torch.tensor(10.0 + replica_id())))
+    assert copies(v) == [10.0, 10.0, 10.0]
+
+
+def test_mean_on_integer_variable_in_replica_context_raises():
+    """values._on_write_update_replica: "Cannot update non-float variables with
+    tf.VariableAggregation.MEAN aggregation in replica context" (ValueError)."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(torch.tensor(3, dtype=torch.int32), trainable=False, aggregation=AGG.MEAN)
+    with pytest.raises(ValueError, match="MEAN"):
+        s.run(lambda: v.assign(torch.tensor(1, dtype=torch.int32)))
+    assert copies(v) == [3, 3]
+    with s.scope():
+        v.assign(4)  # cross-replica writes are fine: every copy gets 4
+    assert copies(v) == [4, 4]
+
+
+def test_mirrored_read_in_cross_replica_and_replica_context():
+    """A MirroredVariable reads its primary copy in cross-replica context and each replica's own copy
+    in replica context; torch ops accept it as a tensor."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(torch.tensor([1.0, 2.0]))
+        assert v.read_value().tolist() == [1.0, 2.0]
+        assert torch.add(v, 1).tolist() == [2.0, 3.0]
+        assert (v * 2).tolist() == [2.0, 4.0]
+    out = s.run(lambda: v.read_value().data_ptr())
+    assert s.experimental_local_results(out) == tuple(t.data_ptr() for t in v.values)
+
+
+def test_reduce_mean_of_mirrored_variable_is_exact():
+    """MirroredExtended._reduce_to: MEAN of a mirrored value returns it, with no arithmetic (0.1 summed
+    three times and divided by 3 would not give 0.1 back)."""
+    s = strategy_of(3)
+    with s.scope():
+        v = md.Variable(torch.tensor(0.1, dtype=torch.float64))
+    assert s.reduce(md.ReduceOp.MEAN, v).item() == 0.1
+
+
+def test_variable_created_in_replica_context_raises():
+    """TF lets a replica function create a variable (all replicas then share one MirroredVariable via
+    merge_call). We refuse it with a RuntimeError that names the fix (create it in the scope): a
+    variable per run() call is almost always a bug in eager code, and TF's sharing relies on
+    per-replica creation order."""
+    s = strategy_of(2)
+
+    def fn():
+        md.Variable(1.0, name="late")
+
+    with pytest.raises(RuntimeError, match=r"strategy\.scope\(\)"):
+        s.run(fn)
+
+
+# ---- ON_READ -------------------------------------------------------------------------------------
+
+def test_sync_on_read_sum_read_and_assign():
+    """SyncOnReadVariableAssignTest.testAssignReplicaLocalVarSumAggregation: 1.0 on each of 2 replicas
+    reads 2.0 in cross-replica context; assign(6.0) there puts 6/2 on each copy and reads back 6.0."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(1.0, synchronization=SYNC.ON_READ, aggregation=AGG.SUM)
+    assert isinstance(v, md.SyncOnReadVariable)
+    assert not v.trainable
+    with s.scope():
+        assert v.read_value().item() == 2.0
+        v.assign(6.0)
+        assert copies(v) == [3.0, 3.0]
+        assert v.read_value().item() == 6.0
+
+
+def test_sync_on_read_mean_read_and_assign():
+    """testAssignReplicaLocalVarMeanAggregation: MEAN reads 1.0; assign(6.0) reads back 6.0."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(1.0, synchronization=SYNC.ON_READ, aggregation=AGG.MEAN)
+        assert v.read_value().item() == 1.0
+        v.assign(6.0)
+        assert copies(v) == [6.0, 6.0] and v.read_value().item() == 6.0
+
+
+def test_sync_on_read_per_replica_writes_then_cross_replica_read():
+    """ON_READ: each replica writes its own copy (replica r assigns r + 1); a cross-replica read
+    aggregates: SUM 1+2+3, MEAN 2, ONLY_FIRST_REPLICA replica 0's 1; in replica context each replica
+    reads its own copy."""
+    s = strategy_of(3)
+    for agg, want in ((AGG.SUM, 6.0), (AGG.MEAN, 2.0), (AGG.ONLY_FIRST_REPLICA, 1.0)):
+        with s.scope():
+            v = md.Variable(0.0, synchronization=SYNC.ON_READ, aggregation=agg)
+
+        def fn():
+            v.assign(float(replica_id() + 1))
+            return v.read_value().item()
+
+        assert s.experimental_local_results(s.run(fn)) == (1.0, 2.0, 3.0)
+        assert copies(v) == [1.0, 2.0, 3.0]
+        with s.scope():
+            assert v.read_value().item() == want, agg
+        assert s.reduce(md.ReduceOp.SUM, v).item() == 6.0  # the copies reduce like a PerReplica
+
+
+def test_sync_on_read_assign_add_with_sum_in_cross_replica_raises():
+    """values_util.on_read_assign_add_cross_replica: "SyncOnReadVariable does not support `assign_add`
+    in cross-replica context when aggregation is set to `tf.VariableAggregation.SUM`" (ValueError);
+    assign_sub likewise. With MEAN, assign_add adds to every copy."""
+    s = strategy_of(2)
+    with s.scope():
+        total = md.Variable(1.0, synchronization=SYNC.ON_READ, aggregation=AGG.SUM)
+        mean = md.Variable(1.0, synchronization=SYNC.ON_READ, aggregation=AGG.MEAN)
+        with pytest.raises(ValueError, match="assign_add"):
+            total.assign_add(1.0)
+        with pytest.raises(ValueError, match="assign_sub"):
+            total.assign_sub(1.0)
+        mean.assign_add(2.0)
+    assert copies(total) == [1.0, 1.0]
+    assert copies(mean) == [3.0, 3.0]
+    s.run(lambda: total.assign_add(1.0))  # in replica context it is each replica's own copy
+    assert copies(total) == [2.0, 2.0]
+
+
+def test_sync_on_read_integer_sum_assign_splits_exactly():
+    """TF's on_read_assign_cross_replica computes cast(value / num_replicas, dtype), so assigning 10 to
+    an int SUM variable on 3 replicas stores 3 per copy and reads back 9. We split the total exactly
+    (4, 3, 3) so the value reads back as assigned: the point of dividing is that it does."""
+    s = strategy_of(3)
+    with s.scope():
+        v = md.Variable(torch.tensor(0, dtype=torch.int64), synchronization=SYNC.ON_READ, aggregation=AGG.SUM)
+        v.assign(10)
+        assert v.read_value().item() == 10
+    assert sum(copies(v)) == 10 and v.dtype == torch.int64
+
+
+def test_sync_on_read_cannot_be_trainable():
+    """variable_scope: "Synchronization value can be set to VariableSynchronization.ON_READ only for
+    non-trainable variables" (ValueError)."""
+    s = strategy_of(2)
+    with s.scope(), pytest.raises(ValueError, match="trainable"):
+        md.Variable(1.0, synchronization=SYNC.ON_READ, aggregation=AGG.SUM, trainable=True)
+
+
+def test_sync_on_read_with_none_aggregation_cannot_be_read_cross_replica():
+    """reduce_util.ReduceOp.from_variable_aggregation has no op for NONE, so TF cannot read such a
+    variable in cross-replica context; we raise ValueError naming the fix."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(1.0, synchronization=SYNC.ON_READ, aggregation=AGG.NONE)
+        with pytest.raises(ValueError, match="aggregation NONE"):
+            v.read_value()
+    assert s.experimental_local_results(s.run(lambda: v.read_value().item())) == (1.0, 1.0)

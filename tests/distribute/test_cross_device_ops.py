@@ -1,0 +1,231 @@
+"""cross_device_ops.py: the four cross-device ops, checked against numpy sums.
+
+ReductionToOneDevice, HierarchicalCopyAllReduce and InMemoryAllReduce run on CPU replicas here;
+NcclAllReduce needs two CUDA GPUs, so on this machine only its construction error is checked (and
+its results where two GPUs are visible).
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import mirrored.distribute as md
+from mirrored.distribute import cross_device_ops as cdo
+
+TIMEOUT_S = 20.0
+CPU_OPS = [md.ReductionToOneDevice, md.HierarchicalCopyAllReduce, md.InMemoryAllReduce]
+SIZES = [1, 7, 1000, cdo._SMALL_NUMEL + 5]  # the last takes InMemoryAllReduce's sliced in-place path
+
+
+def strategy_of(n: int, ops: md.CrossDeviceOps | None = None) -> md.MirroredStrategy:
+    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], cross_device_ops=ops, timeout_s=TIMEOUT_S)
+
+
+def replica_id() -> int:
+    return md.get_replica_context().replica_id_in_sync_group
+
+
+def random_inputs(n: int, size: int, dtype=np.float32) -> list[np.ndarray]:
+    rng = np.random.default_rng(size)
+    if np.issubdtype(dtype, np.integer):
+        return [rng.integers(-1000, 1000, size).astype(dtype) for _ in range(n)]
+    return [rng.standard_normal(size).astype(dtype) for _ in range(n)]
+
+
+@pytest.mark.parametrize("ops_cls", CPU_OPS)
+def test_strategy_all_reduce_equals_numpy_sum_on_every_replica(ops_cls):
+    """Inside run: every replica gets the numpy sum (float64 reference, float32 rounding allowed),
+    bitwise the same on every replica; MEAN is the sum / n; integers are exact. 2 and 3 replicas."""
+    for n in (2, 3):
+        check_all_reduce(strategy_of(n, ops_cls()), n)
+
+
+def check_all_reduce(s: md.MirroredStrategy, n: int) -> None:
+    for size in SIZES:
+        xs = random_inputs(n, size)
+        want = np.sum([x.astype(np.float64) for x in xs], axis=0)
+
+        def fn():
+            ctx = md.get_replica_context()
+            x = torch.from_numpy(xs[replica_id()].copy())
+            return ctx.all_reduce("sum", x), ctx.all_reduce("mean", x.clone())
+
+        sums, means = (s.experimental_local_results(v) for v in s.run(fn))
+        for r in range(n):
+            np.testing.assert_allclose(sums[r].numpy(), want, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(means[r].numpy(), want / n, rtol=1e-5, atol=1e-5)
+            assert torch.equal(sums[r], sums[0]) and torch.equal(means[r], means[0])
+    ints = random_inputs(n, 10, np.int64)
+    out = s.run(lambda: md.get_replica_context().all_reduce("sum", torch.from_numpy(ints[replica_id()].copy())))
+    for t in s.experimental_local_results(out):
+        assert t.tolist() == np.sum(ints, axis=0).tolist()
+
+
+def test_cross_replica_reduce_equals_numpy():
+    """ops.reduce on a PerReplica (cross-replica context): every destination holds the numpy sum."""
+    n = 3
+    for ops_cls, size in itertools.product(CPU_OPS, SIZES):
+        xs = random_inputs(n, size, np.float64)
+        value = md.PerReplica([torch.from_numpy(x) for x in xs])
+        out = ops_cls().reduce(md.ReduceOp.SUM, value, destinations=value)
+        for t in out.values:
+            np.testing.assert_allclose(t.numpy(), np.sum(xs, axis=0), rtol=1e-12, atol=1e-12)
+        mean = ops_cls().reduce(md.ReduceOp.MEAN, value)
+        np.testing.assert_allclose(mean.values[0].numpy(), np.mean(xs, axis=0), rtol=1e-12, atol=1e-12)
+
+
+def test_integer_mean_truncates_and_keeps_dtype():
+    value = md.PerReplica([torch.tensor([1, -4], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)])
+    out = md.ReductionToOneDevice().reduce("mean", value)
+    assert out.values[0].dtype == torch.int32 and out.values[0].tolist() == [1, -2]
+
+
+def test_batch_reduce_packs_tensors_into_buckets(monkeypatch):
+    """batch_reduce sends one flat buffer per bucket (per dtype, at most bytes_per_pack bytes), and
+    unpacks every tensor back to its own shape with the right sum."""
+    for ops_cls in CPU_OPS:
+        check_packing(ops_cls, monkeypatch)
+
+
+def check_packing(ops_cls, monkeypatch) -> None:
+    n = 2
+    shapes = [(3,), (2, 2), (5,), (1,)]
+    dtypes = [torch.float32, torch.float32, torch.float64, torch.float32]
+    values = [md.PerReplica([torch.full(shape, float(r + 1 + 10 * j), dtype=dt) for r in range(n)])
+              for j, (shape, dt) in enumerate(zip(shapes, dtypes))]
+    seen: list[int] = []
+    original = ops_cls._all_sum
+
+    def spy(self, per_replica):
+        seen.append(len(per_replica[0]))
+        return original(self, per_replica)
+
+    monkeypatch.setattr(ops_cls, "_all_sum", spy)
+    out = ops_cls().batch_reduce("sum", [(v, None) for v in values])
+    assert seen == [2]  # one float32 bucket and one float64 bucket, in one call
+    for j, (shape, dt) in enumerate(zip(shapes, dtypes)):
+        for t in out[j].values:
+            assert t.shape == shape and t.dtype == dt and torch.all(t == 3 + 20 * j)
+    seen.clear()
+    ops_cls(bytes_per_pack=16).batch_reduce("sum", [(v, None) for v in values])
+    assert seen == [4]  # 16-byte packs: 12 + 16 bytes of float32 do not fit together
+
+
+def test_all_reduce_of_nested_values_with_tiny_packs():
+    """A strategy whose ops pack 8 bytes at a time still reduces a nested structure correctly."""
+    s = strategy_of(3, md.InMemoryAllReduce(bytes_per_pack=8))
+
+    def fn():
+        r = replica_id()
+        return md.get_replica_context().all_reduce("sum", [torch.ones(3) * r, {"k": torch.tensor([r, 1])}])
+
+    out = s.run(fn)
+    for r in range(3):
+        assert out[0].values[r].tolist() == [3.0] * 3 and out[1]["k"].values[r].tolist() == [3, 3]
+
+
+def _two_layer():
+    torch.manual_seed(0)
+    return nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(3, 2), "sometimes": nn.Linear(3, 2)})
+
+
+def test_gradient_none_on_every_replica_stays_none():
+    """Through mirror_optimizer: a parameter no replica's loss reaches keeps grad None (and its value);
+    one reached by some replicas only counts as zero gradient on the others; replicas stay in sync."""
+    for ops_cls in CPU_OPS:
+        check_none_gradients(strategy_of(3, ops_cls()))
+
+
+def check_none_gradients(s: md.MirroredStrategy) -> None:
+    with s.scope():
+        mnet = s.mirror(_two_layer())
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=1.0)
+    before = {k: v.clone() for k, v in mnet.replicas[0].state_dict().items()}
+    x = torch.ones(1, 3)
+
+    def step():
+        net = mnet.module
+        loss = net["used"](x).sum()
+        if replica_id() == 0:
+            loss = loss + net["sometimes"](x).sum()
+        loss.backward()
+        opt.step()
+        return {n: p.grad is None for n, p in net.named_parameters()}
+
+    none = s.run(step)
+    assert none["unused.weight"] is True and none["unused.bias"] is True
+    assert none["used.weight"] is False
+    assert none["sometimes.weight"] is False  # zeros filled in on the replicas where it was None
+    s.check_in_sync(mnet)
+    after = mnet.replicas[0].state_dict()
+    assert torch.equal(after["unused.weight"], before["unused.weight"])
+    # d(sum(Wx + b))/dW = 1 per replica that used it: "used" on 3 replicas, "sometimes" on replica 0 only.
+    assert torch.allclose(after["used.weight"], before["used.weight"] - 3.0)
+    assert torch.allclose(after["sometimes.weight"], before["sometimes.weight"] - 1.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a CPU-only machine")
+def test_nccl_all_reduce_on_cpu_box_fails_at_construction():
+    with pytest.raises(ValueError) as info:
+        strategy_of(2, md.NcclAllReduce())
+    msg = str(info.value)
+    assert "NcclAllReduce needs CUDA GPUs, but torch sees none" in msg and "cross_device_ops=" in msg
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nccl_all_reduce_refuses_cpu_devices():
+    with pytest.raises(ValueError, match="reduces across GPUs only"):
+        strategy_of(2, md.NcclAllReduce())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_nccl_all_reduce_equals_numpy_sum():  # pragma: no cover - GPU machines only
+    s = md.MirroredStrategy(devices=["cuda:0", "cuda:1"], cross_device_ops=md.NcclAllReduce(), timeout_s=TIMEOUT_S)
+    xs = random_inputs(2, 1000)
+    out = s.run(lambda: md.get_replica_context().all_reduce(
+        "sum", torch.from_numpy(xs[replica_id()]).to(f"cuda:{replica_id()}")))
+    for t in s.experimental_local_results(out):
+        np.testing.assert_allclose(t.cpu().numpy(), xs[0] + xs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_one_device_nccl_is_allowed():
+    """With one replica no reduction happens, so the ops are not checked against the device."""
+    assert md.MirroredStrategy(devices=["cpu:0"], cross_device_ops=md.NcclAllReduce()).num_replicas_in_sync == 1
+
+
+def test_default_ops_for_cpu_replicas():
+    assert isinstance(strategy_of(2).extended.cross_device_ops, md.InMemoryAllReduce)
+    assert isinstance(cdo.default_for(["cpu:0"]), md.InMemoryAllReduce)
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="bytes_per_pack=0"):
+        md.ReductionToOneDevice(bytes_per_pack=0)
+    with pytest.raises(ValueError, match="num_packs=-1"):
+        md.HierarchicalCopyAllReduce(num_packs=-1)
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        md.ReductionToOneDevice().reduce("max", md.PerReplica([torch.ones(1)]))
+    with pytest.raises(TypeError, match="expected a CrossDeviceOps"):
+        strategy_of(2, "nccl")  # type: ignore[arg-type]
+    assert repr(md.InMemoryAllReduce(bytes_per_pack=64)) == "InMemoryAllReduce(bytes_per_pack=64)"
+    assert md.ReductionToOneDevice(reduce_to_device="/device:CPU:0").reduce_to_device == "cpu:0"
+
+
+def test_batch_reduce_rejects_different_replica_counts():
+    a, b = md.PerReplica([torch.ones(1)] * 2), md.PerReplica([torch.ones(1)] * 3)
+    with pytest.raises(ValueError, match=r"different numbers of replicas: \[2, 3\]"):
+        md.ReductionToOneDevice().batch_reduce("sum", [(a, None), (b, None)])
+
+
+def test_in_memory_slices_cover_the_buffer_once():
+    """InMemoryAllReduce: the replicas' slices tile [0, numel) without overlap, on 16-element bounds."""
+    for numel in (1, 15, 16, 17, 1000, 40_001):
+        for n in (2, 3, 4):
+            bounds = [cdo._slice(numel, n, k) for k in range(n)]
+            covered = sorted(i for lo, hi in bounds for i in range(lo, hi))
+            assert covered == list(range(numel))
+            assert all(lo % cdo._CHUNK_ALIGN == 0 for lo, hi in bounds if hi > lo)

@@ -1,0 +1,242 @@
+"""modules.py: strategy.mirror(module) and strategy.mirror_optimizer(...), and check_in_sync on them."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mirrored.distribute as md
+
+TIMEOUT_S = 20.0
+
+
+def strategy_of(n: int) -> md.MirroredStrategy:
+    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
+
+
+def replica_id() -> int:
+    return md.get_replica_context().replica_id_in_sync_group
+
+
+def tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def test_mirror_makes_identical_independent_copies():
+    s = strategy_of(3)
+    net = tiny()
+    mnet = s.mirror(net)
+    assert mnet.replicas[0] is net and len(mnet.replicas) == 3 and mnet.values == mnet.replicas
+    for copy_ in mnet.replicas[1:]:
+        for p, q in zip(net.parameters(), copy_.parameters()):
+            assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()
+    s.check_in_sync(mnet)
+    assert repr(mnet) == "MirroredModule(3 replicas of Sequential)"
+
+
+def test_calls_and_attributes_go_to_the_current_replica():
+    s = strategy_of(2)
+    mnet = s.mirror(tiny())
+
+    def fn():
+        return mnet.module is mnet.replicas[replica_id()], mnet.training
+
+    is_own, training = s.run(fn)
+    assert is_own is True and training is True
+    assert mnet.module is mnet.replicas[0]  # cross-replica context: replica 0's copy
+    assert mnet(torch.ones(1, 3)).shape == (1, 2)
+    out = s.run(lambda x: mnet(x).sum().item(), args=(torch.ones(2, 3),))
+    assert out.values[0] == out.values[1]
+
+
+def test_setting_attributes_is_refused():
+    mnet = strategy_of(2).mirror(tiny())
+    with pytest.raises(AttributeError, match="set it on every copy"):
+        mnet.dropout = 0.1
+
+
+def test_whole_module_calls_reach_every_copy():
+    s = strategy_of(2)
+    mnet = s.mirror(tiny())
+    assert mnet.eval() is mnet and not any(m.training for m in mnet.replicas)
+    mnet.train()
+    assert all(m.training for m in mnet.replicas)
+    mnet.requires_grad_(False)
+    assert not any(p.requires_grad for m in mnet.replicas for p in m.parameters())
+    mnet.requires_grad_(True)
+    state = {k: torch.full_like(v, 0.5) for k, v in tiny().state_dict().items()}
+    mnet.load_state_dict(state)
+    assert all(torch.all(p == 0.5) for m in mnet.replicas for p in m.parameters())
+    mnet.apply(lambda m: nn.init.zeros_(m.bias) if isinstance(m, nn.Linear) else None)
+    assert all(torch.all(m[0].bias == 0) for m in mnet.replicas)
+    s.check_in_sync(mnet)
+
+
+def test_module_zero_grad_outside_run_clears_every_copy():
+    s = strategy_of(2)
+    mnet = s.mirror(tiny())
+    for m in mnet.replicas:
+        m(torch.ones(1, 3)).sum().backward()
+    mnet.zero_grad()
+    assert all(p.grad is None for m in mnet.replicas for p in m.parameters())
+
+
+def test_mirror_rejects_non_modules():
+    s = strategy_of(2)
+    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+        s.mirror(lambda x: x)
+    mnet = s.mirror(tiny())
+    with pytest.raises(TypeError):
+        s.mirror(mnet)
+    with pytest.raises(TypeError, match="pass the module that strategy.mirror"):
+        s.mirror_optimizer(torch.optim.SGD, tiny(), lr=0.1)
+    with pytest.raises(TypeError, match="optimizer class"):
+        s.mirror_optimizer("sgd", mnet)
+
+
+def test_optimizer_has_one_copy_per_replica_on_that_replicas_parameters():
+    s = strategy_of(2)
+    mnet = s.mirror(tiny())
+    opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
+    assert len(opt.replicas) == 2 and opt.values == opt.replicas
+    for r in range(2):
+        assert opt.replicas[r].param_groups[0]["params"][0] is next(mnet.replicas[r].parameters())
+    assert opt.param_groups[0]["lr"] == 0.1 and repr(opt) == "MirroredOptimizer(2 replicas of SGD)"
+
+
+def test_step_outside_run_is_refused_and_zero_grad_clears_every_copy():
+    """Outside run, step() would update replica 0 alone (the copies would drift), so it raises, in the
+    scope and outside it alike; zero_grad() there clears every replica's gradients."""
+    s = strategy_of(2)
+    mnet = s.mirror(tiny())
+    opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+    for m in mnet.replicas:
+        m(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="outside strategy.run"):
+        opt.step()
+    with s.scope(), pytest.raises(RuntimeError, match="outside strategy.run"):
+        opt.step()
+    opt.zero_grad()
+    assert all(p.grad is None for m in mnet.replicas for p in m.parameters())
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: 0.0)
+    s.check_in_sync(mnet)
+
+
+def test_one_replica_optimizer_steps_anywhere():
+    s = strategy_of(1)
+    mnet = s.mirror(tiny())
+    opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+    before = next(mnet.parameters()).detach().clone()
+    mnet(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    assert not torch.equal(before, next(mnet.parameters()))
+
+
+def test_step_all_reduces_then_every_replica_applies_the_sum():
+    """Replica r's loss is (r + 1) * sum(output): the applied gradient is the SUM over replicas, the
+    same on every copy (checked against a plain-torch gradient of the summed loss)."""
+    s = strategy_of(3)
+    net = tiny()
+    ref = copy.deepcopy(net)
+    x = torch.randn(2, 3)
+    sum((r + 1) * ref(x).sum() for r in range(3)).backward()
+    mnet = s.mirror(net)
+    opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=1.0)
+
+    def step():
+        ((replica_id() + 1) * mnet(x).sum()).backward()
+        opt.step()
+        return [p.grad.clone() for p in mnet.parameters()]
+
+    grads = s.run(step)
+    for j, p in enumerate(ref.parameters()):
+        for r in range(3):
+            torch.testing.assert_close(grads[j].values[r], p.grad, rtol=1e-6, atol=1e-6)
+            assert torch.equal(grads[j].values[r], grads[j].values[0])
+    s.check_in_sync(mnet)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_repeated_steps_stay_in_sync(set_to_none):
+    """Gradient buffers are reused step after step (zero_grad to None or to zeros in place)."""
+    s = strategy_of(2)
+    mnet = s.mirror(tiny())
+    opt = s.mirror_optimizer(torch.optim.Adam, mnet, lr=0.01)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 3, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(4)]
+
+    def step(x, y):
+        F.cross_entropy(mnet(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+
+    for x, y in data:
+        s.run(step, args=(md.PerReplica((x[:2], x[2:])), md.PerReplica((y[:2], y[2:]))))
+        s.check_in_sync(mnet)
+        s.check_in_sync(opt)
+
+
+def test_check_in_sync_names_the_perturbed_parameter():
+    s = strategy_of(3)
+    mnet = s.mirror(tiny())
+    with torch.no_grad():
+        mnet.replicas[1][2].weight[0, 0] += 1e-6
+    with pytest.raises(md.OutOfSyncError) as info:
+        s.check_in_sync(mnet)
+    msg = str(info.value)
+    assert msg.startswith("2.weight: replica 0 and replica 1 (cpu:1) hold different values (max abs difference")
+
+
+def test_check_in_sync_sees_optimizer_state_and_negative_zero():
+    s = strategy_of(2)
+    mnet = s.mirror(tiny())
+    opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
+
+    def step():
+        mnet(torch.ones(1, 3)).sum().backward()
+        opt.step()
+
+    s.run(step)
+    s.check_in_sync(opt)
+    opt.replicas[1].state_dict()["state"][0]["momentum_buffer"].mul_(-1)
+    with pytest.raises(md.OutOfSyncError, match=r"optimizer state\[0\]\['momentum_buffer'\]: replica 0 and replica 1"):
+        s.check_in_sync(opt)
+    with torch.no_grad():  # +0.0 and -0.0 compare equal but are different bits
+        for m in mnet.replicas:
+            m[0].bias.zero_()
+        mnet.replicas[1][0].bias[0] = -0.0
+    with pytest.raises(md.OutOfSyncError, match="0.bias"):
+        s.check_in_sync(mnet)
+
+
+def test_check_in_sync_rejects_other_objects():
+    with pytest.raises(TypeError, match="expected a mirrored module, optimizer or variable"):
+        strategy_of(2).check_in_sync(tiny())
+
+
+def test_optimizer_state_dict_round_trip():
+    s = strategy_of(2)
+    mnet = s.mirror(tiny())
+    opt = s.mirror_optimizer(torch.optim.Adam, mnet, lr=0.01)
+
+    def step():
+        mnet(torch.ones(1, 3)).sum().backward()
+        opt.step()
+
+    s.run(step)
+    state = opt.state_dict()
+    fresh = s.mirror_optimizer(torch.optim.Adam, mnet, lr=0.5)
+    fresh.load_state_dict(state)
+    assert fresh.param_groups[0]["lr"] == 0.01
+    s.check_in_sync(fresh)
+    for r in range(2):  # each replica's state is its own copy, not shared with replica 0's
+        exp_avg = fresh.replicas[r].state_dict()["state"][0]["exp_avg"]
+        assert torch.equal(exp_avg, state["state"][0]["exp_avg"])
+    a = fresh.replicas[0].state_dict()["state"][0]["exp_avg"]
+    b = fresh.replicas[1].state_dict()["state"][0]["exp_avg"]
+    assert a.data_ptr() != b.data_ptr()

@@ -1,0 +1,177 @@
+"""strategy.py: construction, run, reductions' edge cases, lifetime of replica threads."""
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+import mirrored.distribute as md
+
+TIMEOUT_S = 20.0
+
+
+def strategy_of(n: int, **kwargs) -> md.MirroredStrategy:
+    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S, **kwargs)
+
+
+def replica_id() -> int:
+    return md.get_replica_context().replica_id_in_sync_group
+
+
+def mirrored_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("mirrored-replica-")}
+
+
+def test_constructor_validates_timeout():
+    for bad in (0, -1.0, "10"):
+        with pytest.raises(ValueError, match=f"timeout_s={bad!r}"):
+            md.MirroredStrategy(devices=["cpu:0", "cpu:1"], timeout_s=bad)
+
+
+def test_repr_and_extended_shim():
+    s = strategy_of(2)
+    assert repr(s) == "MirroredStrategy(devices=['cpu:0', 'cpu:1'])"
+    assert s.extended.worker_devices == s.extended.parameter_devices == ("cpu:0", "cpu:1")
+    assert isinstance(s.extended.cross_device_ops, md.InMemoryAllReduce)
+    assert repr(md.OneDeviceStrategy("cpu:0")) == "OneDeviceStrategy(devices=['cpu:0'])"
+
+
+def test_threads_start_on_first_run_and_stop_when_dropped():
+    """No thread before the first run; the replica threads end once the strategy is unreferenced,
+    without waiting for the cyclic garbage collector (a strategy holds no reference cycle)."""
+    before = mirrored_threads()
+    s = strategy_of(3)
+    assert mirrored_threads() == before
+    s.run(lambda: None)
+    mine = mirrored_threads() - before
+    assert len(mine) == 3
+    ref = weakref.ref(s)
+    gc.disable()
+    try:
+        del s
+        assert ref() is None
+    finally:
+        gc.enable()
+    for t in mine:
+        t.join(timeout=TIMEOUT_S)
+        assert not t.is_alive()
+
+
+def test_used_strategy_with_state_is_freed_without_gc():
+    """Mirrored modules, optimizers and variables refer to their strategy, not the other way round."""
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(torch.nn.Linear(2, 2))
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+        v = md.Variable(1.0)
+
+    def step():
+        mnet(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        v.assign(2.0)
+        return md.get_replica_context().all_reduce("sum", torch.ones(1))
+
+    s.run(step)
+    ref = weakref.ref(s)
+    gc.disable()
+    try:
+        del s, mnet, opt, v
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_run_argument_checks():
+    s = strategy_of(2)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        s.run(42)
+    assert s.run(lambda a, b=0: a + b, args=[1], kwargs={"b": 2}) == 3
+    assert s.run(lambda: "x", options=object()) == "x"
+
+
+def test_overlapping_runs_from_two_threads_are_refused():
+    s = strategy_of(2)
+    started, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def slow():
+        started.set()
+        release.wait(timeout=TIMEOUT_S)
+
+    def first():
+        try:
+            s.run(slow)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        assert started.wait(timeout=TIMEOUT_S)
+        with pytest.raises(RuntimeError, match="must not overlap"):
+            s.run(lambda: None)
+    finally:
+        release.set()
+        t.join(timeout=TIMEOUT_S)
+    assert not t.is_alive() and not errors
+
+
+def test_two_strategies_side_by_side():
+    a, b = strategy_of(2), strategy_of(3)
+    with a.scope():
+        va = md.Variable(1.0)
+    with b.scope():
+        vb = md.Variable(1.0)
+    assert a.run(lambda: md.get_strategy() is a) is True and b.run(lambda: md.get_strategy() is b) is True
+    assert len(va.values) == 2 and len(vb.values) == 3
+    assert a.reduce("sum", a.run(lambda: torch.tensor(1))).item() == 2
+    assert b.reduce("sum", b.run(lambda: torch.tensor(1))).item() == 3
+
+
+def test_one_device_strategy_runs_inline_and_raises_unchanged():
+    s = md.OneDeviceStrategy("cpu:0")
+    assert s.num_replicas_in_sync == 1
+    with pytest.raises(KeyError) as info:
+        s.run(lambda: {}["missing"])
+    assert info.value.args == ("missing",)  # one replica, no prefix needed
+    with s.scope():
+        v = md.Variable(1.0)
+    assert isinstance(v, md.MirroredVariable) and len(v.values) == 1
+
+
+def test_default_strategy():
+    default = md.get_strategy()
+    assert default.num_replicas_in_sync == 1 and default.extended.worker_devices == ("cpu:0",)
+    assert default.run(lambda x: x * 2, args=(md.PerReplica([3]),)) == 6
+    assert type(md.Variable(0.0)) is md.Variable
+
+
+def test_reduce_and_gather_edge_cases():
+    s = strategy_of(2)
+    scalars = s.run(lambda: torch.tensor(float(replica_id())))
+    with pytest.raises(ValueError, match="scalars"):
+        s.gather(scalars, axis=0)
+    assert s.gather(s.run(lambda: torch.tensor([replica_id()])), axis=-1).tolist() == [0, 1]
+    ints = s.run(lambda: torch.tensor([1 + 2 * replica_id()]))  # 1 and 3
+    assert s.reduce("mean", ints).tolist() == [2]
+    assert s.reduce("sum", md.Mirrored([torch.ones(1)] * 2)).tolist() == [2.0]
+
+
+def test_check_in_sync_accepts_lists_and_passes_in_sync_state():
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(torch.nn.Linear(2, 2))
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+        v = md.Variable(torch.zeros(2))
+    s.check_in_sync([mnet, opt, v])
+    s.check_in_sync((mnet,))
+
+
+def test_values_from_function_on_one_replica_is_plain():
+    """With one replica the value itself comes back (as run returns plain values)."""
+    s = strategy_of(1)
+    assert s.experimental_distribute_values_from_function(lambda ctx: ctx.replica_id_in_sync_group) == 0
+    assert repr(md.ValueContext(1, 2)) == "ValueContext(replica_id_in_sync_group=1, num_replicas_in_sync=2)"

@@ -1,0 +1,161 @@
+"""variables.py: Variable as a tensor, construction rules, per-context reads, check_in_sync.
+
+The tf.distribute write semantics of each context are in tests/conformance/test_tf_variables.py.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import mirrored.distribute as md
+
+TIMEOUT_S = 20.0
+
+
+def strategy_of(n: int) -> md.MirroredStrategy:
+    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
+
+
+def replica_id() -> int:
+    return md.get_replica_context().replica_id_in_sync_group
+
+
+def test_torch_ops_accept_variables():
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(torch.tensor([1.0, 2.0]), name="w")
+        assert torch.add(v, 1).tolist() == [2.0, 3.0]
+        assert (v * 2).tolist() == [2.0, 4.0] and (2 * v).tolist() == [2.0, 4.0]
+        assert (v + v).tolist() == [2.0, 4.0] and (v - 1).tolist() == [0.0, 1.0] and (1 - v).tolist() == [0.0, -1.0]
+        assert (v / 2).tolist() == [0.5, 1.0] and (v ** 2).tolist() == [1.0, 4.0]
+        assert (-v).tolist() == [-1.0, -2.0] and abs(-v).tolist() == [1.0, 2.0]
+        assert (v @ torch.ones(2)).item() == 3.0 and (torch.ones(2) @ v).item() == 3.0
+        assert (v > 1).tolist() == [False, True] and (v == v).tolist() == [True, True]
+        assert v[1].item() == 2.0
+        assert torch.stack([v, v]).shape == (2, 2)
+        assert torch.nn.functional.linear(torch.ones(1, 2), torch.ones(3, 2), v[:1].expand(3)).shape == (1, 3)
+        assert np.asarray(v).tolist() == [1.0, 2.0] and v.numpy().dtype == np.float32
+
+
+def test_python_number_conversions_do_not_warn():
+    v = md.Variable(torch.tensor(2.5))  # trainable float: requires grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert float(v) == 2.5 and int(v) == 2 and bool(v) is True and v.item() == 2.5
+
+
+def test_torch_ops_in_replica_context_use_the_replicas_copy_and_carry_gradients():
+    """Inside run a variable means the replica's own copy: ops build autograd graphs on it."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(torch.tensor([1.0, 2.0]))
+
+    def fn():
+        (v * v).sum().backward()
+        mine = v.values[replica_id()]
+        return mine.grad.clone(), v.read_value() is mine, v.device
+
+    grads, is_mine, devices = s.run(fn)
+    assert [g.tolist() for g in grads.values] == [[2.0, 4.0], [2.0, 4.0]]
+    assert is_mine is True and set(devices.values) == {torch.device("cpu")}
+
+
+def test_plain_variable_outside_scope():
+    v = md.Variable(3.0, name="count")
+    assert type(v) is md.Variable and len(v.values) == 1 and v.name == "count"
+    v.assign_add(2.0)
+    v.assign_sub(1.0)
+    assert v.read_value().item() == 4.0 and v.value().item() == 4.0
+    v.assign(torch.tensor(7.0))
+    assert float(v) == 7.0
+    assert repr(v) == "<Variable 'count' shape=() dtype=torch.float32 value=7.0>"
+
+
+def test_construction_options():
+    v = md.Variable(lambda: torch.zeros(2), dtype=torch.float64, trainable=False)
+    assert v.dtype == torch.float64 and not v.trainable and not v.values[0].requires_grad
+    w = md.Variable([1.0, 2.0])
+    assert w.trainable and w.values[0].requires_grad and w.shape == (2,)
+    i = md.Variable(torch.tensor([1, 2]))
+    assert i.trainable and not i.values[0].requires_grad  # integers never require grad
+    src = torch.ones(2)
+    assert md.Variable(src).values[0].data_ptr() != src.data_ptr()  # the initial value is copied
+    with pytest.raises(ValueError, match="initial_value is required"):
+        md.Variable()
+
+
+def test_enum_arguments_accept_names_and_reject_others():
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(0.0, synchronization="on_read", aggregation="sum")
+    assert v.synchronization is md.VariableSynchronization.ON_READ and v.aggregation is md.VariableAggregation.SUM
+    with pytest.raises(ValueError, match="aggregation='max'"):
+        md.Variable(0.0, aggregation="max")
+    with pytest.raises(ValueError, match="VariableSynchronization.ON_WRITE"):
+        md.Variable(0.0, synchronization=7)
+
+
+def test_auto_and_on_write_are_mirrored():
+    s = strategy_of(2)
+    with s.scope():
+        for sync in ("AUTO", "ON_WRITE", "NONE"):
+            assert isinstance(md.Variable(0.0, synchronization=sync), md.MirroredVariable)
+
+
+def test_assign_shape_mismatch_names_shapes():
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(torch.zeros(2, 3))
+        v.assign(1.0)  # a scalar broadcasts
+        v.assign(torch.ones(3))  # so does a trailing shape
+        with pytest.raises(ValueError, match=r"value of shape \(4,\) does not fit a variable of shape \(2, 3\)"):
+            v.assign(torch.ones(4))
+    assert all(torch.equal(t, torch.ones(2, 3)) for t in v.values)
+
+
+def test_writes_do_not_touch_autograd_history():
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(torch.ones(2))
+        v.assign_add(torch.ones(2, requires_grad=True))
+    assert all(t.grad_fn is None and t.requires_grad and t.is_leaf for t in v.values)
+
+
+def test_repr_of_mirrored_variable_shows_every_copy():
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable([1.0], name="b")
+    assert repr(v) == "<MirroredVariable 'b' shape=(1,) dtype=torch.float32 {0: [1.0], 1: [1.0]}>"
+
+
+def test_check_in_sync_names_the_variable_and_replica():
+    s = strategy_of(3)
+    with s.scope():
+        v = md.Variable(torch.zeros(3), name="bias")
+    s.check_in_sync(v)
+    with torch.no_grad():
+        v.values[2][1] += 1e-7
+    with pytest.raises(md.OutOfSyncError) as info:
+        s.check_in_sync([v])
+    msg = str(info.value)
+    assert msg.startswith("variable 'bias': replica 0 and replica 2 (cpu:2) hold different values")
+    assert "bitwise identical" in msg
+
+
+def test_check_in_sync_refuses_sync_on_read():
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(0.0, synchronization="ON_READ", aggregation="SUM")
+    with pytest.raises(TypeError, match="differ by design"):
+        s.check_in_sync(v)
+
+
+def test_variable_values_live_on_their_devices():
+    s = strategy_of(3)
+    with s.scope():
+        v = md.Variable(torch.ones(2))
+    assert len({t.data_ptr() for t in v.values}) == 3  # separate storage per replica
+    assert s.run(lambda: v.values[replica_id()] is v.read_value()) is True
