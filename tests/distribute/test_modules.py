@@ -240,3 +240,33 @@ def test_optimizer_state_dict_round_trip():
     a = fresh.replicas[0].state_dict()["state"][0]["exp_avg"]
     b = fresh.replicas[1].state_dict()["state"][0]["exp_avg"]
     assert a.data_ptr() != b.data_ptr()
+
+
+def test_batchnorm_running_stats_are_averaged_and_stay_in_sync():
+    """BatchNorm statistics differ per replica batch; step() averages them (TF's MEAN moving averages)."""
+    import mirrored as mr
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    with torch.no_grad():  # reference: each half-batch's statistics, averaged, one momentum step from init
+        h = net[0](x)
+        want_mean = 0.1 * (h[:4].mean(0) + h[4:].mean(0)) / 2
+        want_var = 0.9 + 0.1 * (h[:4].var(0) + h[4:].var(0)) / 2
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        mnet = strategy.mirror(net)
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.0)
+
+    def step(xb, yb):
+        loss = torch.nn.functional.cross_entropy(mnet(xb), yb, reduction="sum") / 8
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for xb, yb in strategy.experimental_distribute_dataset([(x, y)]):
+        strategy.run(step, args=(xb, yb))
+    strategy.check_in_sync(mnet)
+    bn = mnet.replicas[1][1]
+    torch.testing.assert_close(bn.running_mean, want_mean, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(bn.running_var, want_var, rtol=1e-6, atol=1e-7)

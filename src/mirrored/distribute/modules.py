@@ -5,7 +5,8 @@ an attribute, uses the calling replica's copy (replica 0's in cross-replica cont
 MirroredOptimizer keeps one torch optimizer per copy; `step()` in replica context first
 all-reduces the replica's gradients (SUM, as TF's apply_gradients does: scale each replica's loss
 by the GLOBAL batch), then every replica applies the same update, so the copies stay bitwise
-identical. Uses context.py, devices.py and variables.py; the strategy does the reduction.
+identical; floating-point buffers (BatchNorm statistics) are averaged after the update. Uses
+context.py, devices.py, values.py and variables.py; the strategy does the reduction.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 from mirrored.distribute import context
 from mirrored.distribute.devices import torch_device
+from mirrored.distribute.values import ReduceOp
 
 if TYPE_CHECKING:
     from mirrored.distribute.strategy import Strategy
@@ -154,7 +156,22 @@ class MirroredOptimizer:
                                "where it would update replica 0's copy only. Call it inside strategy.run(step_fn): "
                                "each replica all-reduces its gradients, then updates.")
         self.reduce_gradients()
-        return self.optimizer.step()
+        result = self.optimizer.step()
+        self.sync_buffers()
+        return result
+
+    def sync_buffers(self) -> None:
+        """Averages the module's floating-point buffers (BatchNorm running statistics) across replicas,
+        as TF's MEAN-aggregated moving averages are, so every copy stays identical."""
+        ctx = context.get_replica_context()
+        if ctx is None or ctx.strategy is not self._strategy or ctx.num_replicas_in_sync == 1:
+            return
+        net = self._module.replicas[ctx.replica_id_in_sync_group]
+        bufs = [b for b in net.buffers() if b.is_floating_point()]
+        if bufs:
+            with torch.no_grad():
+                for b, avg in zip(bufs, ctx.all_reduce(ReduceOp.MEAN, bufs)):
+                    b.copy_(avg)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the current replica's gradients (every replica's outside strategy.run)."""
