@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -57,10 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--replicas", type=_positive_int, default=None,
                        help="N logical replicas (cpu:0..N-1, or the first N GPUs)")
     where.add_argument("--devices", default=None, help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu:0,cpu:1")
-    train.add_argument("--epochs", type=_positive_int, default=4)
+    train.add_argument("--epochs", type=_positive_int, default=6)
     train.add_argument("--batch-size", type=_positive_int, default=None,
                        help="GLOBAL batch size (default: 32 per replica)")
-    train.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default 0.05 x global/64)")
+    train.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate, decayed by a cosine over the epochs (default 0.05 x global/64)")
     train.add_argument("--image-size", type=_positive_int, default=None, help="resize images to this square size")
     train.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     train.add_argument("--resume", action="store_true", help="continue an interrupted run from --out/backup")
@@ -96,11 +97,20 @@ def _strategy(args: argparse.Namespace) -> Any:
 def _load(name: str, split: str, data_dir: str | None, image_size: int, download: bool,
           shuffle_files: bool = False) -> tuple[Any, Any]:
     """(dataset of (image float32 HWC in [0, 1], label), info) for --dataset."""
+    try:
+        return _load_unchecked(name, split, data_dir, image_size, download, shuffle_files)
+    except (FileNotFoundError, ValueError) as e:  # missing or malformed data: the message says what to do
+        raise CliError(str(e)) from None
+
+
+def _load_unchecked(name: str, split: str, data_dir: str | None, image_size: int, download: bool,
+                    shuffle_files: bool) -> tuple[Any, Any]:
     import mirrored as mr
 
     if name == "digits":
-        ds, info = mr.datasets.load("digits", split=split, as_supervised=True, with_info=True,
-                                    read_config={"image_size": image_size, "channels": 3})
+        if image_size != 32:
+            raise CliError(f"--image-size {image_size}: the digits come as 8x8 or 32x32; use 32 (the default).")
+        ds, info = mr.datasets.load("digits/32x32", split=split, as_supervised=True, with_info=True)
         return ds.map(lambda x, y: (x.float() / 255.0, y)), info
     if name == "cassava":
         ds, info = mr.datasets.load("cassava", split=split, data_dir=data_dir, as_supervised=True, with_info=True,
@@ -159,7 +169,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     strategy = _strategy(args)
     n = strategy.num_replicas_in_sync
     model_name = args.model or ("resnet_cifar" if args.dataset == "digits" else "resnet18")
-    image_size = args.image_size or _MODELS_FOR_SIZE.get(model_name, 224)
+    if model_name not in mr.models.names():
+        raise CliError(f"--model {model_name!r}: known models are {', '.join(mr.models.names())}.")
+    image_size = args.image_size or (32 if args.dataset == "digits" else _MODELS_FOR_SIZE.get(model_name, 224))
     global_batch = args.batch_size or 32 * n
     lr = args.lr or 0.05 * global_batch / 64
     print(f"replicas: {n} on {', '.join(strategy.extended.worker_devices)} | cross-device ops: "
@@ -174,11 +186,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     val = val_ds.batch(global_batch).prefetch(mr.data.AUTOTUNE)
     test = test_ds.batch(global_batch).prefetch(mr.data.AUTOTUNE)
     with strategy.scope():
-        try:
-            net = mr.models.get(model_name, num_classes=num_classes)
-        except ValueError as e:
-            raise CliError(f"--model {model_name!r}: {e}") from None
-        model = mr.Model(net)
+        model = mr.Model(mr.models.get(model_name, num_classes=num_classes))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=lr, momentum=0.9),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"],
                       precision=None if args.precision == "fp32" else args.precision)
@@ -188,7 +196,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         shutil.rmtree(backup)
     verbose = args.verbose if args.verbose is not None else (1 if sys.stdout.isatty() else 2)
-    callbacks = [mr.callbacks.CSVLogger(str(out / "log.csv")),
+    def cosine(epoch: int, _lr: float) -> float:  # decay to ~0 so BatchNorm statistics settle by the end
+        return lr * 0.5 * (1 + math.cos(math.pi * epoch / args.epochs))
+
+    callbacks = [mr.callbacks.LearningRateScheduler(cosine),
+                 mr.callbacks.CSVLogger(str(out / "log.csv")),
                  mr.callbacks.BackupAndRestore(str(backup)),
                  mr.callbacks.ModelCheckpoint(str(out / "best.safetensors"), monitor="val_accuracy",
                                               save_best_only=True)]

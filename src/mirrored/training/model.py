@@ -198,24 +198,13 @@ class Model:
             else:
                 opt.optimizer.step()
             opt.optimizer.zero_grad(set_to_none=True)
-            self._sync_buffers(ctx, net)
+            opt.sync_buffers()
 
     @staticmethod
     def _regularization(net: nn.Module, num_replicas: int) -> Tensor | float:
         """A module's `regularization_loss()` (if it has one), divided by the replica count as TF does."""
         fn = getattr(net, "regularization_loss", None)
         return fn() / num_replicas if callable(fn) else 0.0
-
-    @staticmethod
-    def _sync_buffers(ctx: Any, net: nn.Module) -> None:
-        """Averages floating-point buffers (BatchNorm running statistics) across replicas, as TF's
-        MEAN-aggregated moving averages do, so the replicas stay identical."""
-        if ctx.num_replicas_in_sync == 1:
-            return
-        bufs = [b for b in net.buffers() if b.is_floating_point()]
-        if bufs:
-            for b, avg in zip(bufs, ctx.all_reduce(md.ReduceOp.MEAN, bufs)):
-                b.copy_(avg)
 
     def _test_replica(self, batches: list[tuple[Any, Any, Any]]) -> None:
         rid = md.get_replica_context().replica_id_in_sync_group
@@ -400,6 +389,12 @@ class Model:
         if not outputs:
             raise ValueError("Model.predict: the dataset yielded no batches.")
         return np.concatenate(outputs, axis=0)
+
+    def check_in_sync(self) -> None:
+        """Raises OutOfSyncError unless every replica holds bitwise-identical weights and optimizer state."""
+        self.distribute_strategy.check_in_sync(self._net)
+        if self._mopt is not None:
+            self.distribute_strategy.check_in_sync(self._mopt)
 
     # ---- metrics -----------------------------------------------------------------------------------
     def reset_metrics(self) -> None:

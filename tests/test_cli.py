@@ -1,0 +1,74 @@
+"""The main job on the command line: defaults, outputs, bad flags, evaluate."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mirrored import cli
+
+
+def _run(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mirrored", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_train_one_epoch_writes_checkpoint_log_and_plot_then_evaluate_reads_it(tmp_path):
+    out = tmp_path / "run"
+    result = _run("train", "--epochs", "1", "--out", str(out), "--verbose", "2")
+    assert result.returncode == 0, result.stderr
+    assert "replicas: 2 on cpu:0, cpu:1" in result.stdout
+    assert "test_accuracy" in result.stdout and "images/s" in result.stdout
+    for name in ("model.safetensors", "log.csv", "history.png", "run.json"):
+        assert (out / name).is_file(), name
+    rows = list(csv.DictReader(open(out / "log.csv")))
+    assert len(rows) == 1 and {"epoch", "loss", "accuracy", "val_loss", "val_accuracy"} <= set(rows[0])
+    assert not (out / "backup").exists()  # removed after a run that finished
+    saved = json.loads((out / "run.json").read_text())["test"]
+    evaluated = _run("evaluate", str(out / "model.safetensors"))
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert f"accuracy: {saved['accuracy']:.4f}" in evaluated.stdout
+
+
+@pytest.mark.slow
+def test_main_job_defaults_reach_95_percent_test_accuracy(tmp_path):
+    result = _run("train", "--out", str(tmp_path / "run"), "--verbose", "2")
+    assert result.returncode == 0, result.stderr
+    accuracy = json.loads((tmp_path / "run" / "run.json").read_text())["test"]["accuracy"]
+    assert accuracy >= 0.95, result.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--epochs", "0"], "expected a number >= 1"),
+    (["train", "--lr", "-1"], "expected a number > 0"),
+    (["train", "--replicas", "two"], "expected a whole number"),
+    (["train", "--precision", "fp8"], "invalid choice"),
+    (["train", "--replicas", "2", "--devices", "cpu:0"], "not allowed with"),
+])
+def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--dataset", "mnist"], "use digits, cassava or folder:PATH"),
+    (["train", "--model", "vgg"], "--model 'vgg'"),
+    (["train", "--dataset", "folder:/no/such/dir"], "is not a folder"),
+    (["train", "--image-size", "64"], "use 32"),
+    (["evaluate", "/no/such/model.safetensors"], "no checkpoint"),
+])
+def test_bad_settings_are_one_line_errors(argv, message, tmp_path, capsys):
+    assert cli.main([*argv, *(["--out", str(tmp_path)] if argv[0] == "train" else [])]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cassava_without_data_says_where_it_looked(tmp_path, capsys):
+    assert cli.main(["train", "--dataset", "cassava", "--data-dir", str(tmp_path), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "download" in err
