@@ -85,6 +85,7 @@ class Model:
         self._resume_at: tuple[int, int] | None = None
         self._pending_data_state: Any = None
         self._epoch_data_state: Any = None
+        self._fit_dataset: Any = None
         self._precision: str | None = None
         self._scalers: list[Any] = []
 
@@ -292,6 +293,7 @@ class Model:
             else:
                 val = self._as_dataset(validation_data, None, None, None, False, "fit(validation_data)")
         strategy = self.distribute_strategy
+        self._fit_dataset = dataset
         dist = strategy.experimental_distribute_dataset(dataset)
         steps = steps_per_epoch if steps_per_epoch is not None else _len_or_none(dataset)
         verbose = 1 if verbose == "auto" else verbose
@@ -492,7 +494,12 @@ class Model:
             for j, var in enumerate(getattr(m, "variables", [])):
                 for r, t in enumerate(var.values):
                     tensors[f"metrics/{i}/{j}/{r}"] = t.detach()
-        meta.update({"epoch": int(epoch), "step": int(step), "rng": rng_meta, "data_state": self._epoch_data_state})
+        # Mid-epoch, the resumed run replays this epoch's order (as it was when the epoch began) and skips
+        # `step` batches; at an epoch boundary it needs the order of the next epoch: the state now.
+        data_state = self._epoch_data_state
+        if step == 0 and hasattr(self._fit_dataset, "get_state"):
+            data_state = self._fit_dataset.get_state()
+        meta.update({"epoch": int(epoch), "step": int(step), "rng": rng_meta, "data_state": data_state})
         checkpoint.save_checkpoint(path, tensors, meta)
 
     def _restore_training_state(self, path: str | Path) -> tuple[int, int]:

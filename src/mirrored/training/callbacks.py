@@ -1,0 +1,607 @@
+"""Keras callbacks for Model.fit/evaluate/predict: `model.fit(ds, callbacks=[EarlyStopping()])`.
+
+Callback is the base whose hooks are no-ops; CallbackList dispatches one hook to every callback
+and adds History and ProgbarLogger as Keras does. The rest follow Keras 3: ModelCheckpoint,
+BackupAndRestore, EarlyStopping, ReduceLROnPlateau, LearningRateScheduler, TerminateOnNaN,
+CSVLogger and TensorBoard. A callback sees the model through `self.model` (stop_training,
+optimizer.learning_rate, save, save_weights, get_weights, set_weights) and the run through
+`self.params` ({"epochs", "steps", "verbose"}). Batch logs may carry "num_examples", the global
+batch size, for the progress bar's throughput; it is not a metric. Messages a callback prints
+because its `verbose` asks for them go to stdout like the progress bar (as in Keras); everything
+else goes through logging and warnings. The base class and shared helpers are in _callback.py,
+ProgbarLogger in _progbar.py, TensorBoard in _tensorboard.py. Uses numpy.
+"""
+from __future__ import annotations
+
+import csv
+import inspect
+import logging
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from mirrored.training._callback import (
+    NOT_METRICS, Callback, Logs, StepCounter, check_mode, check_save_freq, improved, monitor_value,
+    optimizer_of, resolve_mode, say)
+from mirrored.training._progbar import ProgbarLogger
+from mirrored.training._tensorboard import TensorBoard
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BackupAndRestore", "CSVLogger", "Callback", "CallbackList", "EarlyStopping", "History",
+    "LearningRateScheduler", "ModelCheckpoint", "ProgbarLogger", "ReduceLROnPlateau", "TensorBoard",
+    "TerminateOnNaN",
+]
+
+_BACKUP_FILE = "training_state.safetensors"
+
+
+class CallbackList(Callback):
+    """Calls each hook on every callback in order, passing all of them the same logs dict (so a
+    callback may add keys, e.g. ReduceLROnPlateau's "learning_rate", for those after it).
+
+    Adds a ProgbarLogger (add_progbar) and a History (add_history) after the user's callbacks
+    unless the list already has one, as Keras does; `params` become every callback's params.
+    """
+
+    def __init__(self, callbacks: Iterable[Callback] | None = None, add_history: bool = False,
+                 add_progbar: bool = False, model: Any = None, **params: Any):
+        super().__init__()
+        self.callbacks: list[Callback] = []
+        for cb in callbacks or ():
+            self.callbacks.extend(cb.callbacks if isinstance(cb, CallbackList) else [cb])
+        for i, cb in enumerate(self.callbacks):
+            if not isinstance(cb, Callback):
+                raise TypeError(f"callbacks[{i}] is a {type(cb).__name__}, not a Callback. Pass "
+                                f"instances of mr.callbacks classes, or subclass "
+                                f"mr.callbacks.Callback.")
+        if add_progbar and not any(isinstance(cb, ProgbarLogger) for cb in self.callbacks):
+            self.callbacks.append(ProgbarLogger())
+        if add_history and not any(isinstance(cb, History) for cb in self.callbacks):
+            self.callbacks.append(History())
+        if model is not None:
+            self.set_model(model)
+        if params:
+            self.set_params(params)
+
+    def append(self, callback: Callback) -> None:
+        self.callbacks.append(callback)
+
+    def __iter__(self) -> Iterator[Callback]:
+        return iter(self.callbacks)
+
+    def __len__(self) -> int:
+        return len(self.callbacks)
+
+    def set_params(self, params: Mapping[str, Any]) -> None:
+        super().set_params(params)
+        for cb in self.callbacks:
+            cb.set_params(params)
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        for cb in self.callbacks:
+            cb.set_model(model)
+
+    def _call(self, hook: str, *args: Any, logs: Logs | None) -> None:
+        logs = {} if logs is None else logs
+        for cb in self.callbacks:
+            getattr(cb, hook)(*args, logs)
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self._call("on_train_begin", logs=logs)
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        self._call("on_train_end", logs=logs)
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        self._call("on_epoch_begin", epoch, logs=logs)
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        self._call("on_epoch_end", epoch, logs=logs)
+
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        self._call("on_train_batch_begin", batch, logs=logs)
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        self._call("on_train_batch_end", batch, logs=logs)
+
+    def on_test_begin(self, logs: Logs | None = None) -> None:
+        self._call("on_test_begin", logs=logs)
+
+    def on_test_end(self, logs: Logs | None = None) -> None:
+        self._call("on_test_end", logs=logs)
+
+    def on_test_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        self._call("on_test_batch_begin", batch, logs=logs)
+
+    def on_test_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        self._call("on_test_batch_end", batch, logs=logs)
+
+    def on_predict_begin(self, logs: Logs | None = None) -> None:
+        self._call("on_predict_begin", logs=logs)
+
+    def on_predict_end(self, logs: Logs | None = None) -> None:
+        self._call("on_predict_end", logs=logs)
+
+    def on_predict_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        self._call("on_predict_batch_begin", batch, logs=logs)
+
+    def on_predict_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        self._call("on_predict_batch_end", batch, logs=logs)
+
+    def __repr__(self) -> str:
+        return f"CallbackList({self.callbacks!r})"
+
+
+class History(Callback):
+    """Records every epoch's logs: `history.history["loss"]` is a list, one entry per epoch.
+    fit() returns it, and it is also `model.history`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: dict[str, list[Any]] = {}
+        self.epoch: list[int] = []
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        model.history = self
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self.epoch = []
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        self.epoch.append(epoch)
+        for key, value in (logs or {}).items():
+            if key not in NOT_METRICS:
+                self.history.setdefault(key, []).append(value)
+        if self.model is not None:
+            self.model.history = self
+
+    def __repr__(self) -> str:
+        return f"History(epochs={len(self.epoch)}, keys={sorted(self.history)})"
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+
+
+class ModelCheckpoint(Callback):
+    """Saves the model (model.save) or its weights (model.save_weights) every epoch or every
+    `save_freq` steps; with save_best_only, only when `monitor` improves.
+
+    `filepath` may hold {epoch} (1-based), {batch} (1-based, with an int save_freq) and log keys,
+    e.g. "ckpt/weights.{epoch:02d}-{val_loss:.2f}.safetensors". Its directory is created.
+    """
+
+    def __init__(self, filepath: str | os.PathLike, monitor: str = "val_loss", verbose: int = 0,
+                 save_best_only: bool = False, save_weights_only: bool = False, mode: str = "auto",
+                 save_freq: str | int = "epoch", initial_value_threshold: float | None = None):
+        super().__init__()
+        check_mode("ModelCheckpoint", mode)
+        check_save_freq("ModelCheckpoint", save_freq)
+        self.filepath = os.fspath(filepath)
+        self.monitor = monitor
+        self.verbose = verbose
+        self.save_best_only = save_best_only
+        self.save_weights_only = save_weights_only
+        self.mode = mode
+        self.save_freq = save_freq
+        self.best: float | None = initial_value_threshold
+        self._direction: str | None = None
+        self._current_epoch = 0
+        self._steps = StepCounter(save_freq) if save_freq != "epoch" else None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        if self.save_best_only:
+            self._direction = resolve_mode("ModelCheckpoint", self.monitor, self.mode, self.model)
+        if self._steps is not None:
+            self._steps = StepCounter(self.save_freq)
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        self._current_epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if self._steps is not None and self._steps.due(batch):
+            self._save(self._current_epoch, batch, logs or {})
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._save(epoch, None, logs or {})
+
+    def _save(self, epoch: int, batch: int | None, logs: Logs) -> None:
+        path = self._format_path(epoch, batch, logs)
+        if self.save_best_only:
+            current = monitor_value(self, logs)
+            if current is None:
+                return
+            if self._direction is None:
+                self._direction = resolve_mode("ModelCheckpoint", self.monitor, self.mode, self.model)
+            if math.isnan(current) or not improved(self._direction, current, self.best, 0.0):
+                if self.verbose:
+                    say(f"Epoch {epoch + 1}: {self.monitor} did not improve from {self.best}")
+                return
+            if self.verbose:
+                say(f"Epoch {epoch + 1}: {self.monitor} improved from {self.best} to "
+                    f"{current}, saving model to {path}")
+            self.best = current
+        elif self.verbose:
+            say(f"Epoch {epoch + 1}: saving model to {path}")
+        directory = os.path.dirname(path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        if self.save_weights_only:
+            self.model.save_weights(path)
+        else:
+            self.model.save(path)
+
+    def _format_path(self, epoch: int, batch: int | None, logs: Logs) -> str:
+        fields = {k: v for k, v in logs.items() if k not in NOT_METRICS}
+        fields["epoch"] = epoch + 1
+        if batch is not None:
+            fields["batch"] = batch + 1
+        try:
+            return self.filepath.format(**fields)
+        except KeyError as e:
+            raise ValueError(
+                f"ModelCheckpoint(filepath={self.filepath!r}): the placeholder {{{e.args[0]}}} "
+                f"names no log key at epoch {epoch + 1} (available: {', '.join(fields)}). Use "
+                f"one of those; val_ keys need fit(validation_data=...).") from e
+        except (IndexError, ValueError) as e:
+            raise ValueError(f"ModelCheckpoint(filepath={self.filepath!r}): cannot format the "
+                             f"path ({e}). Use named fields such as {{epoch:02d}} or "
+                             f"{{val_loss:.4f}}, and double braces for literal ones.") from e
+
+    def __repr__(self) -> str:
+        return (f"ModelCheckpoint({self.filepath!r}, monitor={self.monitor!r}, "
+                f"save_best_only={self.save_best_only}, save_freq={self.save_freq!r})")
+
+
+class BackupAndRestore(Callback):
+    """Lets an interrupted fit() resume where it stopped: saves the whole training state (weights,
+    optimizer, RNG, data position) to `backup_dir` every epoch or every `save_freq` steps, and at
+    the start of fit() restores a backup left there by a run that did not finish.
+
+    Saving goes through model._save_training_state(path, epoch=, step=), which writes atomically;
+    (epoch, step) is where to resume: the epoch to run next and how many of its steps are done.
+    After a fit() that ends normally the backup is deleted (unless delete_checkpoint=False).
+    """
+
+    def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
+                 delete_checkpoint: bool = True):
+        super().__init__()
+        if not backup_dir:
+            raise ValueError("BackupAndRestore(backup_dir=...): give a directory for the backup, "
+                             "e.g. '/tmp/backup'.")
+        check_save_freq("BackupAndRestore", save_freq)
+        self.backup_dir = os.fspath(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.path = os.path.join(self.backup_dir, _BACKUP_FILE)
+        self._current_epoch = 0
+        self._steps = StepCounter(save_freq) if save_freq != "epoch" else None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        for method in ("_save_training_state", "_restore_training_state"):
+            if not callable(getattr(self.model, method, None)):
+                raise TypeError(f"BackupAndRestore needs a mirrored Model (with {method}()); "
+                                f"got {type(self.model).__name__}.")
+        epoch, step = 0, 0
+        if os.path.exists(self.path):
+            epoch, step = self.model._restore_training_state(self.path)
+            self.model._resume_at = (epoch, step)
+            logger.info("BackupAndRestore: resuming from %s at epoch %d, step %d",
+                        self.path, epoch + 1, step)
+        self._current_epoch = epoch
+        if self._steps is not None:
+            self._steps = StepCounter(self.save_freq, last_batch=step - 1)
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        self._current_epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if self._steps is not None and self._steps.due(batch):
+            self._backup(self._current_epoch, batch + 1)
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._backup(epoch + 1, 0)
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if not self.delete_checkpoint:
+            return
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+        try:
+            os.rmdir(self.backup_dir)  # only if empty: the directory may hold the user's files
+        except OSError:
+            pass
+
+    def _backup(self, epoch: int, step: int) -> None:
+        os.makedirs(self.backup_dir, exist_ok=True)
+        self.model._save_training_state(self.path, epoch=epoch, step=step)
+
+    def __repr__(self) -> str:
+        return f"BackupAndRestore({self.backup_dir!r}, save_freq={self.save_freq!r})"
+
+
+# --------------------------------------------------------------------------------------------
+# Controlling training
+
+
+class EarlyStopping(Callback):
+    """Stops fit() (model.stop_training = True) once `monitor` has not improved by more than
+    `min_delta` for `patience` epochs, counting from `start_from_epoch`.
+
+    With `baseline`, the wait is reset only by values that also beat the baseline. With
+    restore_best_weights, the weights of the best epoch are put back when training stops.
+    """
+
+    def __init__(self, monitor: str = "val_loss", min_delta: float = 0.0, patience: int = 0,
+                 verbose: int = 0, mode: str = "auto", baseline: float | None = None,
+                 restore_best_weights: bool = False, start_from_epoch: int = 0):
+        super().__init__()
+        check_mode("EarlyStopping", mode)
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+            raise ValueError(f"EarlyStopping(patience={patience!r}): give a number of epochs >= 0.")
+        if start_from_epoch < 0:
+            raise ValueError(f"EarlyStopping(start_from_epoch={start_from_epoch!r}): give an "
+                             f"epoch index >= 0.")
+        self.monitor = monitor
+        self.min_delta = abs(min_delta)
+        self.patience = patience
+        self.verbose = verbose
+        self.mode = mode
+        self.baseline = baseline
+        self.restore_best_weights = restore_best_weights
+        self.start_from_epoch = start_from_epoch
+        self._direction: str | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.wait = 0
+        self.stopped_epoch = 0
+        self.best: float | None = None
+        self.best_weights: Any = None
+        self.best_epoch = 0
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self._reset()  # an instance may be reused by several fit() calls
+        self._direction = resolve_mode("EarlyStopping", self.monitor, self.mode, self.model)
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        current = monitor_value(self, logs)
+        if current is None or epoch < self.start_from_epoch:
+            return
+        if self._direction is None:
+            self._direction = resolve_mode("EarlyStopping", self.monitor, self.mode, self.model)
+        if self.restore_best_weights and self.best_weights is None:
+            # The first epoch watched counts as the best until one beats it.
+            self.best_weights, self.best_epoch = self.model.get_weights(), epoch
+        self.wait += 1
+        if improved(self._direction, current, self.best, self.min_delta):
+            self.best, self.best_epoch = current, epoch
+            if self.restore_best_weights:
+                self.best_weights = self.model.get_weights()
+            if self.baseline is None or improved(self._direction, current, self.baseline,
+                                                 self.min_delta):
+                self.wait = 0
+            return
+        if self.wait >= self.patience and epoch > 0:
+            self.stopped_epoch = epoch
+            self.model.stop_training = True
+            if self.restore_best_weights and self.best_weights is not None:
+                if self.verbose:
+                    say(f"Restoring the model weights from the end of the best epoch: "
+                        f"{self.best_epoch + 1}.")
+                self.model.set_weights(self.best_weights)
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self.stopped_epoch > 0 and self.verbose:
+            say(f"Epoch {self.stopped_epoch + 1}: early stopping")
+
+    def __repr__(self) -> str:
+        return (f"EarlyStopping(monitor={self.monitor!r}, patience={self.patience}, "
+                f"min_delta={self.min_delta}, mode={self.mode!r})")
+
+
+class ReduceLROnPlateau(Callback):
+    """Multiplies the learning rate by `factor` once `monitor` has not improved by more than
+    `min_delta` for `patience` epochs, then waits `cooldown` epochs; never below `min_lr`.
+    Adds "learning_rate" to the epoch logs."""
+
+    def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10,
+                 verbose: int = 0, mode: str = "auto", min_delta: float = 1e-4, cooldown: int = 0,
+                 min_lr: float = 0.0):
+        super().__init__()
+        check_mode("ReduceLROnPlateau", mode)
+        if not 0 < factor < 1:
+            raise ValueError(f"ReduceLROnPlateau(factor={factor!r}): the factor multiplies the "
+                             f"learning rate, so it must be in (0, 1), e.g. 0.1 or 0.5.")
+        if patience < 0 or cooldown < 0 or min_lr < 0:
+            raise ValueError(f"ReduceLROnPlateau(patience={patience!r}, cooldown={cooldown!r}, "
+                             f"min_lr={min_lr!r}): these must be >= 0.")
+        self.monitor = monitor
+        self.factor = factor
+        self.patience = patience
+        self.verbose = verbose
+        self.mode = mode
+        self.min_delta = abs(min_delta)
+        self.cooldown = cooldown
+        self.min_lr = min_lr
+        self._direction: str | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.wait = 0
+        self.cooldown_counter = 0
+        self.best: float | None = None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self._reset()
+        self._direction = resolve_mode("ReduceLROnPlateau", self.monitor, self.mode, self.model)
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        logs = {} if logs is None else logs
+        optimizer = optimizer_of("ReduceLROnPlateau", self.model)
+        logs["learning_rate"] = float(optimizer.learning_rate)
+        current = monitor_value(self, logs)
+        if current is None:
+            return
+        if self._direction is None:
+            self._direction = resolve_mode("ReduceLROnPlateau", self.monitor, self.mode,
+                                           self.model)
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.wait = 0
+        if improved(self._direction, current, self.best, self.min_delta):
+            self.best, self.wait = current, 0
+            return
+        if self.cooldown_counter > 0:
+            return
+        self.wait += 1
+        if self.wait < self.patience:
+            return
+        old_lr = float(optimizer.learning_rate)
+        if old_lr > self.min_lr:
+            new_lr = max(old_lr * self.factor, self.min_lr)
+            optimizer.learning_rate = new_lr
+            if self.verbose:
+                say(f"Epoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {new_lr}.")
+            self.cooldown_counter, self.wait = self.cooldown, 0
+
+    def __repr__(self) -> str:
+        return (f"ReduceLROnPlateau(monitor={self.monitor!r}, factor={self.factor}, "
+                f"patience={self.patience}, cooldown={self.cooldown}, min_lr={self.min_lr})")
+
+
+class LearningRateScheduler(Callback):
+    """Sets the learning rate at each epoch's start to schedule(epoch, current_lr) (or
+    schedule(epoch) for a one-argument function); adds "learning_rate" to the epoch logs."""
+
+    def __init__(self, schedule: Callable[..., float], verbose: int = 0):
+        super().__init__()
+        if not callable(schedule):
+            raise TypeError(f"LearningRateScheduler(schedule={schedule!r}): give a function "
+                            f"(epoch, lr) -> new lr, e.g. lambda epoch, lr: lr * 0.9.")
+        self.schedule = schedule
+        self.verbose = verbose
+        self._takes_lr = _accepts_two_args(schedule)
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        optimizer = optimizer_of("LearningRateScheduler", self.model)
+        current = float(optimizer.learning_rate)
+        lr = self.schedule(epoch, current) if self._takes_lr else self.schedule(epoch)
+        if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(lr):
+            raise ValueError(f"LearningRateScheduler: schedule({epoch}) returned {lr!r}; it "
+                             f"must return a finite float learning rate.")
+        optimizer.learning_rate = float(lr)
+        if self.verbose:
+            say(f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {float(lr)}.")
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if logs is not None:
+            logs["learning_rate"] = float(optimizer_of("LearningRateScheduler",
+                                                       self.model).learning_rate)
+
+    def __repr__(self) -> str:
+        return f"LearningRateScheduler({self.schedule!r})"
+
+
+def _accepts_two_args(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins have no signature: use the Keras 2 form
+        return True
+    positional = [p for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+class TerminateOnNaN(Callback):
+    """Stops fit() after a training step whose loss is NaN or infinite."""
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        loss = (logs or {}).get("loss")
+        if loss is not None and not math.isfinite(float(loss)):
+            logger.warning("TerminateOnNaN: batch %d: the loss is %s; stopping training.",
+                           batch, float(loss))
+            self.model.stop_training = True
+
+
+# --------------------------------------------------------------------------------------------
+# Logging
+
+
+class CSVLogger(Callback):
+    """Writes one row per epoch to a CSV file: "epoch" then the log keys, sorted.
+
+    With append=True an existing file is continued under its own header (e.g. after
+    BackupAndRestore resumes); otherwise fit() starts the file anew.
+    """
+
+    def __init__(self, filename: str | os.PathLike, separator: str = ",", append: bool = False):
+        super().__init__()
+        if len(separator) != 1:
+            raise ValueError(f"CSVLogger(separator={separator!r}): give one character, e.g. ',' "
+                             f"or '\\t'.")
+        self.filename = os.fspath(filename)
+        self.sep = separator
+        self.append = append
+        self.keys: list[str] | None = None
+        self._dropped: set[str] = set()
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self.keys, self._dropped = None, set()
+        directory = os.path.dirname(self.filename)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        if self.append and os.path.exists(self.filename):
+            with open(self.filename, newline="") as f:
+                header = next(csv.reader(f, delimiter=self.sep), None)
+            if header and header[0] == "epoch":
+                self.keys = header[1:]
+            return
+        # The file is opened per row, so an interrupted run leaves no open handle behind.
+        open(self.filename, "w").close()
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        logs = {k: v for k, v in (logs or {}).items() if k not in NOT_METRICS}
+        rows = []
+        if self.keys is None:
+            self.keys = sorted(logs)
+            # As Keras does: when validation runs only every few epochs (validation_freq), the
+            # first epoch has no val_ keys, so reserve their columns in the header.
+            if self.keys and not any(k.startswith("val_") for k in self.keys):
+                self.keys += [f"val_{k}" for k in self.keys if k != "learning_rate"]
+            rows.append(["epoch", *self.keys])
+        new = set(logs) - set(self.keys) - self._dropped
+        if new:
+            self._dropped |= new
+            warnings.warn(f"CSVLogger({self.filename!r}): keys {sorted(new)} are not columns of "
+                          f"the header written at the first epoch, so they are not logged.",
+                          stacklevel=2)
+        rows.append([epoch, *(_csv_value(logs.get(k, "NA")) for k in self.keys)])
+        with open(self.filename, "a", newline="") as f:
+            csv.writer(f, delimiter=self.sep).writerows(rows)
+
+    def __repr__(self) -> str:
+        return f"CSVLogger({self.filename!r}, append={self.append})"
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return value.item()
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return value
+
+

@@ -1,0 +1,482 @@
+"""Tests for mirrored.training.checkpoint: safetensors + JSON files, atomic writes, no pickle."""
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import os
+import pickle
+import random
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from mirrored.training import checkpoint
+from mirrored.training.checkpoint import (
+    capture_rng_state, load_checkpoint, load_state_dict, optimizer_state_from_flat,
+    optimizer_state_to_flat, restore_rng_state, save_checkpoint)
+
+
+def _tiny_net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _train(net: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 4, generator=gen)
+        y = torch.randint(0, 3, (16,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+@pytest.fixture
+def no_pickle(monkeypatch):
+    """Makes every unpickling entry point raise, so a test fails if anything unpickles."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("unpickling was attempted")
+
+    class ForbiddenUnpickler:
+        def __init__(self, *args, **kwargs):
+            forbidden()
+
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(pickle, "Unpickler", ForbiddenUnpickler)
+    monkeypatch.setattr(torch, "load", forbidden)
+    monkeypatch.setattr(torch.serialization, "load", forbidden)
+    monkeypatch.setattr(np, "load", forbidden)
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+
+
+def test_round_trip_keeps_values_dtypes_shapes_and_metadata(tmp_path):
+    tensors = {
+        "f32": torch.randn(3, 5), "f16": torch.randn(4).half(), "bf16": torch.randn(2, 2).bfloat16(),
+        "i64": torch.arange(6).reshape(2, 3), "bool": torch.tensor([True, False]),
+        "u8": torch.arange(5, dtype=torch.uint8), "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4),
+    }
+    meta = {"epoch": 3, "name": "run", "nested": {"lr": 0.1, "betas": [0.9, 0.999]}, "none": None}
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, tensors, meta)
+    got, got_meta = load_checkpoint(path)
+    assert got_meta == meta
+    assert sorted(got) == sorted(tensors)
+    for name, want in tensors.items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+        assert torch.equal(got[name], want), name
+
+
+def test_file_is_plain_safetensors_with_json_under_mirrored_key(tmp_path):
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, {"w": torch.ones(2)}, {"k": [1, 2]})
+    # Reference reader: the safetensors layout itself (uint64 header size, then JSON).
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    assert json.loads(header["__metadata__"]["mirrored"]) == {"k": [1, 2]}
+    assert header["w"]["dtype"] == "F32" and header["w"]["shape"] == [2]
+    assert torch.equal(safetensors.torch.load_file(path)["w"], torch.ones(2))
+
+
+def test_views_transposes_and_shared_storage_are_saved_as_values(tmp_path):
+    base = torch.arange(12.0)
+    weight = torch.randn(3, 4)
+    tensors = {"whole": base, "slice": base[2:6], "strided": base[::3], "w": weight, "w_t": weight.t(),
+               "tied": weight}
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, tensors, {})
+    got, _ = load_checkpoint(path)
+    for name, want in tensors.items():
+        assert torch.equal(got[name], want), name
+    got["tied"].add_(1)  # loaded tensors are independent of each other (and writable)
+    assert torch.equal(got["w"], weight)
+
+
+def test_loaded_tensors_do_not_depend_on_the_file(tmp_path):
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, {"w": torch.arange(4.0)}, {})
+    got, _ = load_checkpoint(path)
+    save_checkpoint(path, {"w": torch.zeros(4)}, {})  # replaced under the loaded tensors
+    os.remove(path)
+    got["w"].mul_(2)
+    assert torch.equal(got["w"], torch.arange(4.0) * 2)
+
+
+def test_saving_creates_the_directory_and_overwrites(tmp_path):
+    path = tmp_path / "a" / "b" / "c.safetensors"
+    save_checkpoint(path, {"w": torch.ones(1)}, {"v": 1})
+    save_checkpoint(str(path), {"w": torch.zeros(1)}, {"v": 2})
+    got, meta = load_checkpoint(path)
+    assert meta == {"v": 2} and torch.equal(got["w"], torch.zeros(1))
+    assert _files(path.parent) == ["c.safetensors"]
+
+
+def test_requires_grad_parameters_are_saved_detached(tmp_path):
+    net = _tiny_net(0)
+    save_checkpoint(tmp_path / "c", {f"model/{k}": v for k, v in net.named_parameters()}, {})
+    got, _ = load_checkpoint(tmp_path / "c")
+    assert not any(t.requires_grad for t in got.values())
+
+
+# --------------------------------------------------------------------------------------------
+# Atomicity
+
+
+def _existing(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, {"w": torch.arange(3.0)}, {"version": 1})
+    return path
+
+
+def _assert_old_intact(path: Path) -> None:
+    got, meta = load_checkpoint(path)
+    assert meta == {"version": 1} and torch.equal(got["w"], torch.arange(3.0))
+    assert _files(path.parent) == [path.name], "a temporary file was left behind"
+
+
+def test_failure_mid_write_leaves_old_checkpoint_and_no_temp_file(tmp_path, monkeypatch):
+    path = _existing(tmp_path)
+    real_save_file = safetensors.torch.save_file
+
+    def crash_mid_write(tensors, filename, metadata=None):
+        real_save_file(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:  # half the file, then the "disk" fails
+            f.truncate(os.path.getsize(filename) // 2)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash_mid_write)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(path, {"w": torch.zeros(1000)}, {"version": 2})
+    monkeypatch.undo()
+    _assert_old_intact(path)
+
+
+@pytest.mark.parametrize("failing", ["fsync", "replace"])
+def test_failure_in_fsync_or_rename_leaves_old_checkpoint(tmp_path, monkeypatch, failing):
+    path = _existing(tmp_path)
+
+    def fail(*args, **kwargs):
+        raise OSError(5, f"injected {failing} failure")
+
+    monkeypatch.setattr(os, failing, fail)
+    with pytest.raises(OSError, match=f"injected {failing}"):
+        save_checkpoint(path, {"w": torch.zeros(2)}, {"version": 2})
+    monkeypatch.undo()
+    _assert_old_intact(path)
+
+
+def test_keyboard_interrupt_mid_write_also_cleans_up(tmp_path, monkeypatch):
+    path = _existing(tmp_path)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, {"w": torch.zeros(2)}, {"version": 2})
+    monkeypatch.undo()
+    _assert_old_intact(path)
+
+
+def test_bad_arguments_raise_before_touching_the_file(tmp_path):
+    path = _existing(tmp_path)
+    with pytest.raises(TypeError, match=r"not JSON-serializable"):
+        save_checkpoint(path, {"w": torch.zeros(2)}, {"bad": object()})
+    with pytest.raises(TypeError, match=r"tensors\['lr'\] is a float"):
+        save_checkpoint(path, {"lr": 0.1}, {})
+    with pytest.raises(TypeError, match="names must be str"):
+        save_checkpoint(path, {0: torch.zeros(1)}, {})
+    _assert_old_intact(path)
+
+
+def test_file_is_renamed_into_place_with_fsync(tmp_path, monkeypatch):
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append(("replace", os.path.dirname(a))),
+                                                     real_replace(a, b))[1])
+    save_checkpoint(tmp_path / "c.safetensors", {"w": torch.ones(1)}, {})
+    # data fsynced, then renamed from the same directory, then the directory fsynced
+    assert calls == ["fsync", ("replace", str(tmp_path)), "fsync"]
+
+
+# --------------------------------------------------------------------------------------------
+# Loading errors and no pickle
+
+
+def test_missing_file_names_the_path(tmp_path):
+    path = tmp_path / "nope.safetensors"
+    with pytest.raises(FileNotFoundError, match="nope.safetensors.*no such file"):
+        load_checkpoint(path)
+
+
+def test_a_directory_is_refused_with_a_hint(tmp_path):
+    with pytest.raises(IsADirectoryError, match="directory"):
+        load_checkpoint(tmp_path)
+
+
+def test_torch_save_file_is_refused_without_unpickling(tmp_path, no_pickle):
+    path = tmp_path / "model.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"w": 1}, f)  # dump is allowed; loads are what the fixture forbids
+    with pytest.raises(ValueError, match=r"model\.pt.*pickle.*never loads"):
+        load_checkpoint(path)
+    zip_path = tmp_path / "model_zip.pt"
+    zip_path.write_bytes(b"PK\x03\x04" + b"\0" * 64)  # torch.save's zip format starts so
+    with pytest.raises(ValueError, match=r"model_zip\.pt.*torch\.save"):
+        load_state_dict(zip_path)
+
+
+def test_header_size_starting_with_a_pickle_byte_is_still_safetensors(tmp_path):
+    # Regression: the header size's first byte may be 0x80, the first byte of a pickle.
+    path = tmp_path / "c.safetensors"
+    for pad in range(300):
+        save_checkpoint(path, {"w": torch.ones(1)}, {"pad": "x" * pad})
+        if path.read_bytes()[0] == 0x80:
+            break
+    else:
+        pytest.fail("no padding gave a header size whose low byte is 0x80")
+    assert load_checkpoint(path)[1] == {"pad": "x" * pad}
+
+
+@pytest.mark.parametrize("content", [b"", b"hello", b"{\"not\": \"safetensors\"}" * 4])
+def test_non_safetensors_files_are_refused(tmp_path, content):
+    path = tmp_path / "x.bin"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"x\.bin.*not a safetensors checkpoint"):
+        load_checkpoint(path)
+
+
+def test_truncated_checkpoint_is_refused(tmp_path):
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, {"w": torch.zeros(100)}, {})
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 50])
+    with pytest.raises(ValueError, match=r"c\.safetensors"):
+        load_checkpoint(path)
+
+
+def test_foreign_safetensors_file_needs_load_state_dict(tmp_path):
+    path = tmp_path / "hub.safetensors"
+    safetensors.torch.save_file({"weight": torch.ones(2)}, str(path))
+    with pytest.raises(ValueError, match=r"hub\.safetensors.*without mirrored's metadata.*prefix=\"\""):
+        load_checkpoint(path)
+    assert torch.equal(load_state_dict(path, prefix="")["weight"], torch.ones(2))
+
+
+def test_no_pickle_in_any_round_trip(tmp_path, no_pickle):
+    net = _tiny_net(0)
+    opt = torch.optim.Adam(net.parameters())
+    _train(net, opt, 2, seed=1)
+    opt_tensors, opt_meta = optimizer_state_to_flat(opt.state_dict())
+    rng_tensors, rng_meta = capture_rng_state()
+    tensors = {**{f"model/{k}": v for k, v in net.state_dict().items()}, **opt_tensors,
+               **{f"rng/{k}": v for k, v in rng_tensors.items()}}
+    save_checkpoint(tmp_path / "c.safetensors", tensors, {"optimizer": opt_meta, "rng": rng_meta})
+    got, meta = load_checkpoint(tmp_path / "c.safetensors")
+    optimizer_state_from_flat(got, meta["optimizer"])
+    restore_rng_state({k[4:]: v for k, v in got.items() if k.startswith("rng/")}, meta["rng"])
+    load_state_dict(tmp_path / "c.safetensors")
+
+
+def test_module_never_imports_pickle_or_calls_torch_load():
+    tree = ast.parse(Path(checkpoint.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
+    assert imported <= {"__future__", "json", "os", "random", "struct", "uuid", "warnings", "collections",
+                        "typing", "numpy", "safetensors", "torch"}, imported
+    loads = [node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr in ("load", "loads")
+             and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "json")]
+    assert loads == []
+
+
+# --------------------------------------------------------------------------------------------
+# load_state_dict
+
+
+def test_load_state_dict_gives_model_weights_for_a_plain_module(tmp_path):
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    net(torch.randn(8, 3))  # moves the BatchNorm running stats off their initial values
+    tensors = {f"model/{k}": v for k, v in net.state_dict().items()}
+    tensors["optimizer/state/0/momentum_buffer"] = torch.ones(4, 3)
+    save_checkpoint(tmp_path / "m.safetensors", tensors, {"format": 1})
+    fresh = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    fresh.load_state_dict(load_state_dict(tmp_path / "m.safetensors"))  # strict: exact key set
+    for (name, want), got in zip(net.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(got, want), name
+
+
+def test_load_state_dict_with_wrong_prefix_lists_the_names(tmp_path):
+    save_checkpoint(tmp_path / "m", {"net/w": torch.ones(1)}, {})
+    with pytest.raises(ValueError, match=r"no tensor name starts with 'model/' \(names: net/w\)"):
+        load_state_dict(tmp_path / "m")
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer state
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99)),
+    "adam_amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5, centered=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_continues_bitwise_after_save_and_load(tmp_path, name):
+    make = OPTIMIZERS[name]
+    net = _tiny_net(0)
+    opt = make(net.parameters())
+    _train(net, opt, 3, seed=1)
+    # Reference: the same run, never saved, continued for 3 more steps.
+    ref_net = copy.deepcopy(net)
+    ref_opt = make(ref_net.parameters())
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _train(ref_net, ref_opt, 3, seed=2)
+
+    opt_tensors, opt_meta = optimizer_state_to_flat(opt.state_dict())
+    tensors = {**{f"model/{k}": v for k, v in net.state_dict().items()}, **opt_tensors}
+    save_checkpoint(tmp_path / "c.safetensors", tensors, {"optimizer": opt_meta})
+    del net, opt
+    got, meta = load_checkpoint(tmp_path / "c.safetensors")
+    net2 = _tiny_net(123)  # other initial weights: everything must come from the file
+    net2.load_state_dict(load_state_dict(tmp_path / "c.safetensors"))
+    opt2 = make(net2.parameters())
+    opt2.load_state_dict(optimizer_state_from_flat(got, meta["optimizer"]))
+    _train(net2, opt2, 3, seed=2)
+
+    for (pname, want), have in zip(ref_net.named_parameters(), net2.parameters()):
+        assert torch.equal(have, want), pname
+    ref_state, state = ref_opt.state_dict(), opt2.state_dict()
+    assert state["param_groups"] == ref_state["param_groups"]
+    for index, param_state in ref_state["state"].items():
+        for key, want in param_state.items():
+            have = state["state"][index][key]
+            if isinstance(want, torch.Tensor):
+                assert have.dtype == want.dtype and torch.equal(have, want), (index, key)
+            else:
+                assert have == want, (index, key)
+
+
+def test_flat_keys_and_json_layout():
+    net = _tiny_net(0)
+    opt = torch.optim.Adam(net.parameters(), betas=(0.8, 0.99))
+    _train(net, opt, 1, seed=1)
+    tensors, meta = optimizer_state_to_flat(opt.state_dict())
+    assert {"optimizer/state/0/exp_avg", "optimizer/state/0/exp_avg_sq", "optimizer/state/0/step",
+            "optimizer/state/3/exp_avg"} <= set(tensors)
+    assert tensors["optimizer/state/0/step"].ndim == 0  # Adam's step is a tensor
+    assert json.loads(json.dumps(meta)) == meta  # plain JSON
+    assert meta["param_groups"][0]["params"] == [0, 1, 2, 3]
+    state = optimizer_state_from_flat(tensors, meta)
+    assert state["param_groups"][0]["betas"] == (0.8, 0.99)
+    assert isinstance(state["param_groups"][0]["betas"], tuple)
+    assert list(state["state"]) == [0, 1, 2, 3]
+
+
+def test_nested_and_non_tensor_state_values_round_trip():
+    state_dict = {
+        "state": {0: {"step": 7, "d": torch.ones(2), "old_dirs": [torch.zeros(2), torch.full((2,), 2.0)],
+                      "ro": None, "func_evals": 3.5, "cfg": {"a": (1, torch.ones(1))}},
+                  2: {"momentum_buffer": None}},
+        "param_groups": [{"lr": torch.tensor(0.01), "params": [0, 1, 2], "betas": (0.9, 0.999),
+                          "line_search_fn": "strong_wolfe", "foreach": None}],
+    }
+    tensors, meta = optimizer_state_to_flat(state_dict)
+    assert "optimizer/state/0/old_dirs/1" in tensors and "optimizer/param_groups/0/lr" in tensors
+    back = optimizer_state_from_flat(tensors, json.loads(json.dumps(meta)))
+    assert back["state"][0]["step"] == 7 and back["state"][0]["ro"] is None
+    assert back["state"][2] == {"momentum_buffer": None}
+    assert torch.equal(back["state"][0]["old_dirs"][1], torch.full((2,), 2.0))
+    assert back["state"][0]["cfg"]["a"][0] == 1 and isinstance(back["state"][0]["cfg"]["a"], tuple)
+    assert torch.equal(back["param_groups"][0]["lr"], torch.tensor(0.01))
+    assert back["param_groups"][0]["line_search_fn"] == "strong_wolfe"
+
+
+def test_unstorable_optimizer_values_are_named():
+    with pytest.raises(TypeError, match=r"optimizer/state/0/fn is a function"):
+        optimizer_state_to_flat({"state": {0: {"fn": lambda: 0}}, "param_groups": []})
+    with pytest.raises(TypeError, match="optimizer.state_dict"):
+        optimizer_state_to_flat({"weight": torch.ones(1)})
+    with pytest.raises(ValueError, match=r"'optimizer/state/0/exp_avg'.*does not hold"):
+        optimizer_state_from_flat({}, {"state": {"0": {"exp_avg": {"__tensor__": "optimizer/state/0/exp_avg"}}},
+                                       "param_groups": []})
+
+
+# --------------------------------------------------------------------------------------------
+# RNG state
+
+
+def _draws() -> tuple:
+    return (torch.rand(5), torch.randn(3), random.random(), random.gauss(0, 1),
+            np.random.rand(4), np.random.standard_normal())
+
+
+def _assert_same_draws(a: tuple, b: tuple) -> None:
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert a[2] == b[2] and a[3] == b[3]
+    np.testing.assert_array_equal(a[4], b[4])
+    assert a[5] == b[5]
+
+
+def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    random.gauss(0, 1)  # leaves a cached second normal (gauss_next) in the state
+    np.random.standard_normal(3)  # leaves numpy's cached gaussian
+    tensors, meta = capture_rng_state()
+    assert tensors["torch_cpu"].dtype == torch.uint8
+    first = _draws()
+    save_checkpoint(tmp_path / "rng.safetensors", tensors, {"rng": meta})
+    _draws()  # move every generator on
+    got, got_meta = load_checkpoint(tmp_path / "rng.safetensors")
+    restore_rng_state(got, got_meta["rng"])
+    _assert_same_draws(first, _draws())
+
+
+def test_restore_rng_state_names_what_is_missing():
+    tensors, meta = capture_rng_state()
+    with pytest.raises(ValueError, match="missing numpy"):
+        restore_rng_state(tensors, {"python": meta["python"]})
+    with pytest.raises(ValueError, match="missing tensor torch_cpu"):
+        restore_rng_state({}, meta)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rng_state_round_trips():
+    torch.cuda.manual_seed_all(3)
+    tensors, meta = capture_rng_state()
+    assert meta["cuda_devices"] == torch.cuda.device_count()
+    first = torch.rand(4, device="cuda")
+    torch.rand(4, device="cuda")
+    restore_rng_state(tensors, meta)
+    assert torch.equal(first, torch.rand(4, device="cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_are_saved_from_and_loaded_to_the_device(tmp_path):
+    weight = torch.randn(3, 4, device="cuda")
+    save_checkpoint(tmp_path / "c", {"w": weight, "w_t": weight.t()}, {})
+    got, _ = load_checkpoint(tmp_path / "c", device="cuda:0")
+    assert got["w"].device.type == "cuda" and torch.equal(got["w"], weight)
+    assert torch.equal(got["w_t"], weight.t())
