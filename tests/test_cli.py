@@ -72,3 +72,35 @@ def test_cassava_without_data_says_where_it_looked(tmp_path, capsys):
     assert cli.main(["train", "--dataset", "cassava", "--data-dir", str(tmp_path), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path) in err and "download" in err
+
+
+def test_resume_continues_a_killed_run_from_its_last_epoch(tmp_path):
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "mirrored", "train", "--epochs", "3", "--out", str(out), "--verbose", "2"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "backup" / "training_state.safetensors").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no backup was written within 300 s"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    epochs_done = len(list(csv.DictReader(open(out / "log.csv"))))
+    assert 1 <= epochs_done < 3
+    resumed = _run("train", "--epochs", "3", "--out", str(out), "--verbose", "2", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    rows = list(csv.DictReader(open(out / "log.csv")))
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
+    assert resumed.stdout.count("Epoch ") == 3 - epochs_done
+
+
+def test_resume_without_a_backup_is_an_error(tmp_path, capsys):
+    assert cli.main(["train", "--resume", "--out", str(tmp_path)]) == 2
+    assert "no interrupted run" in capsys.readouterr().err

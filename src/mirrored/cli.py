@@ -165,6 +165,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    backup = out / "backup"
+    resuming = args.resume and (backup / "training_state.safetensors").exists()
+    if args.resume and not resuming:
+        raise CliError(f"--resume: no interrupted run to continue in {str(backup)!r} (it is written after each "
+                       "epoch and deleted when a run finishes). Drop --resume to start afresh.")
     torch.manual_seed(args.seed)
     strategy = _strategy(args)
     n = strategy.num_replicas_in_sync
@@ -190,7 +195,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=lr, momentum=0.9),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"],
                       precision=None if args.precision == "fp32" else args.precision)
-    backup = out / "backup"
     if not args.resume and backup.exists():
         import shutil
 
@@ -200,7 +204,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return lr * 0.5 * (1 + math.cos(math.pi * epoch / args.epochs))
 
     callbacks = [mr.callbacks.LearningRateScheduler(cosine),
-                 mr.callbacks.CSVLogger(str(out / "log.csv")),
+                 mr.callbacks.CSVLogger(str(out / "log.csv"), append=resuming),
                  mr.callbacks.BackupAndRestore(str(backup)),
                  mr.callbacks.ModelCheckpoint(str(out / "best.safetensors"), monitor="val_accuracy",
                                               save_best_only=True)]

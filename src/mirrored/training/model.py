@@ -71,6 +71,10 @@ class Model:
             raise RuntimeError("mr.Model(...) was created inside strategy.run; create it in `with strategy.scope():`.")
         self.name = name or type(module).__name__
         self.distribute_strategy = strategy
+        if all(d.startswith("cuda") for d in strategy.extended.worker_devices) and any(
+                isinstance(m, nn.Conv2d) for m in module.modules()):
+            # cuDNN's convolutions run fastest on NHWC memory; NHWC batches from datasets then need no copy.
+            module = module.to(memory_format=torch.channels_last)
         with strategy.scope():
             self._net = strategy.mirror(module)
         self._sync_bn = has_sync_batchnorm(module)
