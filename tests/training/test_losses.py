@@ -37,19 +37,18 @@ def batch():
     return logits, labels, weights
 
 
-class _FakeStrategy:
-    """Just what distribute/context.py reads from a strategy."""
-    _is_default = False
+def _strategy(num_replicas: int):
+    """A real strategy; its replica threads start only on run(), which these tests never call."""
+    import mirrored as mr
 
-    def __init__(self, num_replicas: int):
-        self.num_replicas_in_sync = num_replicas
+    return mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(num_replicas)])
 
 
 @contextlib.contextmanager
 def in_replica(replica_id: int, num_replicas: int):
     """Runs the block as replica `replica_id` of `num_replicas`, through the real context module."""
     context = pytest.importorskip("mirrored.distribute.context")
-    strategy = _FakeStrategy(num_replicas)
+    strategy = _strategy(num_replicas)
     with context.push(strategy, context.ReplicaContext(strategy, replica_id)):
         yield
 
@@ -57,7 +56,7 @@ def in_replica(replica_id: int, num_replicas: int):
 @contextlib.contextmanager
 def in_cross_replica():
     context = pytest.importorskip("mirrored.distribute.context")
-    with context.push(_FakeStrategy(2), None):
+    with context.push(_strategy(2), None):
         yield
 
 
