@@ -104,3 +104,10 @@ def test_resume_continues_a_killed_run_from_its_last_epoch(tmp_path):
 def test_resume_without_a_backup_is_an_error(tmp_path, capsys):
     assert cli.main(["train", "--resume", "--out", str(tmp_path)]) == 2
     assert "no interrupted run" in capsys.readouterr().err
+
+
+def test_profile_writes_a_timeline(tmp_path):
+    result = _run("profile", "--out", str(tmp_path), "--verbose", "0", "--epochs", "1")
+    assert result.returncode == 0, result.stderr
+    assert "all-reduce" in result.stdout and "images/s" in result.stdout
+    assert (tmp_path / "trace.json").is_file() and (tmp_path / "timeline.png").is_file()

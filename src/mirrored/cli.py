@@ -1,9 +1,10 @@
-"""`mirrored train | evaluate | bench`: the main job and its tools on the command line.
+"""`mirrored train | profile | evaluate`: the main job and its tools on the command line.
 
 `mirrored train` trains the small CIFAR-style ResNet on the embedded digits (offline, anywhere) on
 every GPU, or on 2 logical CPU replicas of a CPU-only machine, then prints test metrics and
 images/s and writes a checkpoint, a CSV log and a PNG plot into --out. `--dataset cassava` or
-`folder:PATH` train on real images. `mirrored evaluate CHECKPOINT` re-scores a saved model.
+`folder:PATH` train on real images. `mirrored profile` trains the same way for one epoch and writes
+a step timeline; `mirrored evaluate CHECKPOINT` re-scores a saved model.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def _positive_float(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mirrored", description="Synchronous data-parallel training on PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model (default: small ResNet on the embedded digits)")
+    train_args = argparse.ArgumentParser(add_help=False)
+    train = train_args
     train.add_argument("--dataset", default="digits", help="digits (embedded), cassava, or folder:PATH")
     train.add_argument("--data-dir", default=None, help="TFDS data directory (default: $TFDS_DATA_DIR or "
                        "~/tensorflow_datasets)")
@@ -69,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--verbose", type=int, choices=[0, 1, 2], default=None,
                        help="0 silent, 1 progress bar, 2 one line per epoch (default: 1 on a terminal, else 2)")
+    sub.add_parser("train", parents=[train_args], help="train a model (default: small ResNet on the embedded digits)")
+    profile = sub.add_parser("profile", parents=[train_args],
+                             help="train like `train` and write a step timeline (input / compute / all-reduce)")
+    profile.set_defaults(epochs=1, out="runs/profile")
     evaluate = sub.add_parser("evaluate", help="evaluate a checkpoint written by `mirrored train`")
     evaluate.add_argument("checkpoint")
     evaluate.add_argument("--dataset", default=None, help="default: the dataset the checkpoint was trained on")
@@ -203,7 +209,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     def cosine(epoch: int, _lr: float) -> float:  # decay to ~0 so BatchNorm statistics settle by the end
         return lr * 0.5 * (1 + math.cos(math.pi * epoch / args.epochs))
 
-    callbacks = [mr.callbacks.LearningRateScheduler(cosine),
+    profiler = mr.profiler.Profiler(str(out)) if args.command == "profile" else None
+    callbacks = [*([profiler] if profiler else []), mr.callbacks.LearningRateScheduler(cosine),
                  mr.callbacks.CSVLogger(str(out / "log.csv"), append=resuming),
                  mr.callbacks.BackupAndRestore(str(backup)),
                  mr.callbacks.ModelCheckpoint(str(out / "best.safetensors"), monitor="val_accuracy",
@@ -220,6 +227,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     metrics = " - ".join(f"test_{k}: {v:.4f}" for k, v in results.items())
     print(f"{metrics} - {images / seconds:.0f} images/s over {seconds:.1f} s of training")
     print(f"wrote {out / 'model.safetensors'}, {out / 'log.csv'}, {out / 'history.png'}")
+    if profiler is not None:
+        profiler.print_summary()
+        print(f"wrote {out / 'trace.json'} (open in chrome://tracing or ui.perfetto.dev) and {out / 'timeline.png'}")
     return 0
 
 
@@ -248,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("MIRRORED_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "evaluate": cmd_evaluate}[args.command](args)
+        return {"train": cmd_train, "profile": cmd_train, "evaluate": cmd_evaluate}[args.command](args)
     except CliError as e:
         print(f"mirrored {args.command}: error: {e}", file=sys.stderr)
         return 2

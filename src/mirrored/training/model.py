@@ -104,6 +104,11 @@ class Model:
         return self._net.replicas
 
     @property
+    def mirrored_optimizer(self) -> Any:
+        """The MirroredOptimizer compile() built (one torch optimizer per replica); None before compile()."""
+        return self._mopt
+
+    @property
     def metrics(self) -> list[Any]:
         return ([self._loss_tracker] if self._loss_tracker is not None else []) + list(self._metrics)
 

@@ -1,0 +1,459 @@
+"""Profiler: where a training step's time goes - waiting for input, computing, all-reducing.
+
+`Profiler` is a Keras callback, `model.fit(ds, callbacks=[mr.profiler.Profiler("logs/prof")])`, and
+for custom loops a recorder to start, stop and mark steps on. It records spans (a name, a thread, a
+start and an end) from three sources:
+  - step boundaries: on_train_batch_begin/end in fit(), `with profiler.step():` in a custom loop.
+    The block is the "step"; the time from the end of one step to the start of the next is "input"
+    (the wait for the next batch, plus other callbacks' per-batch work such as the progress bar's).
+    It restarts at each epoch, so validation and epoch-end callbacks are not counted as input.
+  - timing wrappers set as instance attributes (classes untouched; removed by `stop()`) on one
+    MirroredOptimizer's `reduce_gradients` ("all_reduce", per replica thread; it includes waiting
+    for the slowest replica to arrive) and on one strategy's `run` ("replica_step": a replica's
+    whole function). A replica's compute is its replica_step minus its all_reduce.
+  - `trace(name)` blocks, which anyone may add on any thread.
+Out come `summary()`, a Chrome trace (`save_chrome_trace`; chrome://tracing or ui.perfetto.dev) and
+a PNG of the per-step breakdown (`plot`). In fit() the optimizer is `model.mirrored_optimizer`. Spans are host wall time: on CUDA, where
+kernels run asynchronously, time shows up where the host waits for the device (at the latest when
+fit() reads the step's metrics), so use the step totals there and the per-phase split with care.
+Uses the public names of mirrored.distribute, the Callback base, numpy and matplotlib (Agg canvas,
+no pyplot state).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+import mirrored.distribute as md
+from mirrored.training.callbacks import Callback
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Profiler", "Span", "trace"]
+
+_TRACE_FILE = "trace{suffix}.json"  # worker N > 0 of a multi-worker run adds ".workerN"
+_PLOT_FILE = "timeline{suffix}.png"
+
+
+def _now() -> int:
+    """The clock every span reads: monotonic nanoseconds, the same on every thread."""
+    return time.perf_counter_ns()
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One timed block on one thread; times are nanoseconds since the profiler started."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    tid: int  # threading.get_native_id() of the thread it ran on
+    replica: int | None  # replica_id_in_sync_group, None outside a replica function
+    step: int | None  # index of the step it fell in (from 0, across epochs), None between steps
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+class _Recorder:
+    """The spans of one profiling run. Wrappers and trace() hold this, never the Profiler, so a
+    wrapper left on an object holds no model or strategy alive."""
+
+    def __init__(self) -> None:
+        self.t0_ns = _now()
+        self.spans: list[Span] = []
+        self.thread_names: dict[int, str] = {}
+        self.main_tid = threading.get_native_id()
+        self.step: int | None = None  # the open step, read by replica threads while it runs
+        self.next_step = 0
+        self.step_start_ns = 0
+        self.last_end_ns = self.t0_ns
+        self._lock = threading.Lock()
+
+    def record(self, name: str, start_ns: int, end_ns: int, args: dict[str, Any] | None = None,
+               in_replica: bool = True) -> None:
+        ctx = md.get_replica_context() if in_replica and md.has_strategy() else None
+        replica = ctx.replica_id_in_sync_group if ctx is not None else None
+        thread = threading.current_thread()
+        span = Span(name, start_ns - self.t0_ns, end_ns - self.t0_ns, thread.native_id, replica,
+                    self.step, args or {})
+        with self._lock:
+            self.spans.append(span)
+            self.thread_names.setdefault(thread.native_id, thread.name)
+
+
+# trace() must reach the running profiler from any thread, replica threads included, and those start
+# with an empty context stack; a list of started recorders is the least shared state that allows it.
+_active: list[_Recorder] = []
+_active_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def trace(name: str) -> Iterator[None]:
+    """Records the block as a span `name` on the current thread, in every started Profiler.
+
+    With no Profiler started it only checks a list, so library and user code may leave it in."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"mr.profiler.trace(name={name!r}): give the span a non-empty string name, "
+                        "e.g. trace(\"all_reduce\").")
+    recorders = list(_active)
+    if not recorders:
+        yield
+        return
+    start = _now()
+    try:
+        yield
+    finally:
+        end = _now()
+        for rec in recorders:
+            rec.record(name, start, end)
+
+
+def _timed(rec: _Recorder, name: str | Callable[[], str], call: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = _now()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            rec.record(name if isinstance(name, str) else name(), start, _now())
+    return timed
+
+
+def _wrap_method(obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Sets `obj.<name>` to wrap(the method) as an instance attribute, and returns the undo.
+
+    The wrapper reaches `obj` through a weak reference: a bound method stored on its own instance
+    would be a reference cycle, and a strategy in a cycle stops its threads only at the next GC."""
+    own = vars(obj).get(name)  # an instance attribute someone set before us: wrapped, then put back
+    if own is not None:
+        call = own
+    else:
+        func, ref = getattr(type(obj), name), weakref.ref(obj)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return func(ref(), *args, **kwargs)
+    wrapper = wrap(call)
+    setattr(obj, name, wrapper)
+
+    def undo() -> None:
+        if vars(obj).get(name) is not wrapper:
+            logger.warning("Profiler: %r.%s was replaced while profiling; leaving it as it is", obj, name)
+        elif own is not None:
+            setattr(obj, name, own)
+        else:
+            delattr(obj, name)
+    return undo
+
+
+def _mirrored_optimizer(model: Any) -> Any:
+    return getattr(model, "mirrored_optimizer", None)
+
+
+class Profiler(Callback):
+    """Records a step timeline (input wait / compute / all-reduce per replica) of fit() or a custom loop.
+
+    In fit(): pass it in `callbacks=`; with `log_dir`, trace.json and timeline.png are written there
+    when training ends. In a custom loop:
+
+        profiler = mr.profiler.Profiler()
+        with profiler.start(optimizer=opt, strategy=strategy):
+            for x, y in dist_ds:
+                with profiler.step(num_examples=GLOBAL_BATCH):
+                    strategy.run(step_fn, args=(x, y))
+        profiler.print_summary()
+
+    Each start() (each fit) begins a new record. If fit() raises, on_train_end does not run (as in
+    Keras): call `stop()` to remove the wrappers.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike | None = None):
+        super().__init__()
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self._rec = _Recorder()
+        self._undo: list[Callable[[], None]] = []
+        self._recording = False
+        self._epoch: int | None = None
+        self._batch: int | None = None
+        self._worker = 0
+
+    # ---- recording ---------------------------------------------------------------------------------
+    def start(self, optimizer: Any = None, strategy: Any = None) -> Profiler:
+        """Begins a new record. Times `optimizer.reduce_gradients` (a MirroredOptimizer) and the
+        replica functions of `strategy.run` until stop(). Returns self, a context manager."""
+        if self._recording:
+            raise RuntimeError("Profiler.start(): already recording; call stop() first (one record at a time).")
+        if optimizer is not None and not callable(getattr(optimizer, "reduce_gradients", None)):
+            raise TypeError(f"Profiler.start(optimizer={type(optimizer).__name__}): expected a MirroredOptimizer "
+                            "(what strategy.mirror_optimizer returns), whose reduce_gradients it times.")
+        if strategy is not None and not isinstance(strategy, md.Strategy):
+            raise TypeError(f"Profiler.start(strategy={type(strategy).__name__}): expected an mr strategy, "
+                            "e.g. mr.MirroredStrategy(...).")
+        rec = self._rec = _Recorder()
+        self._epoch = self._batch = None
+        resolver = getattr(strategy, "cluster_resolver", None)  # multi-worker: this process's rank
+        self._worker = getattr(resolver, "task_id", None) or 0
+        if optimizer is not None:
+            self._undo.append(_wrap_method(optimizer, "reduce_gradients",
+                                           lambda call: _timed(rec, "all_reduce", call)))
+        if strategy is not None:
+            def replica_name() -> str:
+                return "replica_step" if rec.step is not None else "replica_run"
+
+            def wrap_run(call: Callable[..., Any]) -> Callable[..., Any]:
+                def run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+                    return call(_timed(rec, replica_name, fn) if callable(fn) else fn, *args, **kwargs)
+                return run
+            self._undo.append(_wrap_method(strategy, "run", wrap_run))
+        with _active_lock:
+            _active.append(rec)
+        self._recording = True
+        return self
+
+    def stop(self) -> None:
+        """Ends the record, removes the wrappers, and writes trace.json and timeline.png to log_dir."""
+        if not self._recording:
+            return
+        while self._undo:
+            self._undo.pop()()
+        with _active_lock:
+            _active.remove(self._rec)
+        self._recording = False
+        if self.log_dir is not None:
+            os.makedirs(self.log_dir, exist_ok=True)
+            suffix = f".worker{self._worker}" if self._worker else ""
+            trace_path = os.path.join(self.log_dir, _TRACE_FILE.format(suffix=suffix))
+            plot_path = os.path.join(self.log_dir, _PLOT_FILE.format(suffix=suffix))
+            self.save_chrome_trace(trace_path)
+            self.plot(plot_path)
+            logger.log(logging.DEBUG if self._worker else logging.INFO, "Profiler: %d steps; wrote %s and %s",
+                       self._rec.next_step, trace_path, plot_path)
+
+    def __enter__(self) -> Profiler:
+        return self if self._recording else self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @contextlib.contextmanager
+    def step(self, num_examples: int | None = None) -> Iterator[None]:
+        """Marks one step of a custom loop: the block is the step, and the time since the previous
+        step ended (or since start()) is input wait - the split fit() makes with its batch hooks."""
+        self._begin_step()
+        try:
+            yield
+        finally:
+            self._end_step({"num_examples": num_examples} if num_examples is not None else {})
+
+    def _begin_step(self, batch: int | None = None) -> None:
+        rec = self._rec
+        if not self._recording:
+            raise RuntimeError("Profiler: a step began before start(); use `with profiler.start(...):` around "
+                               "the loop, or pass the profiler to model.fit(callbacks=[...]).")
+        if rec.step is not None:
+            raise RuntimeError(f"Profiler: a step began while step {rec.step} was still open; steps do not nest.")
+        now = _now()
+        rec.step = rec.next_step
+        rec.record("input", rec.last_end_ns, now, in_replica=False)
+        rec.step_start_ns = now
+        self._batch = batch
+
+    def _end_step(self, logs: dict[str, Any]) -> None:
+        rec = self._rec
+        if rec.step is None:
+            return
+        now = _now()
+        examples = logs.get("num_examples", logs.get("size"))
+        args = {"epoch": self._epoch, "batch": self._batch, "num_examples": examples}
+        rec.record("step", rec.step_start_ns, now, {k: v for k, v in args.items() if v is not None},
+                   in_replica=False)
+        rec.step, rec.next_step, rec.last_end_ns = None, rec.next_step + 1, now
+
+    # ---- Callback hooks ------------------------------------------------------------------------------
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self.start(optimizer=_mirrored_optimizer(self.model),
+                   strategy=getattr(self.model, "distribute_strategy", None))
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._epoch = epoch
+        self._rec.last_end_ns = _now()  # input wait restarts: validation and epoch-end work are not input
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._begin_step(batch)
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._end_step(logs or {})
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        self.stop()
+
+    # ---- results ---------------------------------------------------------------------------------------
+    @property
+    def spans(self) -> tuple[Span, ...]:
+        """Every span of the current (or last) record, in the order they ended."""
+        return tuple(self._rec.spans)
+
+    def _steps(self) -> list[dict[str, Any]]:
+        """Per step: input_s, step_s, num_examples, and per replica all_reduce_s and replica_s."""
+        rows: dict[int, dict[str, Any]] = {}
+        for s in self.spans:
+            if s.step is None:
+                continue
+            row = rows.setdefault(s.step, {"input_s": 0.0, "step_s": None, "num_examples": None,
+                                           "all_reduce_s": {}, "replica_s": {}})
+            if s.name == "input" and s.replica is None:
+                row["input_s"] = s.duration_s
+            elif s.name == "step" and s.replica is None:
+                row["step_s"], row["num_examples"] = s.duration_s, s.args.get("num_examples")
+            elif s.name in ("all_reduce", "replica_step") and s.replica is not None:
+                key = "all_reduce_s" if s.name == "all_reduce" else "replica_s"
+                row[key][s.replica] = row[key].get(s.replica, 0.0) + s.duration_s
+        return [rows[i] for i in sorted(rows) if rows[i]["step_s"] is not None]
+
+    def summary(self) -> dict[str, Any]:
+        """Median / p90 / total (seconds) of input wait, step time, and per replica all-reduce and compute
+        time; images, images/s over the profiled wall time (input wait + steps), the input fraction."""
+        rows = self._steps()
+        replicas = sorted({r for row in rows for r in row["all_reduce_s"]} |
+                          {r for row in rows for r in row["replica_s"]})
+        input_total = sum(row["input_s"] for row in rows)
+        wall = input_total + sum(row["step_s"] for row in rows)
+        counts = [row["num_examples"] for row in rows]
+        images = sum(counts) if rows and all(c is not None for c in counts) else None
+        compute = {r: [row["replica_s"][r] - row["all_reduce_s"].get(r, 0.0) for row in rows
+                       if r in row["replica_s"]] for r in replicas}
+        return {
+            "steps": len(rows),
+            "input_wait_s": _stats([row["input_s"] for row in rows]),
+            "step_s": _stats([row["step_s"] for row in rows]),
+            "all_reduce_s": {r: _stats([row["all_reduce_s"][r] for row in rows if r in row["all_reduce_s"]])
+                             for r in replicas},
+            "compute_s": {r: _stats(v) for r, v in compute.items() if v},
+            "images": images,
+            "images_per_s": images / wall if images is not None and wall > 0 else None,
+            "input_fraction": input_total / wall if wall > 0 else None,
+        }
+
+    def print_summary(self) -> None:
+        """Prints summary() as a small table (the only output of this module that is printed)."""
+        s = self.summary()
+        head = f"Profiler: {s['steps']} step{'' if s['steps'] == 1 else 's'}"
+        if s["images_per_s"] is not None:
+            head += f", {s['images']} images, {s['images_per_s']:.1f} images/s"
+        if s["input_fraction"] is not None:
+            head += f"; {100 * s['input_fraction']:.1f}% of the time waiting for input"
+        rows = [("input wait", s["input_wait_s"]), ("step", s["step_s"])]
+        for r, stats in s["compute_s"].items():
+            rows.append((f"replica {r} compute", stats))
+        for r, stats in s["all_reduce_s"].items():
+            rows.append((f"replica {r} all-reduce", stats))
+        lines = [head, f"{'':<22}{'median':>12}{'p90':>12}{'total':>12}"]
+        lines += [f"{name:<22}{_ms(st['median']):>12}{_ms(st['p90']):>12}{_ms(st['total']):>12}"
+                  for name, st in rows]
+        print("\n".join(lines))
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The record in Chrome's trace event format: "X" events, microseconds, one tid per thread."""
+        pid = os.getpid()
+        spans = self.spans
+        events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                                         "args": {"name": "mirrored"}}]
+        for tid, (name, order) in self._thread_rows(spans).items():
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
+                           "args": {"sort_index": order}})
+        for s in sorted(spans, key=lambda s: (s.start_ns, -s.end_ns)):
+            args = dict(s.args)
+            if s.step is not None:
+                args.setdefault("step", s.step)
+            if s.replica is not None:
+                args["replica"] = s.replica
+            events.append({"name": s.name, "cat": s.name, "ph": "X", "ts": s.start_ns / 1e3,
+                           "dur": (s.end_ns - s.start_ns) / 1e3, "pid": pid, "tid": s.tid, "args": args})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def _thread_rows(self, spans: tuple[Span, ...]) -> dict[int, tuple[str, int]]:
+        """tid -> (row name, sort index): "main" (where steps are marked), "replica N", else the thread's name."""
+        replicas: dict[int, set[int]] = {}
+        for s in spans:
+            replicas.setdefault(s.tid, set())
+            if s.replica is not None:
+                replicas[s.tid].add(s.replica)
+        rows = {}
+        for tid, ids in replicas.items():
+            parts = (["main"] if tid == self._rec.main_tid else []) + [f"replica {r}" for r in sorted(ids)]
+            order = 0 if tid == self._rec.main_tid else (1 + min(ids) if ids else 1_000_000)
+            rows[tid] = (" / ".join(parts) or self._rec.thread_names.get(tid, str(tid)), order)
+        return dict(sorted(rows.items(), key=lambda item: (item[1][1], item[0])))
+
+    def save_chrome_trace(self, path: str | os.PathLike) -> None:
+        """Writes chrome_trace() as JSON, for chrome://tracing or https://ui.perfetto.dev."""
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f, allow_nan=False)
+
+    def plot(self, path: str | os.PathLike) -> None:
+        """Writes a PNG: each step's time stacked as input / compute / all-reduce and, below, each
+        replica's compute and all-reduce per step."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        rows = self._steps()
+        replicas = sorted({r for row in rows for r in row["all_reduce_s"]})
+        fig = Figure(figsize=(10, 6.5 if replicas else 4), dpi=100, layout="constrained")
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(2 if replicas else 1, 1, sharex=True, squeeze=False)[:, 0]
+        x = np.arange(len(rows))
+        inp = np.array([row["input_s"] for row in rows]) * 1e3
+        step = np.array([row["step_s"] for row in rows]) * 1e3
+        # The fastest replica's all-reduce is the communication itself; what the others spend beyond
+        # it is waiting for the slowest replica, i.e. compute imbalance, so it stays in "compute".
+        reduce = np.array([min(row["all_reduce_s"].values(), default=0.0) for row in rows]) * 1e3
+        ax = axes[0]
+        ax.bar(x, inp, width=1.0, label="input wait", color="tab:orange")
+        ax.bar(x, step - reduce, width=1.0, bottom=inp, label="compute", color="tab:blue")
+        ax.bar(x, reduce, width=1.0, bottom=inp + step - reduce, label="all-reduce", color="tab:green")
+        summary = self.summary()
+        rate = f", {summary['images_per_s']:.1f} images/s" if summary["images_per_s"] is not None else ""
+        ax.set_title(f"Step time breakdown ({len(rows)} steps{rate})")
+        ax.set_ylabel("ms")
+        ax.legend(loc="upper right")
+        if not rows:
+            ax.text(0.5, 0.5, "no steps recorded", ha="center", va="center", transform=ax.transAxes)
+        if replicas:
+            ax = axes[1]
+            for r in replicas:
+                ar = np.array([row["all_reduce_s"].get(r, np.nan) for row in rows]) * 1e3
+                rs = np.array([row["replica_s"].get(r, np.nan) for row in rows]) * 1e3
+                line = ax.plot(x, ar, label=f"replica {r} all-reduce")[0]
+                ax.plot(x, rs - ar, linestyle="--", color=line.get_color(), label=f"replica {r} compute")
+            ax.set_ylabel("ms")
+            ax.set_title("Per replica")
+            ax.legend(loc="upper right", fontsize="small", ncols=2)
+        axes[-1].set_xlabel("step")
+        fig.savefig(os.fspath(path), format="png")
+
+    def __repr__(self) -> str:
+        return f"Profiler(log_dir={self.log_dir!r}, steps={self._rec.next_step}, recording={self._recording})"
+
+
+def _stats(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"count": 0, "median": None, "p90": None, "total": 0.0}
+    a = np.asarray(values, dtype=np.float64)
+    return {"count": len(a), "median": float(np.median(a)), "p90": float(np.percentile(a, 90)),
+            "total": float(a.sum())}
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
