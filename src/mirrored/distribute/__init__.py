@@ -6,6 +6,7 @@ from mirrored.distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCo
                                                   NcclAllReduce, ReductionToOneDevice)
 from mirrored.distribute.input import InputContext, InputOptions
 from mirrored.distribute.modules import MirroredModule, MirroredOptimizer
+from mirrored.distribute.multi_worker import CollectiveAllReduce, CommunicationOptions, MultiWorkerMirroredStrategy
 from mirrored.distribute.replicas import CollectiveMismatchError, CollectiveTimeoutError
 from mirrored.distribute.strategy import (MirroredStrategy, OneDeviceStrategy, OutOfSyncError, Strategy,
                                           ValueContext)
@@ -14,10 +15,11 @@ from mirrored.distribute.variables import (MirroredVariable, SyncOnReadVariable,
                                            VariableSynchronization)
 
 __all__ = [
-    "CollectiveMismatchError", "CollectiveTimeoutError", "CrossDeviceOps", "DistributedValues",
-    "HierarchicalCopyAllReduce", "InMemoryAllReduce", "InputContext", "InputOptions", "Mirrored",
-    "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable", "NcclAllReduce",
-    "OneDeviceStrategy", "OutOfSyncError", "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext",
-    "Strategy", "SyncOnReadVariable", "ValueContext", "Variable", "VariableAggregation",
-    "VariableSynchronization", "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
+    "CollectiveAllReduce", "CollectiveMismatchError", "CollectiveTimeoutError", "CommunicationOptions",
+    "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InMemoryAllReduce", "InputContext",
+    "InputOptions", "Mirrored", "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable",
+    "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "OutOfSyncError", "PerReplica", "ReduceOp",
+    "ReductionToOneDevice", "ReplicaContext", "Strategy", "SyncOnReadVariable", "ValueContext", "Variable",
+    "VariableAggregation", "VariableSynchronization", "get_replica_context", "get_strategy", "has_strategy",
+    "in_cross_replica_context",
 ]

@@ -122,7 +122,9 @@ class ReplicaContext:
 
     @property
     def replica_id_in_sync_group(self) -> int:
-        return self._replica_id
+        # _replica_id indexes this process's replicas (their devices, module copies); the id in the
+        # sync group counts every worker's replicas before this process's too.
+        return self._strategy._first_replica_id + self._replica_id
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -151,4 +153,5 @@ class ReplicaContext:
         self._cm.__exit__(*exc)
 
     def __repr__(self) -> str:
-        return f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, num_replicas_in_sync={self.num_replicas_in_sync})"
+        return (f"ReplicaContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")

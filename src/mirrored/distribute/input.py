@@ -4,9 +4,10 @@
 DataLoader): each batch is split along dim 0 by tf.distribute 2.21's rule, where replicas in order
 take ceil(B/N) examples until the batch runs out (10 over 3 -> 4, 4, 2; 1 over 2 -> 1, 0; empty
 parts are legal), and each part is moved to its replica's device one batch ahead of use (pinned
-memory and non-blocking copies on CUDA). `distribute_datasets_from_function` calls the user's
-function with an `InputContext` and gives replicas successive per-replica batches. Uses values.py
-and devices.py.
+memory and non-blocking copies on CUDA). On a worker of a multi-worker strategy every worker reads
+the same global batches and keeps only its own replicas' parts. `distribute_datasets_from_function`
+calls the user's function with an `InputContext` (one input pipeline per worker) and gives replicas
+successive per-replica batches. Uses values.py and devices.py.
 """
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ class _Splitter:
 
     def __init__(self, strategy: Strategy, options: InputOptions | None):
         self._devices = [torch_device(d) for d in strategy.extended.worker_devices]
-        self._n = len(self._devices)
+        self._n = strategy.num_replicas_in_sync  # the split is over every worker's replicas...
+        self._first = strategy._first_replica_id  # ...and this process keeps its own replicas' parts
         self._fetch = (options or InputOptions()).experimental_fetch_to_device
 
     def place(self, value: Any, replica: int) -> Any:
@@ -134,9 +136,12 @@ class _Splitter:
         for n in split_sizes(size, self._n):
             bounds.append((lo, lo + n))
             lo += n
+        mine = bounds[self._first:self._first + len(self._devices)]
         leaves = flatten(batch)
-        per_replica = [[self.place(_part(leaf, a, b), r) for leaf in leaves] for r, (a, b) in enumerate(bounds)]
-        columns = [PerReplica([per_replica[r][j] for r in range(self._n)]) for j in range(len(leaves))]
+        per_replica = [[self.place(_part(leaf, a, b), r) for leaf in leaves] for r, (a, b) in enumerate(mine)]
+        if len(mine) == 1:  # one replica in this process (a multi-worker strategy): plain values, as in TF
+            return pack_sequence_as(batch, per_replica[0]), size
+        columns = [PerReplica([per_replica[r][j] for r in range(len(mine))]) for j in range(len(leaves))]
         return pack_sequence_as(batch, columns), size
 
 
@@ -219,7 +224,9 @@ class DistributedDatasetsFromFunction:
             raise TypeError(f"distribute_datasets_from_function({dataset_fn!r}): pass a function "
                             "InputContext -> dataset of per-replica batches.")
         self._strategy = strategy
-        ctx = InputContext(1, 0, strategy.num_replicas_in_sync)
+        local = len(strategy.extended.worker_devices)  # one input pipeline per worker process
+        ctx = InputContext(strategy.num_replicas_in_sync // local, strategy._first_replica_id // local,
+                           strategy.num_replicas_in_sync)
         self._dataset = dataset_fn(ctx)
         if self._dataset is None or not isinstance(self._dataset, Iterable):
             raise TypeError(f"distribute_datasets_from_function: the function returned "
@@ -227,8 +234,9 @@ class DistributedDatasetsFromFunction:
         self._splitter = _Splitter(strategy, options)
 
     def __iter__(self) -> Iterator[Any]:
-        n = self._strategy.num_replicas_in_sync
+        n = len(self._strategy.extended.worker_devices)  # this process's replicas
         source = iter(self._dataset)
+        template = None
         while True:
             parts = []
             for _ in range(n):
@@ -236,10 +244,18 @@ class DistributedDatasetsFromFunction:
                 if item is _END:
                     break
                 parts.append(item)
-            if not parts:
+            template = parts[0] if parts else template
+            # Workers' datasets may run out at different steps: every worker goes on while any has data
+            # (an all-reduce of the counts, as TF's get_next_as_optional), so none waits alone in a step.
+            if self._strategy._sum_over_workers(len(parts)) == 0:
                 return
+            if template is None:
+                raise ValueError(
+                    "distribute_datasets_from_function: this worker's dataset is empty while other workers' "
+                    f"still yield batches ({self._strategy!r}). Give every input pipeline data, e.g. shard "
+                    "with ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id).")
             while len(parts) < n:  # the data ran out mid-step: the remaining replicas get empty batches
-                parts.append(map_structure(lambda leaf: _empty_part(leaf, len(parts)), parts[0]))
+                parts.append(map_structure(lambda leaf: _empty_part(leaf, len(parts)), template))
             placed = [self._splitter.place(p, r) for r, p in enumerate(parts)]
             if n == 1:
                 yield placed[0]

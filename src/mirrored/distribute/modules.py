@@ -29,7 +29,7 @@ def _replica_id(strategy: Strategy) -> int:
     ctx = context.get_replica_context()
     if ctx is None or ctx.strategy is not strategy:
         return 0
-    return ctx.replica_id_in_sync_group
+    return ctx._replica_id  # this process's copy, also on a worker of a multi-worker strategy
 
 
 class MirroredModule:
@@ -138,7 +138,7 @@ class MirroredOptimizer:
         ctx = context.get_replica_context()
         if ctx is None or ctx.strategy is not self._strategy or ctx.num_replicas_in_sync == 1:
             return
-        rid = ctx.replica_id_in_sync_group
+        rid = ctx._replica_id
         params = self._params(rid)
         reduced = self._strategy._reduce_gradients(ctx, self._key, params, [p.grad for p in params])
         for p, g in zip(params, reduced):
@@ -166,11 +166,13 @@ class MirroredOptimizer:
         ctx = context.get_replica_context()
         if ctx is None or ctx.strategy is not self._strategy or ctx.num_replicas_in_sync == 1:
             return
-        net = self._module.replicas[ctx.replica_id_in_sync_group]
+        net = self._module.replicas[ctx._replica_id]
         bufs = [b for b in net.buffers() if b.is_floating_point()]
         if bufs:
+            # Every copy of the module has the same buffers, so the strategy may skip its shape check.
+            averaged = self._strategy._replica_all_reduce(ctx, ReduceOp.MEAN, bufs, same_shapes=True)
             with torch.no_grad():
-                for b, avg in zip(bufs, ctx.all_reduce(ReduceOp.MEAN, bufs)):
+                for b, avg in zip(bufs, averaged):
                     b.copy_(avg)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -69,6 +69,10 @@ class Strategy:
     """Synchronous data parallelism over `devices`; see MirroredStrategy for the public constructor."""
 
     _is_default = False
+    # This process's replicas are replicas _first_replica_id .. _first_replica_id + len(devices) - 1 of
+    # num_replicas_in_sync; only a worker of MultiWorkerMirroredStrategy starts past 0. Inside a
+    # process replicas are indexed from 0 (ReplicaContext._replica_id), whatever the worker.
+    _first_replica_id = 0
 
     def __init__(self, devices: Sequence[Device], cross_device_ops: CrossDeviceOps | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -87,6 +91,9 @@ class Strategy:
             self._pool = replicas.ReplicaPool(self._devices, intra_op_threads(self._devices))
             replicas.stop_on_collect(self, self._pool)
         self._grad_buffers: dict[Any, list[Any]] = {}
+        self._log_created()
+
+    def _log_created(self) -> None:
         logger.info("%s: %d replica(s) on %s, cross-device ops %s", type(self).__name__, len(self._devices),
                     ", ".join(self._devices), self._cross_device_ops)
 
@@ -182,18 +189,22 @@ class Strategy:
             with context.push(self, None):
                 return fn0(self, *merged_args, **merged_kwargs)
 
-        result = ctx._step.exchange(ctx.replica_id_in_sync_group, (merge_fn, args, kwargs), "merge_call", combine)
-        return select_replica(ctx.replica_id_in_sync_group, result)
+        result = ctx._step.exchange(ctx._replica_id, (merge_fn, args, kwargs), "merge_call", combine)
+        return select_replica(ctx._replica_id, result)
 
-    def _replica_all_reduce(self, ctx: ReplicaContext, reduce_op: ReduceOp | str, value: Nested) -> Nested:
+    def _replica_all_reduce(self, ctx: ReplicaContext, reduce_op: ReduceOp | str, value: Nested,
+                            same_shapes: bool = False) -> Nested:
+        """`ctx.all_reduce`. same_shapes=True: the caller guarantees every replica passes the same
+        shapes, so a strategy whose shape check costs a round trip (multi-worker) may skip it."""
+        del same_shapes  # between threads the check is free (check_same_shapes)
         op = as_reduce_op(reduce_op, "ReplicaContext.all_reduce")
-        device = torch_device(self._devices[ctx.replica_id_in_sync_group])
+        device = torch_device(self._devices[ctx._replica_id])
         leaves = [_as_tensor(v, device) for v in flatten(value)]
         if ctx._step is None:
             return pack_sequence_as(value, leaves)
         plan = buckets.plan(leaves, self._cross_device_ops.bytes_per_pack)
         flats = [b.pack(leaves) for b in plan]
-        reduced = self._cross_device_ops.all_reduce(ctx._step, ctx.replica_id_in_sync_group, op, flats)
+        reduced = self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, op, flats)
         out: list[Tensor | None] = [None] * len(leaves)
         for b, flat in zip(plan, reduced):
             b.unpack(flat, out)
@@ -205,7 +216,7 @@ class Strategy:
         A gradient that is None on every replica stays None; None on some only counts as zeros."""
         if ctx is None or ctx._step is None:
             return grads
-        rid = ctx.replica_id_in_sync_group
+        rid = ctx._replica_id
         mask = tuple(g is not None for g in grads)
         masks = ctx._step.exchange(rid, mask, "all_reduce (gradient mask)")
         union = tuple(any(m[i] for m in masks) for i in range(len(mask)))
@@ -301,7 +312,7 @@ class Strategy:
         n = self.num_replicas_in_sync
         results = []
         for i, device in enumerate(self._devices):
-            v = value_fn(ValueContext(i, n))
+            v = value_fn(ValueContext(self._first_replica_id + i, n))
             results.append(v.to(torch_device(device)) if isinstance(v, Tensor) else v)
         # TF wraps every leaf, even where all replicas returned the same object (a constant).
         return results[0] if n == 1 else regroup(results, always_wrap=True)
@@ -335,6 +346,11 @@ class Strategy:
                                          f"values{diff}; the copies must be bitwise identical after every step.")
 
     # ---- input ----------------------------------------------------------------------------------------
+    def _sum_over_workers(self, count: int) -> int:
+        """`count` summed over the worker processes (distributed input uses it to end an epoch on every
+        worker at the same step); one process here, so `count` itself."""
+        return count
+
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         """Splits each GLOBAL batch of `dataset` into per-replica parts, on each replica's device."""
         from mirrored.distribute.input import DistributedDataset
@@ -403,6 +419,10 @@ class _DefaultStrategy(Strategy):
     def __init__(self) -> None:
         super().__init__(("cpu:0",))
         self._default_replica_context = ReplicaContext(self, 0)  # a cycle, but this strategy lives forever
+
+    def _log_created(self) -> None:
+        # Made on first use, in every process (each worker of a multi-worker run too): not worth an INFO line.
+        logger.debug("the default strategy: one replica on cpu:0, no mirroring")
 
     @contextmanager
     def scope(self) -> Iterator[Strategy]:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mirrored.distribute import context
 from mirrored.distribute.devices import torch_device
-from mirrored.distribute.values import PerReplica, map_structure
+from mirrored.distribute.values import DistributedValues, PerReplica, map_structure
 
 if TYPE_CHECKING:
     from mirrored.distribute.strategy import Strategy
@@ -113,7 +113,7 @@ class Variable:
         ctx = context.get_replica_context()
         if ctx is None or ctx.strategy is not self._strategy:
             return None
-        return ctx.replica_id_in_sync_group
+        return ctx._replica_id  # the index of this process's copy (equal to the replica id but on workers > 0)
 
     def _local(self) -> Tensor:
         rid = self._replica_id()
@@ -260,21 +260,22 @@ def _merge_update(strategy: Strategy, var: MirroredVariable, value: Any, op: str
     parts = strategy.experimental_local_results(value)
     parts = [torch.as_tensor(_unwrap(p), dtype=var.dtype) for p in parts]
     agg = var.aggregation
-    if (len(parts) == 1 and agg is VariableAggregation.SUM and strategy.num_replicas_in_sync > 1
-            and not bool((parts[0] == 0).all())):
+    shared = not isinstance(value, DistributedValues) and len(strategy.extended.worker_devices) > 1
+    if shared and agg is VariableAggregation.SUM and not bool((parts[0] == 0).all()):
         # Every replica passed the same object (a constant): TF refuses to sum it (the total would
         # depend on whether the replicas built the value themselves or shared one); zeros sum to zero.
         raise ValueError(
             f"MirroredVariable {var.name!r}.{op} in replica context with aggregation SUM got the same value "
             f"({value!r}) from every replica, so summing it is ambiguous (TF raises too). Pass a per-replica "
             "value (computed inside the replica function), or use aggregation MEAN or ONLY_FIRST_REPLICA.")
-    if agg is VariableAggregation.ONLY_FIRST_REPLICA or len(parts) == 1:
+    if agg is VariableAggregation.ONLY_FIRST_REPLICA or shared or strategy.num_replicas_in_sync == 1:
         combined = parts[0]
     else:
         from mirrored.distribute.values import ReduceOp
 
         reduce_op = ReduceOp.SUM if agg is VariableAggregation.SUM else ReduceOp.MEAN
-        combined = strategy.reduce(reduce_op, PerReplica(parts))
+        # A multi-worker strategy holds one local part; its reduce adds the other workers' parts.
+        combined = strategy.reduce(reduce_op, PerReplica(parts) if len(parts) > 1 else parts[0])
     for t in var.values:
         _write(t, combined, op)
 
@@ -294,35 +295,35 @@ class SyncOnReadVariable(Variable):
         if rid is not None:
             return self._values[rid]
         agg = self._aggregation
-        if agg is VariableAggregation.ONLY_FIRST_REPLICA or len(self._values) == 1:
+        if agg is VariableAggregation.ONLY_FIRST_REPLICA or self._strategy.num_replicas_in_sync == 1:
             return self._values[0]
         if agg is VariableAggregation.NONE:
             raise ValueError(
                 f"SyncOnReadVariable {self._name!r} has aggregation NONE, so it cannot be read in cross-replica "
                 "context (there is no rule to combine its copies). Create it with aggregation=SUM, MEAN or "
                 "ONLY_FIRST_REPLICA, or read one copy with strategy.experimental_local_results(var).")
-        dev = self._values[0].device
-        total = self._values[0].detach().clone()
-        for t in self._values[1:]:
-            total += t.detach().to(dev)
-        if agg is VariableAggregation.MEAN:
-            total = total / len(self._values) if total.is_floating_point() else torch.div(
-                total, len(self._values), rounding_mode="trunc")
-        return total
+        from mirrored.distribute.values import ReduceOp
+
+        op = ReduceOp.SUM if agg is VariableAggregation.SUM else ReduceOp.MEAN
+        # Through the strategy, so that a multi-worker strategy adds the other workers' copies too.
+        local = PerReplica([t.detach() for t in self._values]) if len(self._values) > 1 else self._values[0].detach()
+        return self._strategy.reduce(op, local)
 
     def _update(self, value: Any, op: str) -> Variable:
         rid = self._replica_id()
         if rid is not None:
             _write(self._values[rid], value, op)
             return self
-        n = len(self._values)
+        n = self._strategy.num_replicas_in_sync
         if self._aggregation is VariableAggregation.SUM and n > 1:
             if op != "assign":
                 raise ValueError(
                     f"SyncOnReadVariable {self._name!r}.{op} in cross-replica context is not supported when "
                     "aggregation is SUM (as in TF): it is unclear whether to change each copy or the total. "
                     "Call it inside strategy.run, or assign() the new total.")
-            for t, part in zip(self._values, _split_total(torch.as_tensor(_unwrap(value), dtype=self.dtype), n)):
+            parts = _split_total(torch.as_tensor(_unwrap(value), dtype=self.dtype), n)
+            first = self._strategy._first_replica_id  # this process's first replica (multi-worker)
+            for t, part in zip(self._values, parts[first:]):
                 _write(t, part, "assign")
             return self
         for t in self._values:

@@ -184,10 +184,9 @@ class Model:
 
     def _train_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
         ctx = md.get_replica_context()
-        rid = ctx.replica_id_in_sync_group
-        net = self._net.replicas[rid]
+        net = self._net.module  # this replica's copy (on a multi-worker strategy, the process's one)
         opt = self._mopt
-        scaler = self._scalers[rid] if self._scalers else None
+        scaler = self._scalers[[m is net for m in self._net.replicas].index(True)] if self._scalers else None
         for (x, y, sw), count in zip(batches, global_counts):
             # An empty part (a short last batch) still joins the gradient all-reduce; with SyncBatchNorm
             # it must also run forward, whose statistics all-reduce every replica joins.
@@ -217,8 +216,7 @@ class Model:
         return fn() / num_replicas if callable(fn) else 0.0
 
     def _test_replica(self, batches: list[tuple[Any, Any, Any]]) -> None:
-        rid = md.get_replica_context().replica_id_in_sync_group
-        net = self._net.replicas[rid]
+        net = self._net.module
         with torch.no_grad():
             for x, y, sw in batches:
                 if _rows(x):
@@ -229,7 +227,7 @@ class Model:
                     self._update_metrics(y, logits, per_example, sw)
 
     def _predict_replica(self, x: Any) -> Tensor:
-        net = self._net.replicas[md.get_replica_context().replica_id_in_sync_group]
+        net = self._net.module
         with torch.no_grad():
             if not _rows(x):
                 probe = next(iter(net.parameters()))

@@ -1,0 +1,589 @@
+"""MultiWorkerMirroredStrategy: synchronous training over worker processes, on torch.distributed.
+
+One process per device, each holding one replica, started by torchrun (`torchrun --nproc_per_node=N
+train.py`, or `--nnodes=M --node_rank=i --master_addr=...` across machines): `num_replicas_in_sync`
+is the world size and `replica_id_in_sync_group` the process's rank. torchrun's environment (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) is read here and nowhere else in the package;
+without it the strategy is a single worker, as TF's is without TF_CONFIG.
+
+`CollectiveAllReduce` does the talking (gloo on CPU, NCCL on GPU): the gradient all-reduce of a
+mirrored optimizer (flat buckets, one collective each), `ReplicaContext.all_reduce`, and the
+cross-replica `reduce`, `gather` and `check_in_sync`. Every worker must make the same collective
+calls in the same order, as with DDP. A collective that fails or times out raises an error naming
+this rank, the op and, when the rendezvous store can tell, the ranks that did not arrive.
+Builds on strategy.py (the Strategy it subclasses) and the rest of distribute/, and torch.distributed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mirrored.distribute import buckets, context
+from mirrored.distribute.context import ReplicaContext
+from mirrored.distribute.cross_device_ops import CrossDeviceOps, as_reduce_op, divide_
+from mirrored.distribute.devices import Device, resolve_devices, torch_device, visible_gpus
+from mirrored.distribute.modules import named_copies
+from mirrored.distribute.replicas import CollectiveTimeoutError
+from mirrored.distribute.strategy import (DEFAULT_TIMEOUT_S, OutOfSyncError, Strategy, _as_tensor,
+                                          _is_mirrored_variable)
+from mirrored.distribute.values import Mirrored, Nested, ReduceOp, flatten, pack_sequence_as
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_DEFAULT_BYTES_PER_PACK = 25 * 2**20  # DDP's bucket_cap_mb default
+_PROBE_S = 2.0  # after a collective fails, how long to wait for the other ranks to report theirs
+_MAX_DIMS = 8  # gather exchanges shapes in a fixed-size header (a collective needs equal sizes)
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)  # numbered in headers
+_IMPLEMENTATIONS = ("AUTO", "RING", "NCCL")  # tf.distribute.experimental.CommunicationImplementation
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationOptions:
+    """How the collectives run (tf.distribute.experimental.CommunicationOptions).
+
+    Args:
+      bytes_per_pack: bucket size of the gradient all-reduce; 0 means 25 MiB (DDP's bucket_cap_mb).
+      timeout_seconds: when set, replaces the strategy's `timeout_s`.
+      implementation: "AUTO" (NCCL for GPUs, gloo for CPUs), "RING" (gloo) or "NCCL".
+    """
+
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    implementation: str = "AUTO"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+            raise ValueError(f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack!r}): give a non-negative "
+                             "number of bytes (0 for the default, 25 MiB).")
+        if self.timeout_seconds is not None and not _positive(self.timeout_seconds):
+            raise ValueError(f"CommunicationOptions(timeout_seconds={self.timeout_seconds!r}): give a positive "
+                             "number of seconds, or None to use the strategy's timeout_s.")
+        name = getattr(self.implementation, "name", self.implementation)  # TF's enum, or its name
+        if not isinstance(name, str) or name.upper() not in _IMPLEMENTATIONS:
+            raise ValueError(f"CommunicationOptions(implementation={self.implementation!r}): use one of "
+                             f"{', '.join(map(repr, _IMPLEMENTATIONS))}.")
+        object.__setattr__(self, "implementation", name.upper())  # frozen dataclass: normalise once
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+class _Launch(NamedTuple):
+    """What torchrun (or the user) put in the environment of this worker process."""
+
+    rank: int | None
+    world_size: int | None
+    local_rank: int | None
+    master_addr: str | None
+    master_port: int | None
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"MultiWorkerMirroredStrategy: environment variable {name}={value!r} is not an integer. "
+                         "torchrun sets it; when launching workers yourself, give it a number.") from None
+
+
+def _read_launch() -> _Launch:
+    return _Launch(_int_env("RANK"), _int_env("WORLD_SIZE"), _int_env("LOCAL_RANK"),
+                   os.environ.get("MASTER_ADDR"), _int_env("MASTER_PORT"))
+
+
+def _check_launch(launch: _Launch) -> None:
+    """Raises where RANK is set but the rest of a rendezvous (WORLD_SIZE, MASTER_ADDR/PORT) is not."""
+    missing = [k for k, v in (("WORLD_SIZE", launch.world_size), ("MASTER_ADDR", launch.master_addr),
+                              ("MASTER_PORT", launch.master_port)) if v is None]
+    if missing:
+        raise ValueError(
+            f"MultiWorkerMirroredStrategy: RANK={launch.rank} is set but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not. Launch with torchrun (torchrun --nproc_per_node=N "
+            "script.py sets them all), set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself, or unset "
+            "RANK to train as a single worker.")
+    if not (launch.world_size >= 1 and 0 <= launch.rank < launch.world_size):
+        raise ValueError(f"MultiWorkerMirroredStrategy: RANK={launch.rank} is outside [0, WORLD_SIZE="
+                         f"{launch.world_size}). Ranks run 0..WORLD_SIZE-1, one per worker process.")
+
+
+def _local_device(devices: Sequence[str | torch.device] | str | torch.device | None, local_rank: int) -> Device:
+    """cuda:LOCAL_RANK when GPUs are visible, else cpu:0; an explicit single device wins."""
+    if devices is not None:
+        resolved = resolve_devices(devices, where="MultiWorkerMirroredStrategy")
+        if len(resolved) != 1:
+            raise ValueError(
+                f"MultiWorkerMirroredStrategy(devices={list(resolved)}): a worker process drives one device. "
+                f"For {len(resolved)} devices run one process per device, "
+                f"`torchrun --nproc_per_node={len(resolved)} script.py` (each takes cuda:LOCAL_RANK), or pass "
+                "a single device.")
+        return resolved[0]
+    gpus = visible_gpus()
+    if not gpus:
+        return "cpu:0"
+    if not 0 <= local_rank < len(gpus):
+        raise ValueError(
+            f"MultiWorkerMirroredStrategy: LOCAL_RANK={local_rank} but this machine shows {len(gpus)} GPU(s) "
+            f"({', '.join(gpus)}). Start at most one process per GPU (torchrun --nproc_per_node={len(gpus)}), "
+            "check CUDA_VISIBLE_DEVICES, or pass devices=[\"cpu:0\"].")
+    return gpus[local_rank]
+
+
+def _backend_for(device: Device, implementation: str) -> str:
+    if implementation == "NCCL" and not device.startswith("cuda"):
+        raise ValueError(f"MultiWorkerMirroredStrategy: implementation NCCL needs a GPU, but this worker's device "
+                         f"is {device}. Use implementation \"AUTO\" or \"RING\" (gloo) on CPUs.")
+    if implementation == "RING":
+        return "gloo"
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def _digest(data: bytes) -> int:
+    """A 56-bit checksum: equal on every rank for equal bytes (Python's hash() is salted per process),
+    and small enough that -digest fits int64 too."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+def _shape_digest(tensors: Sequence[Tensor]) -> int:
+    return _digest(repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode())
+
+
+def _value_digest(t: Tensor) -> int:
+    flat = t.detach().contiguous().reshape(-1).cpu()
+    return _digest(flat.view(torch.uint8).numpy().tobytes())
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+class CollectiveAllReduce(CrossDeviceOps):
+    """Collectives across worker processes with torch.distributed's default process group, one call
+    per bucket of `bytes_per_pack` (TF's CollectiveAllReduce). MultiWorkerMirroredStrategy builds it;
+    every worker must make the same calls, in the same order."""
+
+    def __init__(self, rank: int, world_size: int, wire_device: torch.device, timeout_s: float,
+                 bytes_per_pack: int = _DEFAULT_BYTES_PER_PACK, store: tuple[str, int] | None = None):
+        super().__init__(bytes_per_pack)
+        self.rank = rank
+        self.world_size = world_size
+        self._wire = wire_device  # where small exchanged tensors (sizes, checksums) live: NCCL needs the GPU
+        self._timeout_s = timeout_s
+        self._store = store  # (MASTER_ADDR, MASTER_PORT): asked which ranks arrived, after a failure
+        self._calls = 0
+
+    def __repr__(self) -> str:
+        return (f"CollectiveAllReduce(rank={self.rank}, world_size={self.world_size}, "
+                f"bytes_per_pack={self.bytes_per_pack})")
+
+    # ---- the collectives ------------------------------------------------------------------------
+    def all_sum_(self, flats: Sequence[Tensor], what: str) -> None:
+        """Sums each flat buffer over the workers, in place (every bucket in flight at once)."""
+        def call() -> None:
+            for work in [dist.all_reduce(f, async_op=True) for f in flats]:
+                work.wait()
+
+        self._call(what, call)
+
+    def all_reduce(self, reduce_op: ReduceOp, tensors: Sequence[Tensor], what: str,
+                   check_shapes: bool = True) -> list[Tensor]:
+        """New tensors holding SUM / MEAN over the workers of `tensors`. check_shapes costs a round trip
+        and turns different shapes on different ranks into a ValueError instead of an abort or a hang."""
+        if check_shapes:
+            self._check_same_shapes(tensors, what)
+        plan = buckets.plan(tensors, self.bytes_per_pack)
+        flats = [b.pack(tensors) for b in plan]
+        self.all_sum_(flats, what)
+        out: list[Tensor | None] = [None] * len(tensors)
+        for b, flat in zip(plan, flats):
+            b.unpack(divide_(flat, self.world_size) if reduce_op is ReduceOp.MEAN else flat, out)
+        return out  # type: ignore[return-value]
+
+    def all_gather_row(self, row: Sequence[int | float], what: str, dtype: torch.dtype = torch.int64) -> list[list]:
+        """Every rank's `row` (the same length everywhere), in rank order."""
+        mine = torch.tensor(list(row), dtype=dtype, device=self._wire)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._call(what, lambda: dist.all_gather(rows, mine))
+        return [r.tolist() for r in rows]
+
+    def gather(self, t: Tensor, axis: int, what: str) -> Tensor:
+        """The workers' tensors concatenated along `axis`; their sizes along it may differ (each part is
+        padded to the longest for the all_gather, then trimmed)."""
+        if t.dim() > _MAX_DIMS:
+            raise ValueError(f"{what}: tensors of rank {t.dim()} > {_MAX_DIMS} are not supported across workers.")
+        if not -t.dim() <= axis < t.dim():
+            raise ValueError(f"{what}: axis={axis} is out of range for a tensor of shape {tuple(t.shape)}.")
+        axis %= t.dim()
+        header = [t.dim(), _dtype_code(t.dtype), *t.shape, *[-1] * (_MAX_DIMS - t.dim())]
+        rows = self.all_gather_row(header, f"{what} (sizes)")
+        masked = [row[:2 + axis] + row[3 + axis:] for row in rows]
+        differ = [r for r in range(self.world_size) if masked[r] != masked[0]]
+        if differ:
+            shapes = "; ".join(f"rank {r}: shape {tuple(row[2:2 + row[0]])}, dtype "
+                               f"{_DTYPES[row[1]] if row[1] < len(_DTYPES) else 'other'}" for r, row in enumerate(rows))
+            raise ValueError(f"{what}: the workers' values differ in more than the size along axis {axis} ({shapes}). "
+                             "Only the gathered axis may differ; dtypes and other dimensions must match.")
+        sizes = [row[2 + axis] for row in rows]
+        wire = t.view(torch.uint8) if t.dtype == torch.bool else t
+        if t.shape[axis] < max(sizes):
+            pad_shape = list(t.shape)
+            pad_shape[axis] = max(sizes) - t.shape[axis]
+            wire = torch.cat([wire, wire.new_zeros(pad_shape)], dim=axis)
+        wire = wire.contiguous()
+        parts = [torch.empty_like(wire) for _ in range(self.world_size)]
+        self._call(what, lambda: dist.all_gather(parts, wire))
+        out = torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, sizes)], dim=axis)
+        return out.view(torch.bool) if t.dtype == torch.bool else out
+
+    def broadcast_(self, tensors: Sequence[Tensor], what: str) -> None:
+        """Overwrites `tensors` with rank 0's copies (bucketed; every rank passes the same shapes)."""
+        with torch.no_grad():
+            plan = buckets.plan(tensors, self.bytes_per_pack)
+            flats = [b.pack(tensors) for b in plan]
+            wires = [f.view(torch.uint8) if f.dtype == torch.bool else f for f in flats]
+
+            def call() -> None:
+                for work in [dist.broadcast(w, src=0, async_op=True) for w in wires]:
+                    work.wait()
+
+            self._call(what, call)
+            if self.rank == 0:
+                return
+            views: list[Tensor | None] = [None] * len(tensors)
+            for b, flat in zip(plan, flats):
+                b.unpack(flat, views)
+            for t, v in zip(tensors, views):
+                t.copy_(v)
+
+    def _check_same_shapes(self, tensors: Sequence[Tensor], what: str) -> None:
+        """One small all-reduce (MAX of +digest and -digest equals them only where every rank agrees)."""
+        digest = _shape_digest(tensors)
+        mine = torch.tensor([digest, -digest], dtype=torch.int64, device=self._wire)
+        self._call(f"{what} (shape check)", lambda: dist.all_reduce(mine, op=dist.ReduceOp.MAX))
+        if mine.tolist() == [digest, -digest]:
+            return
+        rows = self.all_gather_row([len(tensors), sum(t.numel() for t in tensors)], f"{what} (shape report)")
+        per_rank = "; ".join(f"rank {r}: {n} tensor(s), {numel} element(s)" for r, (n, numel) in enumerate(rows))
+        raise ValueError(
+            f"{what}: the workers passed tensors of different shapes or dtypes ({per_rank}; rank {self.rank} "
+            f"passed {[tuple(t.shape) for t in tensors]}). Every replica must all-reduce tensors of the same "
+            "shapes (reduce per-example values to a fixed shape first, e.g. sum them).")
+
+    # ---- CrossDeviceOps API (cross-replica context) -----------------------------------------------
+    def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
+        """Reduces each value over every replica of every worker; returns Mirrored values."""
+        op = as_reduce_op(reduce_op, "CollectiveAllReduce.batch_reduce")
+        local, replicas = [], None
+        for value, _ in value_destination_pairs:
+            parts = self._components(value)
+            replicas = len(parts) if replicas is None else replicas
+            local.append(sum(parts[1:], parts[0].clone()))
+        reduced = self.all_reduce(ReduceOp.SUM, local, "batch_reduce") if self.world_size > 1 else local
+        if op is ReduceOp.MEAN:
+            reduced = [divide_(t, self.world_size * (replicas or 1)) for t in reduced]
+        return [self._to_destinations([t], dest) for t, (_, dest) in zip(reduced, value_destination_pairs)]
+
+    # ---- failures ---------------------------------------------------------------------------------
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        self._calls += 1
+        started = time.monotonic()
+        try:
+            return fn()
+        except RuntimeError as e:  # torch.distributed's errors (DistBackendError, gloo's) are RuntimeErrors
+            failure = self._failure(what, e, time.monotonic() - started)
+            if failure is e:
+                raise
+            raise failure from e
+
+    def _failure(self, what: str, error: RuntimeError, elapsed_s: float) -> BaseException:
+        where = f"rank {self.rank} of {self.world_size}: {what} (collective #{self._calls} of this worker)"
+        text = str(error).strip()
+        lowered = text.lower()
+        timed_out = "timed out" in lowered or "timeout" in lowered
+        lost = any(s in lowered for s in ("connection closed", "connection reset", "broken pipe", "connection refused"))
+        if not (timed_out or lost):
+            error.args = (f"{where}: {text}",)
+            return error
+        if timed_out:
+            cause = (f"timed out after {elapsed_s:.1f} s (timeout_s={self._timeout_s:g}; raise it if the other "
+                     "workers are merely slow)")
+        else:
+            cause = f"failed after {elapsed_s:.1f} s: another worker's connection closed"
+        first_line = text.splitlines()[0] if text else type(error).__name__
+        return CollectiveTimeoutError(f"{where} {cause}. {self._who_is_missing(what)}torch.distributed: {first_line}")
+
+    def _who_is_missing(self, what: str) -> str:
+        """Asks the rendezvous store which ranks also reached a failed collective. A rank that never
+        reports within _PROBE_S exited, crashed or hangs elsewhere. Best effort: '' when unknown."""
+        if self._store is None or self.world_size < 2:
+            return ""
+        addr, port = self._store
+        grace_s = min(_PROBE_S, self._timeout_s)
+        # torchrun's agent store outlives restarts of the workers: keep each attempt's keys apart.
+        prefix = f"mirrored/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        try:
+            store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=grace_s))
+            store.set(f"{prefix}{self.rank}", what)
+            deadline = time.monotonic() + grace_s
+            reported = {self.rank}
+            while len(reported) < self.world_size and time.monotonic() < deadline:
+                reported |= {r for r in range(self.world_size) if r not in reported and store.check([f"{prefix}{r}"])}
+                time.sleep(0.05)
+        except (RuntimeError, OSError):  # DistStoreError / DistNetworkError are RuntimeErrors
+            return (f"The rendezvous store at {addr}:{port} does not answer, so which rank is missing is unknown "
+                    "(rank 0 hosts it unless torchrun does: rank 0 may have exited). ")
+        missing = [r for r in range(self.world_size) if r not in reported]
+        if missing:
+            return (f"Rank(s) {', '.join(map(str, missing))} did not reach a collective within {grace_s:g} s of this "
+                    "failure: exited, crashed or stuck elsewhere (see their logs). ")
+        return ("Every rank reached a failing collective, so they may have called different collectives (run with "
+                "TORCH_DISTRIBUTED_DEBUG=DETAIL to compare them). ")
+
+
+class ClusterResolver(NamedTuple):
+    """What `strategy.cluster_resolver` tells (the fields of TF's that training scripts read)."""
+
+    task_type: str | None  # "worker" in a multi-worker run, None for a single worker (as TF without TF_CONFIG)
+    task_id: int  # the rank: 0 is the chief, which logs and writes checkpoints
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous training on one device per worker process (tf.distribute.MultiWorkerMirroredStrategy).
+
+    Launch one process per device with torchrun; each takes cuda:LOCAL_RANK, or cpu:0 without GPUs
+    (`devices=[one device]` chooses). The default process group is created from torchrun's
+    environment (NCCL for GPUs, gloo for CPUs, `timeout_s` for its collectives), or an existing one
+    is used (its own timeout then applies). Without RANK in the environment this is a single worker.
+
+    Contract, as DDP's: every worker runs the same program on the same model. `mirror(module)`
+    broadcasts rank 0's parameters and buffers, so the workers start identical whatever their seeds;
+    after that nothing is broadcast: each worker applies the same all-reduced gradients, which keeps
+    the copies bitwise identical (check with `check_in_sync`). `experimental_distribute_dataset`
+    needs the same global batches on every worker (seed any shuffle); each worker keeps its own part.
+    """
+
+    def __init__(self, communication_options: CommunicationOptions | None = None,
+                 devices: Sequence[str | torch.device] | str | torch.device | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        options = CommunicationOptions() if communication_options is None else communication_options
+        if not isinstance(options, CommunicationOptions):
+            raise TypeError(f"MultiWorkerMirroredStrategy(communication_options={communication_options!r}): expected "
+                            "mr.distribute.CommunicationOptions(bytes_per_pack=..., timeout_seconds=..., "
+                            "implementation=...) or None.")
+        timeout_s = options.timeout_seconds or timeout_s
+        if not _positive(timeout_s):
+            raise ValueError(f"MultiWorkerMirroredStrategy(timeout_s={timeout_s!r}): give a positive number of "
+                             "seconds.")
+        launch = _read_launch()
+        joined = dist.is_available() and dist.is_initialized()
+        if joined:
+            rank, world = dist.get_rank(), dist.get_world_size()
+        elif launch.rank is not None:
+            _check_launch(launch)
+            rank, world = launch.rank, launch.world_size
+        else:
+            rank, world = 0, 1
+        local_rank = launch.local_rank if launch.local_rank is not None else rank % max(1, len(visible_gpus()))
+        device = _local_device(devices, local_rank)
+        backend = _backend_for(device, options.implementation)
+        if joined:
+            backend = str(dist.get_backend())
+            if backend == "nccl" and not device.startswith("cuda"):
+                raise ValueError(f"MultiWorkerMirroredStrategy: the existing process group uses NCCL, which cannot "
+                                 f"reduce tensors on this worker's device {device}. Pass devices=[\"cuda:N\"], or "
+                                 "create the group with backend=\"gloo\".")
+        elif launch.rank is not None:
+            if device.startswith("cuda"):
+                torch.cuda.set_device(torch_device(device))  # NCCL binds the group to the current device
+            try:
+                dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                        timeout=datetime.timedelta(seconds=timeout_s),
+                                        device_id=torch_device(device) if backend == "nccl" else None)
+            except RuntimeError as e:  # the rendezvous: a worker that never starts, a wrong address
+                raise RuntimeError(
+                    f"MultiWorkerMirroredStrategy: rank {rank} of {world} could not join the other workers at "
+                    f"{launch.master_addr}:{launch.master_port} (backend {backend}, timeout_s={timeout_s:g}): {e} "
+                    "Check that every worker started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, "
+                    "and that rank 0's machine is reachable.") from e
+        else:
+            backend = None
+        self._rank, self._world_size, self._backend = rank, world, backend
+        self._first_replica_id = rank  # one replica per worker: replica_id_in_sync_group == rank
+        store = (launch.master_addr, launch.master_port) if launch.master_addr and launch.master_port else None
+        wire = torch_device(device) if backend == "nccl" else torch.device("cpu")
+        self._collectives = CollectiveAllReduce(rank, world, wire, timeout_s,
+                                                options.bytes_per_pack or _DEFAULT_BYTES_PER_PACK, store)
+        super().__init__((device,), self._collectives, timeout_s)
+
+    def _log_created(self) -> None:
+        # Only the chief logs INFO, or N workers would repeat every line (nanoGPT's master_process).
+        logger.log(logging.INFO if self._rank == 0 else logging.DEBUG,
+                   "MultiWorkerMirroredStrategy: rank %d of %d on %s, backend %s, timeout %g s, buckets of %d bytes",
+                   self._rank, self._world_size, self._devices[0], self._backend or "none (single worker)",
+                   self._timeout_s, self._collectives.bytes_per_pack)
+
+    def __repr__(self) -> str:
+        return (f"MultiWorkerMirroredStrategy(rank={self._rank}, world_size={self._world_size}, "
+                f"device={self._devices[0]!r}, backend={self._backend!r})")
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._world_size
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """task_type and task_id (= rank) of this worker, as TF's strategy.cluster_resolver gives them."""
+        return ClusterResolver("worker" if self._backend else None, self._rank)
+
+    # ---- replica context ------------------------------------------------------------------------------
+    def _replica_all_reduce(self, ctx: ReplicaContext, reduce_op: ReduceOp | str, value: Nested,
+                            same_shapes: bool = False) -> Nested:
+        op = as_reduce_op(reduce_op, "ReplicaContext.all_reduce")
+        device = torch_device(self._devices[0])
+        leaves = [_as_tensor(v, device) for v in flatten(value)]
+        if self._world_size == 1:
+            return pack_sequence_as(value, leaves)
+        reduced = self._collectives.all_reduce(op, leaves, "ReplicaContext.all_reduce", check_shapes=not same_shapes)
+        return pack_sequence_as(value, reduced)
+
+    def _reduce_gradients(self, ctx: ReplicaContext | None, key: Any, params: Sequence[Tensor],
+                          grads: list[Tensor | None]) -> list[Tensor | None]:
+        """SUM-all-reduces this worker's gradients over the workers in persistent buckets. Every parameter
+        that requires grad travels (zeros where this worker has no gradient), plus a count per parameter
+        of the workers that had one, so the bucket layout is the same on every rank without a separate
+        exchange, and a gradient that is None on every worker stays None."""
+        if ctx is None or self._world_size == 1:
+            return grads
+        idx = [i for i, p in enumerate(params) if p.requires_grad]
+        device = params[idx[0]].device if idx else torch_device(self._devices[0])
+        had = torch.tensor([float(grads[i] is not None) for i in idx], device=device)
+        sent = [grads[i] if grads[i] is not None else torch.zeros_like(params[i]) for i in idx] + [had]
+        sig = (key, buckets.signature(sent))
+        cached = self._grad_buffers.get(sig)
+        if cached is None:
+            plan = buckets.plan(sent, self._collectives.bytes_per_pack)
+            cached = self._grad_buffers[sig] = [plan, [b.new_buffer() for b in plan]]
+        plan, flats = cached
+        for b, flat in zip(plan, flats):
+            b.pack(sent, out=flat)
+        self._collectives.all_sum_(flats, "all_reduce (gradients)")
+        views: list[Tensor | None] = [None] * len(sent)
+        for b, flat in zip(plan, flats):
+            b.unpack(flat, views)
+        out = list(grads)
+        for j, (i, count) in enumerate(zip(idx, views[-1].tolist())):
+            out[i] = views[j] if count > 0 else None
+        return out
+
+    # ---- cross-replica context ------------------------------------------------------------------------
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:
+        """Combines this worker's value (a run result or any tensor) with the other workers' (TF's reduce).
+        axis=None: SUM / MEAN of the values; with axis: over those axes too, MEAN dividing by the global
+        count of elements, so workers with uneven parts weigh correctly."""
+        context.require_cross_replica("strategy.reduce")
+        op = as_reduce_op(reduce_op, "strategy.reduce")
+        if self._world_size == 1:
+            return super().reduce(op, value, axis)
+        local = self._local_value(value, "strategy.reduce")
+        if axis is not None:
+            axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+            total = local.sum(dim=axes)
+            if op is ReduceOp.SUM:
+                return self._collectives.all_reduce(ReduceOp.SUM, [total], "strategy.reduce")[0]
+            count = torch.tensor(math.prod(local.shape[a] for a in axes), device=total.device)
+            total, count = self._collectives.all_reduce(ReduceOp.SUM, [total, count], "strategy.reduce")
+            return total / count
+        if op is ReduceOp.MEAN and (isinstance(value, Mirrored) or _is_mirrored_variable(value)):
+            return local.detach().clone()  # identical on every replica: no rounding, as in TF
+        return self._collectives.all_reduce(op, [local], "strategy.reduce")[0]
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates the workers' values along `axis` in rank order; their sizes along it may differ."""
+        context.require_cross_replica("strategy.gather")
+        if self._world_size == 1:
+            return super().gather(value, axis)
+        local = self._local_value(value, "strategy.gather")
+        if local.dim() == 0:
+            raise ValueError("strategy.gather: the per-replica values are scalars (rank 0), which have no axis to "
+                             "concatenate along. Gather tensors of rank >= 1, e.g. v.reshape(1).")
+        return self._collectives.gather(local, axis, "strategy.gather")
+
+    def _local_value(self, value: Any, where: str) -> Tensor:
+        parts = self.experimental_local_results(value)
+        if len(parts) != 1:
+            raise ValueError(f"{where}: got {len(parts)} values for this worker, which has one replica. Pass what "
+                             "strategy.run returned, or this worker's own tensor.")
+        return _as_tensor(parts[0], None)
+
+    def check_in_sync(self, obj: Any) -> None:
+        """Compares checksums of every tensor across the workers; raises OutOfSyncError (on every rank)
+        naming the first tensor that differs, the ranks, and their largest difference from rank 0."""
+        named = [(name, copies[0]) for name, copies in named_copies(obj)]
+        if self._world_size == 1:
+            return
+        ops = self._collectives
+        counts = [row[0] for row in ops.all_gather_row([len(named)], "check_in_sync (tensor count)")]
+        if len(set(counts)) > 1:
+            raise OutOfSyncError(f"check_in_sync: the workers hold different numbers of tensors "
+                                 f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(counts))}): they built "
+                                 "different models or optimizers.")
+        if not named:
+            return
+        mine = [d for _, t in named for d in (_shape_digest([t]), _value_digest(t))]
+        table = ops.all_gather_row(mine, "check_in_sync (checksums)")
+        for j, (name, t) in enumerate(named):
+            keys = [tuple(row[2 * j:2 * j + 2]) for row in table]
+            differ = [r for r in range(self._world_size) if keys[r] != keys[0]]
+            if not differ:
+                continue
+            if any(k[0] != keys[0][0] for k in keys):
+                detail = " (different shapes or dtypes)"
+            else:
+                ref = t.detach().clone()
+                ops.broadcast_([ref], "check_in_sync (rank 0's copy)")
+                gap = (t.detach().double() - ref.double()).abs().max().item() if t.numel() else 0.0
+                gaps = [row[0] for row in ops.all_gather_row([gap], "check_in_sync (differences)", torch.float64)]
+                detail = f" (max abs difference from rank 0: {', '.join(f'rank {r}: {gaps[r]:.3g}' for r in differ)})"
+            raise OutOfSyncError(f"{name}: rank 0 and rank(s) {', '.join(map(str, differ))} hold different values"
+                                 f"{detail}; the copies must be bitwise identical after every step.")
+
+    def mirror(self, module: torch.nn.Module) -> Any:
+        """This worker's copy of `module`, overwritten with rank 0's parameters and buffers, so that every
+        worker starts from the same weights whatever its seed (DDP broadcasts at construction too)."""
+        mirrored = super().mirror(module)
+        if self._world_size > 1:
+            net = mirrored.replicas[0]
+            tensors = list(net.parameters()) + list(net.buffers())
+            rows = self._collectives.all_gather_row([len(tensors), _shape_digest(tensors)], "mirror (structure)")
+            differ = [r for r, row in enumerate(rows) if row != rows[0]]
+            if differ:
+                raise ValueError(f"strategy.mirror({type(module).__name__}): rank(s) {', '.join(map(str, differ))} "
+                                 "built a module with other parameter/buffer shapes than rank 0's "
+                                 f"({', '.join(f'rank {r}: {row[0]} tensors' for r, row in enumerate(rows))}). "
+                                 "Every worker must build the same model.")
+            self._collectives.broadcast_(tensors, "mirror (broadcast of rank 0's parameters and buffers)")
+        return mirrored
+
+    def _sum_over_workers(self, count: int) -> int:
+        if self._world_size == 1:
+            return count
+        n = torch.tensor([count], dtype=torch.int64, device=self._collectives._wire)
+        self._collectives.all_sum_([n], "distributed input (batches left)")
+        return int(n.item())

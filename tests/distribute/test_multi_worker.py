@@ -1,0 +1,546 @@
+"""MultiWorkerMirroredStrategy on local worker processes (gloo over 127.0.0.1), and as a single worker.
+
+Each multi-worker test starts its workers with subprocess.Popen running this file as a script
+(`python test_multi_worker.py SCENARIO OUT_DIR`) with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and a
+free MASTER_PORT in the environment, as torchrun would. A worker writes what it saw to OUT_DIR as JSON
+(parameters as safetensors), and the test compares that with values worked out by hand or with an
+independent plain-PyTorch run in this process. Nothing hangs: every launch has a hard deadline after
+which its workers are killed, every worker uses a strategy timeout well inside it, and every test
+kills the workers it started, whatever happens.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import mirrored.distribute as md
+
+LAUNCH_DEADLINE_S = 150.0  # a launch's workers are killed after this, whatever they are doing
+COLLECTIVE_TIMEOUT_S = 60.0  # the strategy's timeout where nothing should fail: generous, CI machines are loaded
+HANG_TIMEOUT_S = 2.0  # the strategy's timeout where a worker hangs on purpose
+STUCK_S = 60.0  # how long the hanging worker sleeps (it is killed long before)
+N_EXAMPLES, GLOBAL_BATCH, EPOCHS = 11, 4, 2  # global batches of 4, 4, 3: on 2 workers 2/2, 2/2, 2/1
+RTOL, ATOL = 1e-6, 2e-7  # as tests/distribute/test_equivalence.py, which explains them
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# ---- shared by the workers and the reference ----------------------------------------------------------
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N_EXAMPLES, 6, generator=g)
+    y = torch.randint(0, 3, (N_EXAMPLES,), generator=g)
+    return [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]) for i in range(0, N_EXAMPLES, GLOBAL_BATCH)]
+
+
+# ---- launching workers -----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, out_dir: Path, world: int = 2, wait_for: list[int] | None = None,
+           started: int | None = None) -> list[int | None]:
+    """Runs `scenario` on the first `started` (default: all) of `world` worker processes; returns their
+    exit codes (None: killed while still running after the ranks in `wait_for` had finished). Every
+    worker is dead when this returns."""
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(world if started is None else started):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                       CUDA_VISIBLE_DEVICES="")  # CPU workers: two processes cannot share one GPU under NCCL
+            with open(out_dir / f"rank{rank}.log", "w") as log:
+                procs.append(subprocess.Popen([sys.executable, __file__, scenario, str(out_dir)], env=env,
+                                              stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + LAUNCH_DEADLINE_S
+        for rank in range(len(procs)) if wait_for is None else wait_for:
+            try:
+                procs[rank].wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{scenario}: rank {rank} still ran after {LAUNCH_DEADLINE_S:g} s\n{logs(out_dir, world)}")
+        return [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def logs(out_dir: Path, world: int) -> str:
+    """The tail of each worker's output, for assertion messages (a rank never started has none)."""
+    paths = [out_dir / f"rank{r}.log" for r in range(world)]
+    return "\n".join(f"--- rank {r} ---\n{p.read_text()[-3000:] if p.exists() else '(no log)'}"
+                     for r, p in enumerate(paths))
+
+
+def results(out_dir: Path, world: int = 2) -> list[dict]:
+    out = []
+    for r in range(world):
+        path = out_dir / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no results\n{logs(out_dir, world)}"
+        res = json.loads(path.read_text())
+        assert "crash" not in res, f"rank {r} raised:\n{res['crash']}"
+        out.append(res)
+    return out
+
+
+# ---- the tests ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory) -> list[dict]:
+    """One launch of the "collectives" scenario on 2 workers, read by the tests below (each worker
+    start costs seconds). At its end rank 1 exits while rank 0 calls one more all_reduce."""
+    out_dir = tmp_path_factory.mktemp("collectives")
+    assert launch("collectives", out_dir) == [0, 0], logs(out_dir, 2)
+    return results(out_dir)
+
+
+def test_replica_ids_and_devices(two_workers):
+    for rank, r in enumerate(two_workers):
+        assert r["num_replicas_in_sync"] == 2 and r["worker_devices"] == ["cpu:0"]
+        assert r["replica_id_in_sync_group"] == rank and r["ctx_num_replicas_in_sync"] == 2
+        assert r["repr"] == f"MultiWorkerMirroredStrategy(rank={rank}, world_size=2, device='cpu:0', backend='gloo')"
+        assert r["cluster_resolver"] == ["worker", rank]
+
+
+def test_all_reduce_and_reduce(two_workers):
+    """Rank r contributes a = [r+1, 2(r+1)] and b = r+1 (an integer) to a nested all_reduce; reduce
+    gets 1 and 2; with an axis, [0] and [1, 1], whose MEAN divides by all 3 elements."""
+    for r in two_workers:
+        assert r["all_reduce_sum"] == {"a": [3.0, 6.0], "b": 3}
+        assert r["all_reduce_mean"] == {"a": [1.5, 3.0], "b": 1}  # integers divide with truncation, as in TF
+        assert r["reduce_sum"] == 3.0 and r["reduce_mean"] == 1.5
+        assert r["reduce_sum_axis"] == 2.0 and r["reduce_mean_axis"] == pytest.approx(2 / 3, rel=1e-7)
+        assert r["reduce_mean_int"] == [2]
+        assert r["cross_device_ops_mean"] == [1.5]  # CollectiveAllReduce.reduce gives a Mirrored
+        assert "rank 0: 1 tensor(s), 1 element(s); rank 1: 1 tensor(s), 2 element(s)" in r["shape_error"]
+
+
+def test_gather_of_uneven_parts(two_workers):
+    for r in two_workers:
+        assert r["gather_axis0"] == [[0, 1], [10, 11], [12, 13]]
+        assert r["gather_axis1"] == [[0, 1, 1], [0, 1, 1]]
+        assert r["gather_bool"] == [True, False, False]
+        assert "differ in more than the size along axis 0" in r["gather_error"]
+
+
+def test_merge_call_and_values_from_function(two_workers):
+    """merge_fn runs on each worker, and its strategy.reduce crosses workers (1 + 2)."""
+    for rank, r in enumerate(two_workers):
+        assert r["merge_call"] == 3.0
+        assert r["value_context"] == [rank, 2] and r["values_reduced"] == [1, 4]
+
+
+def test_distributed_input(two_workers):
+    """Global batches of ids 0..9 by 4 (4, 4, 2): each worker takes its ceil(B/2) part. From a function,
+    rank 0's pipeline yields 3 batches and rank 1's 2: both run 3 steps, rank 1's last part empty."""
+    for rank, r in enumerate(two_workers):
+        assert r["distributed_batches"] == [[[0, 1], [4, 5], [8]], [[2, 3], [6, 7], [9]]][rank]
+        assert r["input_context"] == [2, rank, 2]
+        assert r["from_function"] == [[[0], [1], [2]], [[10], [11], []]][rank]
+
+
+def test_mirror_broadcasts_and_check_in_sync_compares_workers(two_workers):
+    torch.manual_seed(0)
+    want = nn.Linear(3, 2)  # rank 0's module, built with seed 0; rank 1 used seed 1 before mirror()
+    for r in two_workers:
+        assert r["mirrored_weight"] == want.weight.tolist() and r["mirrored_bias"] == want.bias.tolist()
+        assert r["in_sync_error"] == ("bias: rank 0 and rank(s) 1 hold different values (max abs difference "
+                                      "from rank 0: rank 1: 0.5); the copies must be bitwise identical after every "
+                                      "step.")
+
+
+def test_buffers_averaged_and_gradients_agreed(two_workers):
+    """BatchNorm running means 0.1 * 2.5 and 0.1 * 3.5 average to 0.3; a gradient only rank 0 has
+    arrives on both, and one that no worker has stays None."""
+    for r in two_workers:
+        assert r["bn_running_mean"] == pytest.approx([0.3] * 3, rel=1e-6)
+        assert r["grads_used"] == [[[1.0, 1.0]], [1.0]] and r["grads_unused"] == [None, None]
+
+
+def test_worker_that_exits_makes_the_other_fail_fast(two_workers):
+    """Rank 1 exits instead of joining an all_reduce: rank 0 gets CollectiveTimeoutError naming itself,
+    the op and rank 1, long before its 60 s timeout (the closed connection tells at once)."""
+    r = two_workers[0]["exit"]
+    assert r["error_type"] == "CollectiveTimeoutError"
+    assert r["error"].startswith("rank 0 of 2: ReplicaContext.all_reduce"), r["error"]
+    assert "another worker's connection closed" in r["error"] and "Rank(s) 1 did not reach" in r["error"]
+    assert r["elapsed_s"] < COLLECTIVE_TIMEOUT_S
+
+
+def reference_run(net: nn.Module) -> tuple[list[float], list[torch.Tensor]]:
+    """Plain PyTorch on each whole global batch: the losses and the final parameters."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(EPOCHS):
+        for x, y in global_batches():
+            loss = F.cross_entropy(net(x), y, reduction="sum") / len(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, [p.detach() for p in net.parameters()]
+
+
+def check_training(out_dir: Path, world: int) -> None:
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    want_losses, want_params = reference_run(mlp())
+    res = results(out_dir, world)
+    params = [load_file(str(out_dir / f"params{r}.safetensors")) for r in range(world)]
+    for rank in range(world):
+        assert res[rank]["losses"] == pytest.approx(want_losses, rel=RTOL, abs=ATOL)
+        assert res[rank]["parts"] == res[0]["parts"]
+        for j, want in enumerate(want_params):
+            got = params[rank][str(j)]
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"parameter {j}: {m}")
+            assert torch.equal(got, params[0][str(j)]), f"rank {rank} differs from rank 0 in parameter {j}"
+
+
+def test_training_on_two_workers_matches_plain_torch(tmp_path):
+    """An MLP with SGD momentum, 2 epochs of global batches 4, 4, 3 (split 2/2, 2/2, 2/1) on 2 workers,
+    equals plain PyTorch on the whole batches, and the workers end bitwise identical. The workers
+    create the process group themselves (an existing group is used) and seed differently, so the
+    start from the same weights is mirror()'s broadcast."""
+    assert launch("training", tmp_path) == [0, 0], logs(tmp_path, 2)
+    check_training(tmp_path, 2)
+    assert results(tmp_path)[0]["parts"] == [[2, 2], [2, 2], [2, 1]] * EPOCHS
+
+
+@pytest.mark.slow
+def test_training_on_three_workers_matches_plain_torch(tmp_path):
+    """Over 3 workers the batches split 2/2/0, 2/2/0, 1/1/1: an empty part still joins the all-reduce."""
+    assert launch("training", tmp_path, world=3) == [0, 0, 0], logs(tmp_path, 3)
+    check_training(tmp_path, 3)
+    assert results(tmp_path, 3)[0]["parts"] == [[2, 2, 0], [2, 2, 0], [1, 1, 1]] * EPOCHS
+
+
+def test_worker_that_hangs_makes_the_other_time_out(tmp_path):
+    """Rank 1 sleeps instead of joining: rank 0 times out after timeout_s (2 s) with an error naming
+    rank 1; the test then kills rank 1."""
+    codes = launch("hang", tmp_path, wait_for=[0])
+    assert codes[0] == 0, logs(tmp_path, 2)
+    r = json.loads((tmp_path / "rank0.json").read_text())
+    assert r.get("error_type") == "CollectiveTimeoutError", r
+    assert r["error"].startswith("rank 0 of 2: strategy.reduce"), r["error"]
+    assert f"timed out after {HANG_TIMEOUT_S:.0f}." in r["error"] and "Rank(s) 1 did not reach" in r["error"]
+    assert HANG_TIMEOUT_S <= r["elapsed_s"] < HANG_TIMEOUT_S + 10
+
+
+@pytest.mark.slow
+def test_worker_that_never_starts_fails_the_rendezvous(tmp_path):
+    """Only rank 0 of 2 starts: creating the strategy fails after timeout_s, naming the rank, the
+    address and the fix."""
+    assert launch("never_arrives", tmp_path, started=1) == [0], logs(tmp_path, 1)
+    r = json.loads((tmp_path / "rank0.json").read_text())
+    assert r["error_type"] == "RuntimeError"
+    assert r["error"].startswith("MultiWorkerMirroredStrategy: rank 0 of 2 could not join the other workers at "
+                                 "127.0.0.1:"), r["error"]
+    assert "Check that every worker started" in r["error"]
+
+
+def test_single_worker_without_environment(monkeypatch):
+    """Without RANK the strategy is one worker (TF without TF_CONFIG): no process group, one replica,
+    and training is bitwise the plain-PyTorch run."""
+    for key in LAUNCH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+    assert not dist.is_initialized()
+    assert s.num_replicas_in_sync == 1 and s.extended.worker_devices == ("cpu:0",)
+    assert tuple(s.cluster_resolver) == (None, 0)
+    assert repr(s) == "MultiWorkerMirroredStrategy(rank=0, world_size=1, device='cpu:0', backend=None)"
+    assert s.run(lambda: md.get_replica_context().replica_id_in_sync_group) == 0
+    assert s.reduce("sum", torch.tensor(2.0)).item() == 2.0
+    assert s.gather(torch.arange(3), axis=0).tolist() == [0, 1, 2]
+    assert s.experimental_distribute_values_from_function(lambda ctx: ctx.replica_id_in_sync_group) == 0
+
+    torch.manual_seed(0)
+    net = mlp()
+    want_losses, want_params = reference_run(copy.deepcopy(net))
+    with s.scope():
+        mnet = s.mirror(net)
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
+
+    def step(x, y):
+        loss = F.cross_entropy(mnet(x), y, reduction="sum") / len(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    losses = [s.run(step, args=batch).item() for _ in range(EPOCHS)
+              for batch in s.experimental_distribute_dataset(global_batches())]
+    assert losses == want_losses
+    for got, want in zip(mnet.parameters(), want_params):
+        assert torch.equal(got, want)
+    s.check_in_sync([mnet, opt])
+
+
+def test_default_device_is_cuda_local_rank_or_cpu(monkeypatch):
+    for key in LAUNCH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    want = "cuda:0" if torch.cuda.is_available() else "cpu:0"
+    assert md.MultiWorkerMirroredStrategy().extended.worker_devices == (want,)
+
+
+def test_constructor_validates_before_joining(monkeypatch):
+    """Every misuse is refused before any rendezvous starts (so a bad launch fails at once)."""
+    for key in LAUNCH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match=r"devices=\['cpu:0', 'cpu:1'\]\): a worker process drives one device.*"
+                                         r"torchrun --nproc_per_node=2"):
+        md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        md.MultiWorkerMirroredStrategy(timeout_s=0)
+    with pytest.raises(TypeError, match="communication_options=42"):
+        md.MultiWorkerMirroredStrategy(communication_options=42)
+    with pytest.raises(ValueError, match="implementation='MPI'"):
+        md.CommunicationOptions(implementation="MPI")
+    with pytest.raises(ValueError, match="implementation NCCL needs a GPU"):
+        md.MultiWorkerMirroredStrategy(md.CommunicationOptions(implementation="nccl"), devices=["cpu:0"])
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="RANK=0 is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not.*torchrun"):
+        md.MultiWorkerMirroredStrategy()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "x")
+    with pytest.raises(ValueError, match="MASTER_PORT='x' is not an integer"):
+        md.MultiWorkerMirroredStrategy()
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"RANK=2 is outside \[0, WORLD_SIZE=2\)"):
+        md.MultiWorkerMirroredStrategy()
+    assert not dist.is_initialized()
+
+
+def test_communication_options(monkeypatch):
+    for key in LAUNCH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    s = md.MultiWorkerMirroredStrategy(md.CommunicationOptions(bytes_per_pack=1024, timeout_seconds=7),
+                                       devices="cpu:0")
+    assert s.extended.cross_device_ops.bytes_per_pack == 1024 and s._timeout_s == 7.0
+    assert repr(s.extended.cross_device_ops) == "CollectiveAllReduce(rank=0, world_size=1, bytes_per_pack=1024)"
+
+
+@pytest.mark.slow
+def test_example_runs_under_torchrun(tmp_path):
+    """examples/multi_worker.py, launched as its docstring says (2 processes), trains and prints on rank 0 only."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    example = Path(__file__).resolve().parents[2] / "examples" / "multi_worker.py"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", str(example), "--epochs", "2"],
+                          capture_output=True, text=True, env=env, timeout=LAUNCH_DEADLINE_S * 2)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    epochs = [line for line in done.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(epochs) == 2, done.stdout  # printed once per epoch: by rank 0 only
+
+
+# ---- the worker side: `python test_multi_worker.py SCENARIO OUT_DIR` --------------------------------
+def _rank() -> int:
+    return md.get_replica_context().replica_id_in_sync_group
+
+
+def scenario_collectives(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
+    res: dict = {"num_replicas_in_sync": s.num_replicas_in_sync, "worker_devices": list(s.extended.worker_devices),
+                 "repr": repr(s), "cluster_resolver": list(s.cluster_resolver),
+                 "replica_id_in_sync_group": s.run(_rank),
+                 "ctx_num_replicas_in_sync": s.run(lambda: md.get_replica_context().num_replicas_in_sync)}
+
+    def nested():
+        ctx, r = md.get_replica_context(), _rank()
+        value = {"a": torch.tensor([r + 1.0, 2.0 * (r + 1)]), "b": (torch.tensor(r + 1),)}
+        return ctx.all_reduce("sum", value), ctx.all_reduce(md.ReduceOp.MEAN, value)
+
+    total, mean = s.run(nested)
+    res["all_reduce_sum"] = {"a": total["a"].tolist(), "b": total["b"][0].item()}
+    res["all_reduce_mean"] = {"a": mean["a"].tolist(), "b": mean["b"][0].item()}
+    ones = s.run(lambda: torch.tensor(float(_rank() + 1)))
+    res["reduce_sum"] = s.reduce(md.ReduceOp.SUM, ones).item()
+    res["reduce_mean"] = s.reduce(md.ReduceOp.MEAN, ones).item()
+    uneven = s.run(lambda: torch.full((_rank() + 1,), float(_rank())))
+    res["reduce_sum_axis"] = s.reduce("sum", uneven, axis=0).item()
+    res["reduce_mean_axis"] = s.reduce("mean", uneven, axis=0).item()
+    res["reduce_mean_int"] = s.reduce("mean", s.run(lambda: torch.tensor([1 + 2 * _rank()]))).tolist()
+    rows = s.run(lambda: torch.arange(2 * (_rank() + 1)).reshape(_rank() + 1, 2) + 10 * _rank())
+    res["gather_axis0"] = s.gather(rows, axis=0).tolist()
+    res["gather_axis1"] = s.gather(s.run(lambda: torch.full((2, _rank() + 1), _rank())), axis=-1).tolist()
+    res["gather_bool"] = s.gather(torch.tensor([True, False][:rank + 1]) if rank == 0 else torch.tensor([False, False]),
+                                  axis=0).tolist()
+    res["cross_device_ops_mean"] = [t.item() for t in s.extended.cross_device_ops.reduce("mean", ones).values]
+    res["merge_call"] = s.run(lambda: md.get_replica_context().merge_call(
+        lambda strategy, v: strategy.reduce("sum", v), args=(torch.tensor(_rank() + 1.0),))).item()
+    values = s.experimental_distribute_values_from_function(
+        lambda ctx: torch.tensor([ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync]))
+    res["value_context"] = s.experimental_local_results(values)[0].tolist()
+    res["values_reduced"] = s.reduce("sum", values).tolist()
+    ids = torch.arange(10)
+    res["distributed_batches"] = [b.tolist() for b in s.experimental_distribute_dataset(
+        [ids[i:i + 4] for i in range(0, 10, 4)])]
+
+    def dataset_fn(ctx):
+        res["input_context"] = [ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync]
+        return [torch.tensor([10 * ctx.input_pipeline_id + i]) for i in range(3 - ctx.input_pipeline_id)]
+
+    res["from_function"] = [b.tolist() for b in s.distribute_datasets_from_function(dataset_fn)]
+
+    with s.scope():  # running statistics are averaged across workers after each step
+        bn = s.mirror(nn.BatchNorm1d(3))
+        bn_opt = s.mirror_optimizer(torch.optim.SGD, bn, lr=0.1)
+
+    def bn_step(x):  # forward updates this worker's statistics; the optimizer then averages them
+        bn(x).sum().backward()
+        bn_opt.reduce_gradients()
+        bn_opt.sync_buffers()
+
+    s.run(bn_step, args=(torch.full((4, 3), rank + 1.0) + torch.arange(4.0).reshape(4, 1),))
+    res["bn_running_mean"] = bn.running_mean.tolist()
+    s.check_in_sync([bn, bn_opt])
+
+    with s.scope():  # a gradient only rank 0 has is summed with rank 1's zeros; None everywhere stays None
+        two = s.mirror(nn.ModuleDict({"used": nn.Linear(2, 1), "unused": nn.Linear(2, 1)}))
+        two_opt = s.mirror_optimizer(torch.optim.SGD, two, lr=0.1)
+
+    def partial_backward():
+        if _rank() == 0:
+            two.used(torch.ones(1, 2)).sum().backward()
+        two_opt.reduce_gradients()
+        return [p.grad.tolist() for p in two.used.parameters()], [two.unused.weight.grad, two.unused.bias.grad]
+
+    res["grads_used"], unused = s.run(partial_backward)
+    res["grads_unused"] = [None if g is None else g.tolist() for g in unused]
+
+    torch.manual_seed(rank)  # different weights on each worker until mirror() broadcasts rank 0's
+    with s.scope():
+        net = s.mirror(nn.Linear(3, 2))
+    res["mirrored_weight"], res["mirrored_bias"] = net.weight.tolist(), net.bias.tolist()
+    s.check_in_sync(net)
+    if rank == 1:
+        with torch.no_grad():
+            net.bias[1] += 0.5
+    try:
+        s.check_in_sync(net)
+        res["in_sync_error"] = "no error"
+    except md.OutOfSyncError as e:
+        res["in_sync_error"] = str(e)
+    try:
+        s.run(lambda: md.get_replica_context().all_reduce("sum", torch.ones(_rank() + 1)))
+    except ValueError as e:
+        res["shape_error"] = str(e)
+    try:
+        s.gather(torch.ones(1, rank + 1), axis=0)
+    except ValueError as e:
+        res["gather_error"] = str(e)
+    res["exit"] = exit_early(s, rank)
+    return res
+
+
+def scenario_training(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(rank)  # rank 0's weights are the reference's (seed 0); mirror() must broadcast them
+    net = mlp()
+    with s.scope():
+        mnet = s.mirror(net)
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
+
+    def step(x, y, global_size):
+        loss = F.cross_entropy(mnet(x), y, reduction="sum") / global_size
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss, len(x)
+
+    data = global_batches()
+    losses, parts = [], []
+    for _ in range(EPOCHS):
+        for (xb, yb), (x, _) in zip(s.experimental_distribute_dataset(data), data):
+            loss, size = s.run(step, args=(xb, yb, len(x)))
+            losses.append(s.reduce("sum", loss).item())
+            parts.append(s.gather(torch.tensor([size]), axis=0).tolist())
+    s.check_in_sync([mnet, opt])
+    save_file({str(j): p.detach().contiguous() for j, p in enumerate(mnet.parameters())},
+              str(OUT_DIR / f"params{rank}.safetensors"))
+    return {"losses": losses, "parts": parts}
+
+
+def exit_early(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
+    if rank == 1:
+        return {}  # and exits, without joining the next collective
+    started = time.monotonic()
+    try:
+        s.run(lambda: md.get_replica_context().all_reduce("sum", torch.ones(2)))
+        return {"error_type": None}
+    except Exception as e:  # noqa: BLE001 - the test checks which
+        return {"error_type": type(e).__name__, "error": str(e), "elapsed_s": time.monotonic() - started}
+
+
+def scenario_hang(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
+    s.reduce("sum", torch.ones(1))
+    if rank == 1:
+        time.sleep(STUCK_S)  # the test kills this process once rank 0 has reported
+        return {}
+    started = time.monotonic()
+    try:
+        s.reduce("sum", torch.ones(2))
+        return {"error_type": None}
+    except Exception as e:  # noqa: BLE001
+        return {"error_type": type(e).__name__, "error": str(e), "elapsed_s": time.monotonic() - started}
+
+
+SCENARIOS = {"collectives": scenario_collectives, "training": scenario_training, "hang": scenario_hang}
+
+
+def never_arrives() -> dict:
+    try:
+        md.MultiWorkerMirroredStrategy(timeout_s=HANG_TIMEOUT_S)
+        return {"error_type": None}
+    except Exception as e:  # noqa: BLE001
+        return {"error_type": type(e).__name__, "error": str(e)}
+OUT_DIR = Path(".")
+
+
+def _worker_main(scenario: str, out_dir: str) -> None:
+    global OUT_DIR
+    OUT_DIR = Path(out_dir)
+    rank = int(os.environ["RANK"])
+    result: dict
+    try:
+        if scenario == "training":  # a process group made before the strategy: the strategy joins it
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        if scenario == "never_arrives":
+            result = never_arrives()
+        else:
+            timeout_s = HANG_TIMEOUT_S if scenario == "hang" else COLLECTIVE_TIMEOUT_S
+            result = SCENARIOS[scenario](md.MultiWorkerMirroredStrategy(timeout_s=timeout_s), rank)
+    except BaseException:  # noqa: BLE001 - reported to the test through the results file
+        result = {"crash": traceback.format_exc()}
+    (OUT_DIR / f"rank{rank}.json").write_text(json.dumps(result))
+    if scenario == "training" and "crash" not in result:
+        dist.destroy_process_group()  # as a training script should; after a failed collective it could block
+    sys.exit(1 if "crash" in result else 0)
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1], sys.argv[2])
