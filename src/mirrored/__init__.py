@@ -15,13 +15,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from mirrored.distribute import (CollectiveMismatchError, CollectiveTimeoutError, CrossDeviceOps,
+from mirrored.distribute import (CollectiveAllReduce, CollectiveMismatchError, CollectiveTimeoutError, CrossDeviceOps,
                                  DistributedValues, HierarchicalCopyAllReduce, InMemoryAllReduce, InputContext,
                                  InputOptions, Mirrored, MirroredStrategy, MirroredVariable, NcclAllReduce,
                                  OneDeviceStrategy, OutOfSyncError, PerReplica, ReduceOp, ReductionToOneDevice,
                                  ReplicaContext, Strategy, SyncOnReadVariable, ValueContext, Variable,
                                  VariableAggregation, VariableSynchronization, get_replica_context, get_strategy,
                                  has_strategy, in_cross_replica_context)
+from mirrored.distribute import CommunicationOptions, MultiWorkerMirroredStrategy
 
 __version__ = "0.1.0"
 
@@ -38,7 +39,6 @@ _NAMESPACES = {
 }
 _LAZY_NAMES = {
     "Model": ("mirrored.training.model", "Model"),
-    "MultiWorkerMirroredStrategy": ("mirrored.distribute.multi_worker", "MultiWorkerMirroredStrategy"),
 }
 
 
@@ -60,7 +60,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "CollectiveMismatchError", "CollectiveTimeoutError", "CrossDeviceOps", "DistributedValues",
+    "CollectiveAllReduce", "CommunicationOptions", "MultiWorkerMirroredStrategy", "CollectiveMismatchError", "CollectiveTimeoutError", "CrossDeviceOps", "DistributedValues",
     "HierarchicalCopyAllReduce", "InMemoryAllReduce", "InputContext", "InputOptions", "Mirrored",
     "MirroredStrategy", "MirroredVariable", "NcclAllReduce", "OneDeviceStrategy", "OutOfSyncError", "PerReplica",
     "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "SyncOnReadVariable", "ValueContext",
