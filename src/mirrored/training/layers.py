@@ -1,10 +1,13 @@
 """Layers that need the strategy: `SyncBatchNorm` and `convert_sync_batchnorm`.
 
-SyncBatchNorm computes batch statistics over the GLOBAL batch: inside `strategy.run` each replica
-contributes its per-channel sums and counts through one all-reduce (differentiable: the backward
-all-reduces the gradients of those sums), so every replica normalises with the same mean and
-variance and its running statistics stay identical. Outside replica context, or on one replica,
-it is an ordinary BatchNorm. Uses the public surface of `mirrored.distribute`.
+SyncBatchNorm computes batch statistics over the GLOBAL batch. Inside `strategy.run` each replica
+computes its own per-channel count, mean and sum of squared deviations (M2), the replicas exchange
+them in one collective, and every replica combines them in the same order with Chan et al.'s
+parallel formula, so all normalise with the same mean and variance and keep identical running
+statistics. The backward all-reduces the two per-channel sums the input gradient needs (of dy and
+of dy * (x - mean)), so input gradients equal those of one BatchNorm over the whole batch, as in
+torch.nn.SyncBatchNorm. Outside replica context, on one replica, or in eval mode it is an ordinary
+BatchNorm. Uses the public surface of `mirrored.distribute`.
 """
 from __future__ import annotations
 
@@ -12,24 +15,92 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 import mirrored.distribute as md
 
+# The per-replica statistics travel in float64: they are tiny (replicas x (2C + 1) numbers), counts
+# stay exact past float32's 2**24, and the combination adds no rounding of its own.
+_STATS_DTYPE = torch.float64
 
-class _AllReduceSum(torch.autograd.Function):
-    """SUM across replicas, whose gradient is again a SUM across replicas."""
+
+def _all_gather_rows(local: Tensor, replica_ctx: Any) -> Tensor:
+    """(num_replicas, *local.shape): row r is replica r's `local`. A SUM of zero-padded rows is an
+    exact all-gather (x + 0 == x)."""
+    rows = local.new_zeros((replica_ctx.num_replicas_in_sync, *local.shape))
+    rows[replica_ctx.replica_id_in_sync_group] = local
+    return replica_ctx.all_reduce(md.ReduceOp.SUM, rows)
+
+
+@torch.no_grad()
+def _global_stats(x: Tensor, replica_ctx: Any) -> tuple[Tensor, Tensor, int]:
+    """(mean, biased variance, values per channel) over every replica's part of the batch."""
+    c = x.shape[1]
+    count = x.numel() // c
+    if count:
+        mean_i, var_i = torch.batch_norm_update_stats(x, None, None, 0.0)  # precise: not E[x^2] - E[x]^2
+    else:  # an empty part (the kernel refuses one): contributes nothing
+        mean_i = var_i = x.new_zeros(c)
+    local = torch.cat([x.new_full((1,), float(count), dtype=_STATS_DTYPE), mean_i.to(_STATS_DTYPE),
+                       var_i.to(_STATS_DTYPE) * count])
+    rows = _all_gather_rows(local, replica_ctx)
+    counts, means, m2s = rows[:, :1], rows[:, 1:c + 1], rows[:, c + 1:]
+    total = counts.sum()
+    if total == 0:
+        return means[0], m2s[0], 0
+    mean = (counts * means).sum(0) / total
+    # Chan et al.: M2 = sum_r (M2_r + n_r * (mean_r - mean)^2), every term >= 0 (no cancellation).
+    m2 = (m2s + counts * (means - mean) ** 2).sum(0)
+    return mean, m2 / total, int(total.item())
+
+
+class _SyncBatchNormFn(torch.autograd.Function):
+    """Normalises with given global statistics; the backward adds the statistics' part of the input
+    gradient from sums all-reduced across replicas. The replica context comes from forward: on CUDA,
+    autograd runs backward on its own device threads, which have no replica context of their own."""
 
     @staticmethod
-    def forward(ctx: Any, t: Tensor) -> Tensor:
-        return md.get_replica_context().all_reduce(md.ReduceOp.SUM, t)
+    def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor,
+                eps: float, total: int, replica_ctx: Any) -> Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            out = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.eps, ctx.total, ctx.replica_ctx = eps, total, replica_ctx
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return md.get_replica_context().all_reduce(md.ReduceOp.SUM, grad.contiguous())
+    @once_differentiable
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, mean, var = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        c = x.shape[1]
+        if x.numel():
+            # One fused pass: sum(dy * (x - mean) * invstd) and sum(dy).
+            _, dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True])
+        else:  # the kernel fails on an empty batch; this replica still joins the all-reduce below
+            dy_xhat = sum_dy = x.new_zeros(c)
+        dx = None
+        if need_x:  # the same on every replica: every replica all-reduces, or none does
+            invstd = torch.rsqrt(var + ctx.eps)
+            sums = ctx.replica_ctx.all_reduce(md.ReduceOp.SUM, torch.cat([sum_dy, dy_xhat]))
+            k = invstd if weight is None else weight * invstd
+            # With xhat = (x - mean) * invstd and sums over the GLOBAL batch of N values per channel:
+            # dx = k * (dy - sum(dy) / N - xhat * sum(dy * xhat) / N). The last two terms are a batch norm
+            # of x with weight -k * sum(dy * xhat) / N and bias -k * sum(dy) / N: one fused pass; then
+            # dy * k is added in place.
+            dx = torch.batch_norm(x, -k * sums[c:] / ctx.total, -k * sums[:c] / ctx.total, mean, var, False, 0.0,
+                                  ctx.eps, torch.backends.cudnn.enabled)
+            dx.addcmul_(dy, k.view([1, c] + [1] * (x.dim() - 2)))
+        return (dx, dy_xhat if need_w else None, sum_dy if need_b else None, None, None, None, None, None)
 
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over the global batch of all replicas (any input rank >= 2, channels in dim 1)."""
+    """BatchNorm over the global batch of all replicas (any input rank >= 2, channels in dim 1).
+
+    Matches one torch.nn.BatchNorm over the concatenated batch: output, gradients and running
+    statistics (unbiased running_var), up to float reassociation. Every replica must call it, also
+    one with an empty part of the batch (mr.Model does): the statistics' exchange needs them all."""
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -40,39 +111,50 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         ctx = md.get_replica_context()
         if not self.training or ctx is None or ctx.num_replicas_in_sync == 1:
             return super().forward(input)
-        c = input.shape[1]
-        dims = [0] + list(range(2, input.dim()))
-        x = input.float()
-        count = torch.tensor([input.numel() / max(c, 1)], dtype=torch.float32, device=input.device)
-        stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-        stats = _AllReduceSum.apply(stats)
-        total = stats[2 * c]
-        if float(total) < 2:
-            raise ValueError(f"SyncBatchNorm: the global batch has {int(total)} value(s) per channel; training "
-                             "needs at least 2. Use a larger batch.")
-        mean = stats[:c] / total
-        var = (stats[c:2 * c] / total - mean * mean).clamp_min(0)
+        if input.shape[1] != self.num_features:
+            raise ValueError(f"SyncBatchNorm({self.num_features}): input of shape {tuple(input.shape)} has "
+                             f"{input.shape[1]} channels in dim 1; expected {self.num_features}.")
+        x = input if input.dtype in (torch.float32, torch.float64) else input.float()  # bf16/fp16: stats in fp32
+        mean, var, total = _global_stats(x, ctx)
+        if total < 2:
+            raise ValueError(f"SyncBatchNorm: the global batch has {total} value(s) per channel; training needs "
+                             "at least 2 (as torch.nn.BatchNorm). Use a larger batch.")
         if self.track_running_stats and self.running_mean is not None:
-            with torch.no_grad():
-                m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked + 1)
-                self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
-                self.running_var.mul_(1 - m).add_(var.detach() * (total / (total - 1)), alpha=m)
-                self.num_batches_tracked.add_(1)
-        shape = [1, c] + [1] * (input.dim() - 2)
-        out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        if self.affine:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
+            self._update_running_stats(mean, var, total)
+        out = _SyncBatchNormFn.apply(x, self.weight, self.bias, mean.to(x.dtype), var.to(x.dtype), self.eps,
+                                     total, ctx)
         return out.to(input.dtype)
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: Tensor, var: Tensor, total: int) -> None:
+        self.num_batches_tracked.add_(1)
+        m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        unbiased = var * (total / (total - 1))
+        self.running_mean.mul_(1 - m).add_(mean.to(self.running_mean.dtype), alpha=m)
+        self.running_var.mul_(1 - m).add_(unbiased.to(self.running_var.dtype), alpha=m)
 
 
 def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
-    """Returns `module` with every BatchNorm1d/2d/3d replaced by a SyncBatchNorm holding its state."""
+    """`module` with every BatchNorm1d/2d/3d (any torch `_BatchNorm`) replaced by a SyncBatchNorm that
+    shares its parameters and buffers (so requires_grad, device and dtype carry over) and its
+    training flag. Like torch.nn.SyncBatchNorm.convert_sync_batchnorm; state_dict keys are unchanged."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
+        if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+            raise ValueError(f"convert_sync_batchnorm: {type(module).__name__} is not initialised yet; run one "
+                             "forward pass first (or use BatchNorm2d(num_features)).")
         sync = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                              module.track_running_stats)
-        sync.load_state_dict(module.state_dict())
+        with torch.no_grad():
+            if module.affine:
+                sync.weight, sync.bias = module.weight, module.bias
+            # Buffers are shared too (None when track_running_stats=False).
+            sync.running_mean = module.running_mean
+            sync.running_var = module.running_var
+            sync.num_batches_tracked = module.num_batches_tracked
         sync.train(module.training)
-        return sync.to(next((t.device for t in module.state_dict().values()), torch.device("cpu")))
+        if hasattr(module, "qconfig"):
+            sync.qconfig = module.qconfig
+        return sync
     for name, child in module.named_children():
         new = convert_sync_batchnorm(child)
         if new is not child:
@@ -81,6 +163,7 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
 
 def has_sync_batchnorm(module: nn.Module) -> bool:
+    """True if `module` holds a SyncBatchNorm (its forward joins a collective, even on an empty batch)."""
     return any(isinstance(m, SyncBatchNorm) for m in module.modules())
 
 

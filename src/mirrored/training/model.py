@@ -10,6 +10,7 @@ a read sums across replicas. Uses the public surface of `mirrored.distribute` an
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -51,11 +52,50 @@ def _unpack(batch: Any) -> tuple[Any, Any, Any]:
     return batch, None, None
 
 
-def _nchw(x: Any) -> Any:
-    """NHWC image batches (as datasets yield them) become NCHW views in channels_last memory: no copy."""
-    if isinstance(x, Tensor) and x.dim() == 4 and x.shape[-1] in (1, 3, 4) and x.shape[1] not in (1, 3, 4):
+def _first_conv_channels(module: nn.Module) -> int | None:
+    """in_channels of the module's first Conv2d (registration order), None without one."""
+    return next((m.in_channels for m in module.modules() if isinstance(m, nn.Conv2d)), None)
+
+
+def _nchw(x: Any, in_channels: int | None) -> Any:
+    """NHWC image batches (as datasets yield them) become NCHW views in channels_last memory: no copy.
+    Only where the first convolution says so: an NCHW batch whose width happens to be 3 stays as is."""
+    if (isinstance(x, Tensor) and x.dim() == 4 and in_channels is not None and x.shape[1] != in_channels
+            and x.shape[-1] == in_channels):
         return x.permute(0, 3, 1, 2)
     return x
+
+
+def _weights_like(sw: Any, per_example: Tensor) -> Any:
+    """Sample weights shaped like the per-example losses: (B, 1) is squeezed to (B,), as Keras does."""
+    if sw is None:
+        return None
+    while isinstance(sw, Tensor) and sw.dim() > per_example.dim() and sw.shape[-1] == 1:
+        sw = sw.squeeze(-1)
+    if isinstance(sw, Tensor) and sw.dim() > per_example.dim():
+        raise ValueError(f"sample_weight of shape {tuple(sw.shape)} does not fit per-example losses of shape "
+                         f"{tuple(per_example.shape)}: give one weight per example, shape (batch,) or (batch, 1).")
+    return sw
+
+
+class _Continuing:
+    """Iterating again resumes where the previous iteration stopped (Keras's steps_per_epoch);
+    once the data runs out, the next iteration starts a new pass."""
+
+    def __init__(self, iterable: Iterable[Any]):
+        self._iterable = iterable
+        self._it: Iterator[Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._it is None:
+            self._it = iter(self._iterable)
+        while True:
+            try:
+                item = next(self._it)
+            except StopIteration:
+                self._it = None
+                return
+            yield item
 
 
 class Model:
@@ -78,6 +118,7 @@ class Model:
         with strategy.scope():
             self._net = strategy.mirror(module)
         self._sync_bn = has_sync_batchnorm(module)
+        self._in_channels = _first_conv_channels(module)
         self.optimizer: optimizers.Optimizer | None = None
         self._mopt: Any = None
         self._loss: losses.Loss | None = None
@@ -171,7 +212,7 @@ class Model:
 
     # ---- one replica's steps (replica context) ----------------------------------------------------
     def _forward(self, net: nn.Module, x: Any) -> Tensor:
-        x = _nchw(x)
+        x = _nchw(x, self._in_channels)
         device = next((p.device for p in net.parameters()), torch.device("cpu"))
         with self._autocast(device):
             out = net(x)
@@ -193,6 +234,7 @@ class Model:
             if _rows(x) or self._sync_bn:
                 logits = self._forward(net, x)
                 per_example = self._loss.per_example(y, logits)
+                sw = _weights_like(sw, per_example)
                 if sw is not None:
                     per_example = per_example * sw
                 loss = per_example.sum() / count + self._regularization(net, ctx.num_replicas_in_sync)
@@ -222,6 +264,7 @@ class Model:
                 if _rows(x):
                     logits = self._forward(net, x)
                     per_example = self._loss.per_example(y, logits)
+                    sw = _weights_like(sw, per_example)
                     if sw is not None:
                         per_example = per_example * sw
                     self._update_metrics(y, logits, per_example, sw)
@@ -268,11 +311,8 @@ class Model:
     def _batches(self, dist: Iterable[Any], steps: int | None, skip: int = 0) -> Iterator[list[tuple[Any, int]]]:
         """Groups of `steps_per_execution` (x, y, sw) distributed batches with their global sizes."""
         group: list[tuple[Any, int]] = []
-        taken = 0
-        for i, batch in enumerate(dist):
-            if steps is not None and taken >= steps:
-                break
-            taken += 1
+        # islice stops after `steps` batches without drawing one more (which a continuing iterator would lose).
+        for i, batch in enumerate(dist if steps is None else itertools.islice(dist, steps)):
             if i < skip:
                 continue
             x, y, sw = _unpack(batch)
@@ -302,6 +342,9 @@ class Model:
         strategy = self.distribute_strategy
         self._fit_dataset = dataset
         dist = strategy.experimental_distribute_dataset(dataset)
+        # Keras: with steps_per_epoch, each epoch continues the previous one's iterator (so ds.repeat()
+        # with steps_per_epoch sees all the data); without it, every epoch is a fresh full pass.
+        source = _Continuing(dist) if steps_per_epoch is not None else dist
         steps = steps_per_epoch if steps_per_epoch is not None else _len_or_none(dataset)
         verbose = 1 if verbose == "auto" else verbose
         cbs = callbacks_lib.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=self,
@@ -325,7 +368,7 @@ class Model:
             cbs.on_epoch_begin(epoch)
             logs: dict[str, float] = {}
             step = skip
-            for group in self._batches(dist, steps, skip=skip):
+            for group in self._batches(source, steps, skip=skip):
                 cbs.on_train_batch_begin(step)
                 strategy.run(self._train_replica, args=([b for b, _ in group], [n for _, n in group]))
                 step += len(group)
