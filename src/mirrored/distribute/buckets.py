@@ -75,3 +75,36 @@ def plan(tensors: Sequence[Tensor | None], bytes_per_pack: int) -> list[Bucket]:
 def signature(tensors: Sequence[Tensor | None]) -> tuple:
     """A key that is equal exactly when two tensor lists would get the same buckets."""
     return tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
+
+
+class GradientLayout:
+    """How one replica's gradients of a fixed signature travel, step after step, allocating nothing:
+    small ones are packed into persistent flat buffers; ones of `direct_numel` elements or more are
+    read where backward left them and reduced into persistent outputs of their own. `results` are
+    the reduced gradients (views of those buffers), in the order of the gradients."""
+
+    def __init__(self, grads: Sequence[Tensor | None], bytes_per_pack: int, direct_numel: int):
+        small = [g if g is not None and g.numel() < direct_numel else None for g in grads]
+        self.buckets = plan(small, bytes_per_pack)
+        self.flats = [b.new_buffer() for b in self.buckets]
+        self.results: list[Tensor | None] = [None] * len(grads)
+        for b, flat in zip(self.buckets, self.flats):
+            b.unpack(flat, self.results)
+        self.packed = [i for b in self.buckets for i in b.indices]
+        self.direct = [i for i, g in enumerate(grads) if g is not None and g.numel() >= direct_numel]
+        self.direct_out = [torch.empty(grads[i].numel(), dtype=grads[i].dtype, device=grads[i].device)
+                           for i in self.direct]
+        for i, out in zip(self.direct, self.direct_out):
+            self.results[i] = out.view(grads[i].shape)
+
+    def stage(self, grads: Sequence[Tensor | None]) -> tuple[list[Tensor], list[Tensor]]:
+        """Packs the small gradients (one fused copy) and returns the (inputs, outputs) to all-reduce."""
+        dst, src = [], []
+        for i in self.packed:
+            if grads[i].data_ptr() != self.results[i].data_ptr():  # not already a view of its bucket
+                dst.append(self.results[i])
+                src.append(grads[i])
+        if dst:
+            torch._foreach_copy_(dst, src)
+        inputs = self.flats + [grads[i].reshape(-1) for i in self.direct]
+        return inputs, self.flats + self.direct_out

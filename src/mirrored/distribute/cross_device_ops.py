@@ -126,18 +126,22 @@ class CrossDeviceOps:
 
     # ---- replica context: called by every replica thread with its own tensors -------------------
     def all_reduce(self, rendezvous: Rendezvous, replica_id: int, reduce_op: ReduceOp,
-                   flats: list[Tensor]) -> list[Tensor]:
-        """Every replica passes its flat buffers (same shapes everywhere); each gets back the reduced
-        buffers on its device. The default: the last replica to arrive sums for all."""
+                   inputs: list[Tensor], outputs: list[Tensor] | None = None) -> list[Tensor]:
+        """Every replica passes its flat tensors (same sizes everywhere); the reduced values land in
+        `outputs` (in `inputs` when None), on each replica's device. The default: the last replica to
+        arrive sums for all."""
         n = len(rendezvous._devices)
 
         def combine(everyone: list[list[Tensor]]) -> list[list[Tensor]]:
             check_same_shapes(everyone)
             return self._all_sum(everyone)
 
-        results = rendezvous.exchange(replica_id, flats, "all_reduce", combine=combine)
-        mine = results[replica_id]
-        return [divide_(t, n) for t in mine] if reduce_op is ReduceOp.MEAN else mine
+        results = rendezvous.exchange(replica_id, inputs, "all_reduce", combine=combine)
+        mine = [divide_(t, n) for t in results[replica_id]] if reduce_op is ReduceOp.MEAN else results[replica_id]
+        outputs = inputs if outputs is None else outputs
+        for out, result in zip(outputs, mine):
+            out.copy_(result)
+        return outputs
 
 
 class ReductionToOneDevice(CrossDeviceOps):
@@ -223,39 +227,47 @@ class NcclAllReduce(CrossDeviceOps):
 class InMemoryAllReduce(CrossDeviceOps):
     """The CPU default: reduce-scatter then all-gather between replica threads, in place.
 
-    Replica r sums slice r of every replica's buffer into its own buffer, then, after a barrier,
-    copies the other slices from their owners. Each slice is summed exactly once, so every replica
-    ends with the same bits; the work is split N ways and no buffer is allocated."""
+    Replica r sums slice r of every replica's input into its own output (reading large gradients
+    where backward left them, without packing them first), then, after a barrier, copies the other
+    slices from their owners' outputs. Each slice is summed exactly once, so every replica ends with
+    the same bits; the work is split N ways and nothing is allocated."""
 
     def _all_sum(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
         return _sum_on_one_device(per_replica, None)
 
     def all_reduce(self, rendezvous: Rendezvous, replica_id: int, reduce_op: ReduceOp,
-                   flats: list[Tensor]) -> list[Tensor]:
-        if sum(f.numel() for f in flats) < _SMALL_NUMEL:
-            return super().all_reduce(rendezvous, replica_id, reduce_op, flats)
+                   inputs: list[Tensor], outputs: list[Tensor] | None = None) -> list[Tensor]:
+        if sum(f.numel() for f in inputs) < _SMALL_NUMEL:
+            return super().all_reduce(rendezvous, replica_id, reduce_op, inputs, outputs)
+        outputs = inputs if outputs is None else outputs
         n = len(rendezvous._devices)
-        everyone = rendezvous.exchange(replica_id, flats, "all_reduce")
-        check_same_shapes(everyone)
-        for j, mine in enumerate(flats):
-            lo, hi = _slice(mine.numel(), n, replica_id)
-            if hi > lo:
-                acc = mine[lo:hi]
-                for k in range(n):
-                    if k != replica_id:
-                        acc.add_(everyone[k][j][lo:hi].to(acc.device, non_blocking=True))
-                if reduce_op is ReduceOp.MEAN:
-                    divide_(acc, n)
+        everyone = rendezvous.exchange(replica_id, (inputs, outputs), "all_reduce")
+        check_same_shapes([e[0] for e in everyone])
+        for j, (own, out) in enumerate(zip(inputs, outputs)):
+            lo, hi = _slice(out.numel(), n, replica_id)
+            if hi <= lo:
+                continue
+            acc = out[lo:hi]
+            others = [everyone[k][0][j][lo:hi].to(acc.device, non_blocking=True) for k in range(n) if k != replica_id]
+            if own.data_ptr() == out.data_ptr():  # reducing in place: the slice already holds this replica's part
+                for o in others:
+                    acc.add_(o)
+            else:  # straight from the gradient into the output: no copy of the input first
+                torch.add(own[lo:hi], others[0], out=acc)
+                for o in others[1:]:
+                    acc.add_(o)
+            if reduce_op is ReduceOp.MEAN:
+                divide_(acc, n)
         rendezvous.exchange(replica_id, None, "all_reduce (gather)")
-        for j, mine in enumerate(flats):
+        for j, out in enumerate(outputs):
             for k in range(n):
                 if k != replica_id:
-                    lo, hi = _slice(mine.numel(), n, k)
+                    lo, hi = _slice(out.numel(), n, k)
                     if hi > lo:
-                        mine[lo:hi].copy_(everyone[k][j][lo:hi], non_blocking=True)
-        # No replica may refill its buffer while another still copies from it.
+                        out[lo:hi].copy_(everyone[k][1][j][lo:hi], non_blocking=True)
+        # No replica may refill its buffers while another still reads them.
         rendezvous.exchange(replica_id, None, "all_reduce (done)")
-        return flats
+        return outputs
 
 
 def check_same_shapes(everyone: list[list[Tensor]]) -> None:

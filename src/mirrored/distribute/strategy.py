@@ -27,7 +27,8 @@ from mirrored.distribute.values import (DistributedValues, Mirrored, Nested, Per
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a missing replica before failing
+DEFAULT_TIMEOUT_S = 300.0
+_DIRECT_NUMEL = 1 << 16  # gradients this large are reduced where they lie; packing them would only copy  # a collective waits this long for a missing replica before failing
 
 
 class OutOfSyncError(RuntimeError):
@@ -226,18 +227,13 @@ class Strategy:
                 if needed and grads[i] is None:  # this replica's loss did not reach the parameter
                     grads[i] = torch.zeros_like(params[i])
         sig = (key, rid, buckets.signature(grads))
-        cached = self._grad_buffers.get(sig)
-        if cached is None:
-            plan = buckets.plan(grads, self._cross_device_ops.bytes_per_pack)
-            cached = self._grad_buffers[sig] = [plan, [b.new_buffer() for b in plan]]
-        plan, flats = cached
-        for b, flat in zip(plan, flats):
-            b.pack(grads, out=flat)
-        reduced = self._cross_device_ops.all_reduce(ctx._step, rid, ReduceOp.SUM, flats)
-        out: list[Tensor | None] = [None] * len(grads)
-        for b, flat in zip(plan, reduced):
-            b.unpack(flat, out)
-        return out
+        layout = self._grad_buffers.get(sig)
+        if layout is None:
+            layout = self._grad_buffers[sig] = buckets.GradientLayout(
+                grads, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
+        inputs, outputs = layout.stage(grads)
+        self._cross_device_ops.all_reduce(ctx._step, rid, ReduceOp.SUM, inputs, outputs)
+        return list(layout.results)
 
     # ---- cross-replica reductions -----------------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:
