@@ -1,13 +1,16 @@
 """Images for the input pipeline: decode/encode, resize, dtype conversion, crops and flips.
 
 Decoded images are uint8 HWC tensors, as tf.io.decode_image gives them; every function also takes
-a batch (NHWC). decode_image() uses Pillow, which releases the GIL while it decodes, so a thread
-pool (Dataset.map(num_parallel_calls=...)) decodes in parallel. resize() follows tf.image.resize
-(half-pixel centers, float32 out). Random ops take an optional torch.Generator. Uses torch, numpy
-and Pillow.
+a batch (NHWC). decode_image() decodes JPEGs to gray or RGB with simplejpeg (libjpeg-turbo) and
+everything else with Pillow; both release the GIL while they decode, so a thread pool
+(Dataset.map(num_parallel_calls=...)) decodes in parallel. resize() follows tf.image.resize
+(half-pixel centers, float32 out). Random ops take an optional torch.Generator. Uses torch, numpy,
+simplejpeg and Pillow.
 
-JPEG pixels may differ from TF's by a few levels (means by < 1): TF decodes with libjpeg's fast
-integer DCT by default, Pillow with the accurate one and offers no switch at full size.
+JPEGs go through simplejpeg with libjpeg's fast integer DCT and fancy upsampling, TF's
+decode_jpeg defaults, so pixels match TF's (the fixture's mean pixels to its 4 decimals); Pillow
+uses the accurate DCT, ~0.9 of a level off in the mean, and is only the fallback for the JPEGs
+routed away from simplejpeg (CMYK, RGBA output, anything it rejects).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import simplejpeg
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -33,6 +37,9 @@ ImageLike = torch.Tensor | np.ndarray
 _CHANNEL_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
 _STORED_MODES = {"L": "L", "LA": "LA", "RGB": "RGB", "RGBA": "RGBA", "1": "L", "I": "L",
                  "F": "L", "PA": "RGBA", "La": "LA", "RGBa": "RGBA"}
+# JPEG colorspace (from the header) -> simplejpeg output for channels=0; CMYK and YCCK go to Pillow.
+_JPEG_STORED = {"Gray": "GRAY", "YCbCr": "RGB", "RGB": "RGB"}
+_JPEG_CHANNELS = {1: "GRAY", 3: "RGB"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -55,6 +62,9 @@ def decode_image(data: bytes, channels: int = 3, *, name: str = "") -> torch.Ten
         raise TypeError(f"decode_image: expected encoded image bytes{_of(name)}, got "
                         f"{type(data).__name__}. Decode features['image'][0] from "
                         f"parse_example(), not an already decoded array.")
+    array = _decode_jpeg_turbo(data, channels)
+    if array is not None:
+        return torch.from_numpy(array)
     try:
         with Image.open(io.BytesIO(data)) as image:
             image = _to_mode(image, channels)
@@ -78,6 +88,24 @@ def decode_jpeg(data: bytes, channels: int = 3, *, name: str = "") -> torch.Tens
 def decode_png(data: bytes, channels: int = 3, *, name: str = "") -> torch.Tensor:
     """tf.io.decode_png (8-bit out); same contract as decode_image."""
     return decode_image(data, channels, name=name)
+
+
+def _decode_jpeg_turbo(data: bytes, channels: int) -> np.ndarray | None:
+    """HWC pixels of a JPEG decoded like TF (fast integer DCT, fancy upsampling), or None where
+    Pillow should decode instead: not a JPEG, RGBA wanted, CMYK/YCCK stored, larger than Pillow's
+    decompression-bomb limit (so Pillow warns or raises as for other formats), or bytes that
+    simplejpeg rejects (Pillow then decodes them or raises the error that names the record)."""
+    if data[:3] != b"\xff\xd8\xff" or channels == 4:
+        return None
+    try:
+        height, width, stored, _ = simplejpeg.decode_jpeg_header(data)
+        limit = Image.MAX_IMAGE_PIXELS
+        if stored not in _JPEG_STORED or (limit is not None and height * width > limit):
+            return None
+        colorspace = _JPEG_STORED[stored] if channels == 0 else _JPEG_CHANNELS[channels]
+        return simplejpeg.decode_jpeg(data, colorspace, fastdct=True, fastupsample=False)
+    except ValueError:
+        return None
 
 
 def _of(name: str) -> str:
