@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mirrored._files import config_of
 from mirrored.data import _pipeline
 from mirrored.data.dataset import AUTOTUNE, Dataset
 from mirrored.data.images import decode_image
@@ -570,15 +571,7 @@ class ReadConfig:
     @classmethod
     def of(cls, value: ReadConfig | Mapping[str, Any] | None) -> ReadConfig:
         """`value` as a ReadConfig: None gives the defaults, a dict sets the fields it names."""
-        if value is None or isinstance(value, ReadConfig):
-            return value or cls()
-        if not isinstance(value, Mapping):
-            raise TypeError(f"read_config must be a ReadConfig or a dict of its fields; got {value!r}.")
-        fields = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(fields))
-        if unknown:
-            raise ValueError(f"read_config: unknown field(s) {unknown}; ReadConfig has {fields}.")
-        return cls(**value)
+        return config_of(cls, value, "read_config")
 
 
 class _KnownCardinality(_pipeline.Node):

@@ -22,6 +22,7 @@ import crc32c
 import numpy as np
 import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
+from mirrored._files import fsync_directory
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class TFRecordWriter:
         except BaseException:
             _discard(file, self._tmp_path)
             raise
-        _fsync_directory(self._dir)  # makes the rename itself survive a crash
+        fsync_directory(self._dir)  # makes the rename itself survive a crash
 
     def abort(self) -> None:
         """Discards what was written; `path` is left as it was."""
@@ -234,19 +235,6 @@ def _discard(file: BinaryIO, tmp_path: str) -> None:
             os.unlink(tmp_path)
         except FileNotFoundError:
             pass
-
-
-def _fsync_directory(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open a directory; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_records(path: str | os.PathLike, records: Iterable[bytes]) -> int:

@@ -34,6 +34,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from mirrored._files import config_of
 from mirrored.data.tfds import (ClassLabel, DatasetInfo, FeaturesDict, Image, SplitDict, Text, find_version_dir,
                                 write_info, write_split)
 from mirrored.data.tfrecord import encode_example
@@ -81,15 +82,8 @@ class DownloadConfig:
 
     @classmethod
     def of(cls, value: DownloadConfig | Mapping[str, Any] | None) -> DownloadConfig:
-        if value is None or isinstance(value, DownloadConfig):
-            return value or cls()
-        if not isinstance(value, Mapping):
-            raise TypeError(f"download_config must be a DownloadConfig or a dict of its fields; got {value!r}.")
-        fields = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(fields))
-        if unknown:
-            raise ValueError(f"download_config: unknown field(s) {unknown}; DownloadConfig has {fields}.")
-        return cls(**value)
+        """`value` as a DownloadConfig: None gives the defaults, a dict sets the fields it names."""
+        return config_of(cls, value, "download_config")
 
 
 class _Progress(tqdm):
