@@ -7,6 +7,7 @@ its results where two GPUs are visible).
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -15,10 +16,11 @@ from torch import nn
 
 import mirrored.distribute as md
 from mirrored.distribute import cross_device_ops as cdo
+from mirrored.distribute import strategy as strategy_mod
 
 TIMEOUT_S = 20.0
 CPU_OPS = [md.ReductionToOneDevice, md.HierarchicalCopyAllReduce, md.InMemoryAllReduce]
-SIZES = [1, 7, 1000, cdo._SMALL_NUMEL + 5]  # the last takes InMemoryAllReduce's sliced in-place path
+SIZES = [1, 7, 1000, strategy_mod._DIRECT_NUMEL + 5]  # the last is reduced where it lies, not packed
 
 
 def strategy_of(n: int, ops: md.CrossDeviceOps | None = None) -> md.MirroredStrategy:
@@ -221,11 +223,54 @@ def test_batch_reduce_rejects_different_replica_counts():
         md.ReductionToOneDevice().batch_reduce("sum", [(a, None), (b, None)])
 
 
-def test_in_memory_slices_cover_the_buffer_once():
-    """InMemoryAllReduce: the replicas' slices tile [0, numel) without overlap, on 16-element bounds."""
-    for numel in (1, 15, 16, 17, 1000, 40_001):
-        for n in (2, 3, 4):
-            bounds = [cdo._slice(numel, n, k) for k in range(n)]
-            covered = sorted(i for lo, hi in bounds for i in range(lo, hi))
-            assert covered == list(range(numel))
-            assert all(lo % cdo._CHUNK_ALIGN == 0 for lo, hi in bounds if hi > lo)
+@pytest.mark.parametrize("ops_cls", CPU_OPS)
+def test_results_are_complete_when_a_replica_is_released(ops_cls):
+    """Every replica's outputs are written before any replica leaves the all-reduce, so one that
+    modifies its result in place at once (gradient clipping, say) cannot change what the others got."""
+    s = strategy_of(3, ops_cls())
+    size = strategy_mod._DIRECT_NUMEL + 5  # large enough to be reduced in place, not packed
+    xs = random_inputs(3, size)
+
+    def fn():
+        r = replica_id()
+        out = md.get_replica_context().all_reduce("sum", torch.from_numpy(xs[r].copy()))
+        if r == 0:
+            out.mul_(-1.0)  # replica 0 scribbles on its result at once ...
+            return out.clone()
+        time.sleep(0.05)  # ... while the others look at theirs only later
+        return out.clone()
+
+    for _ in range(3):
+        out = s.run(fn).values
+        expected = xs[0] + xs[1] + xs[2]
+        np.testing.assert_allclose(out[0].numpy(), -expected, rtol=1e-5, atol=1e-5)
+        for r in (1, 2):
+            np.testing.assert_allclose(out[r].numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_masks_that_vary_by_step_keep_few_buffers():
+    """A model whose None gradients differ between replicas and steps: every step sums the right
+    gradients, and the optimizer keeps at most a few buffer layouts per replica."""
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(nn.ModuleList(nn.Linear(3, 1, bias=False) for _ in range(4)))
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=1.0)
+    x = torch.ones(1, 3)
+    expected = [p.detach().clone() for p in mnet.replicas[0].parameters()]
+
+    for step in range(12):
+        used = [(step + r) % 4 for r in range(2)]  # each replica reaches one layer, a different one each step
+        for i in used:
+            expected[i] -= 1.0
+
+        def fn():
+            mnet.module[used[replica_id()]](x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        s.run(fn)
+        s.check_in_sync(mnet)
+        for p, e in zip(mnet.replicas[0].parameters(), expected):
+            torch.testing.assert_close(p.detach(), e)
+    per_replica = [sum(1 for k in opt._grad_buffers if k[0] == r) for r in range(2)]
+    assert per_replica == [strategy_mod._LAYOUTS_KEPT] * 2

@@ -91,6 +91,7 @@ class GradientLayout:
         for b, flat in zip(self.buckets, self.flats):
             b.unpack(flat, self.results)
         self.packed = [i for b in self.buckets for i in b.indices]
+        self._packed_views = [self.results[i] for i in self.packed]
         self.direct = [i for i, g in enumerate(grads) if g is not None and g.numel() >= direct_numel]
         self.direct_out = [torch.empty(grads[i].numel(), dtype=grads[i].dtype, device=grads[i].device)
                            for i in self.direct]
@@ -98,13 +99,10 @@ class GradientLayout:
             self.results[i] = out.view(grads[i].shape)
 
     def stage(self, grads: Sequence[Tensor | None]) -> tuple[list[Tensor], list[Tensor]]:
-        """Packs the small gradients (one fused copy) and returns the (inputs, outputs) to all-reduce."""
-        dst, src = [], []
-        for i in self.packed:
-            if grads[i].data_ptr() != self.results[i].data_ptr():  # not already a view of its bucket
-                dst.append(self.results[i])
-                src.append(grads[i])
-        if dst:
-            torch._foreach_copy_(dst, src)
+        """Packs the small gradients (one fused copy, skipped where backward accumulated into last
+        step's results in place) and returns the (inputs, outputs) to all-reduce."""
+        src = [grads[i] for i in self.packed]
+        if any(s is not d for s, d in zip(src, self._packed_views)):
+            torch._foreach_copy_(self._packed_views, src)  # a tensor copied onto itself is a no-op
         inputs = self.flats + [grads[i].reshape(-1) for i in self.direct]
         return inputs, self.flats + self.direct_out

@@ -80,8 +80,12 @@ def torch_device(device: Device) -> torch.device:
     return torch.device("cpu") if device.startswith("cpu") else torch.device(device)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def intra_op_threads(devices: Sequence[Device]) -> int:
     """Intra-op threads per CPU replica: the cores split evenly between them, at least 1."""
     n_cpu = sum(d.startswith("cpu") for d in devices)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, n_cpu))
+    return max(1, usable_cores() // max(1, n_cpu))

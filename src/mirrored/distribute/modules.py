@@ -115,7 +115,7 @@ class MirroredOptimizer:
         self._strategy = strategy
         self._module = module
         self.replicas = tuple(optimizer_cls(m.parameters(), **hparams) for m in module.replicas)
-        self._key = object()  # names this optimizer's gradient buffers in the strategy
+        self._grad_buffers: dict = {}  # the strategy's persistent reduction buffers for this optimizer
 
     @property
     def values(self) -> tuple[torch.optim.Optimizer, ...]:
@@ -140,7 +140,7 @@ class MirroredOptimizer:
             return
         rid = ctx._replica_id
         params = self._params(rid)
-        reduced = self._strategy._reduce_gradients(ctx, self._key, params, [p.grad for p in params])
+        reduced = self._strategy._reduce_gradients(ctx, self._grad_buffers, params, [p.grad for p in params])
         for p, g in zip(params, reduced):
             p.grad = g
 

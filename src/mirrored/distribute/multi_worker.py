@@ -463,7 +463,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         reduced = self._collectives.all_reduce(op, leaves, "ReplicaContext.all_reduce", check_shapes=not same_shapes)
         return pack_sequence_as(value, reduced)
 
-    def _reduce_gradients(self, ctx: ReplicaContext | None, key: Any, params: Sequence[Tensor],
+    def _reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
                           grads: list[Tensor | None]) -> list[Tensor | None]:
         """SUM-all-reduces this worker's gradients over the workers in persistent buckets. Every parameter
         that requires grad travels (zeros where this worker has no gradient), plus a count per parameter
@@ -475,11 +475,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         device = params[idx[0]].device if idx else torch_device(self._devices[0])
         had = torch.tensor([float(grads[i] is not None) for i in idx], device=device)
         sent = [grads[i] if grads[i] is not None else torch.zeros_like(params[i]) for i in idx] + [had]
-        sig = (key, buckets.signature(sent))
-        cached = self._grad_buffers.get(sig)
+        sig = ("workers", buckets.signature(sent))  # one signature: every parameter that requires grad
+        cached = cache.get(sig)
         if cached is None:
             plan = buckets.plan(sent, self._collectives.bytes_per_pack)
-            cached = self._grad_buffers[sig] = [plan, [b.new_buffer() for b in plan]]
+            cached = cache[sig] = [plan, [b.new_buffer() for b in plan]]
         plan, flats = cached
         for b, flat in zip(plan, flats):
             b.pack(sent, out=flat)

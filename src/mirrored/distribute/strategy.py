@@ -20,15 +20,16 @@ from torch import Tensor
 
 from mirrored.distribute import buckets, context, replicas
 from mirrored.distribute.context import ReplicaContext
-from mirrored.distribute.cross_device_ops import CrossDeviceOps, as_reduce_op, default_for
+from mirrored.distribute.cross_device_ops import CrossDeviceOps, Disagreement, as_reduce_op, default_for
 from mirrored.distribute.devices import Device, intra_op_threads, resolve_devices, torch_device
 from mirrored.distribute.values import (DistributedValues, Mirrored, Nested, PerReplica, ReduceOp, flatten,
                                         pack_sequence_as, regroup, select_replica)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 300.0
-_DIRECT_NUMEL = 1 << 16  # gradients this large are reduced where they lie; packing them would only copy  # a collective waits this long for a missing replica before failing
+DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a missing replica before failing
+_DIRECT_NUMEL = 1 << 16  # tensors this large are reduced where they lie; packing them would only copy
+_LAYOUTS_KEPT = 4  # gradient layouts (persistent reduction buffers) kept per optimizer and replica
 
 
 class OutOfSyncError(RuntimeError):
@@ -91,7 +92,6 @@ class Strategy:
         if len(self._devices) > 1:
             self._pool = replicas.ReplicaPool(self._devices, intra_op_threads(self._devices))
             replicas.stop_on_collect(self, self._pool)
-        self._grad_buffers: dict[Any, list[Any]] = {}
         self._log_created()
 
     def _log_created(self) -> None:
@@ -203,37 +203,48 @@ class Strategy:
         leaves = [_as_tensor(v, device) for v in flatten(value)]
         if ctx._step is None:
             return pack_sequence_as(value, leaves)
-        plan = buckets.plan(leaves, self._cross_device_ops.bytes_per_pack)
-        flats = [b.pack(leaves) for b in plan]
-        reduced = self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, op, flats)
-        out: list[Tensor | None] = [None] * len(leaves)
-        for b, flat in zip(plan, reduced):
-            b.unpack(flat, out)
-        return pack_sequence_as(value, out)
+        # Fresh buffers each call: the results belong to the caller. Large leaves are read in place.
+        layout = buckets.GradientLayout(leaves, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
+        inputs, outputs = layout.stage(leaves)
+        self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, op, inputs, outputs)
+        return pack_sequence_as(value, layout.results)
 
-    def _reduce_gradients(self, ctx: ReplicaContext | None, key: Any, params: Sequence[Tensor],
+    def _reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
                           grads: list[Tensor | None]) -> list[Tensor | None]:
-        """SUM-all-reduces one replica's gradients into persistent buckets; returns views of them.
-        A gradient that is None on every replica stays None; None on some only counts as zeros."""
+        """SUM-all-reduces one replica's gradients into persistent buffers kept in `cache` (the
+        optimizer's); returns views of them. A gradient that is None on every replica stays None;
+        None on some only counts as zeros. The replicas compare which gradients they have in the
+        same meeting that reduces them, and meet a second time only when those differ."""
         if ctx is None or ctx._step is None:
             return grads
         rid = ctx._replica_id
         mask = tuple(g is not None for g in grads)
-        masks = ctx._step.exchange(rid, mask, "all_reduce (gradient mask)")
-        union = tuple(any(m[i] for m in masks) for i in range(len(mask)))
-        if union != mask:
-            grads = list(grads)
-            for i, needed in enumerate(union):
-                if needed and grads[i] is None:  # this replica's loss did not reach the parameter
-                    grads[i] = torch.zeros_like(params[i])
-        sig = (key, rid, buckets.signature(grads))
-        layout = self._grad_buffers.get(sig)
-        if layout is None:
-            layout = self._grad_buffers[sig] = buckets.GradientLayout(
-                grads, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
+        layout = self._gradient_layout(cache, rid, grads)
         inputs, outputs = layout.stage(grads)
-        self._cross_device_ops.all_reduce(ctx._step, rid, ReduceOp.SUM, inputs, outputs)
+        reduced = self._cross_device_ops.all_reduce(ctx._step, rid, ReduceOp.SUM, inputs, outputs, agree=mask)
+        if isinstance(reduced, Disagreement):  # some replica's loss did not reach some parameter
+            union = tuple(map(any, zip(*reduced.tokens)))
+            grads = [torch.zeros_like(params[i]) if needed and g is None else g
+                     for i, (g, needed) in enumerate(zip(grads, union))]
+            layout = self._gradient_layout(cache, rid, grads)
+            inputs, outputs = layout.stage(grads)
+            if isinstance(self._cross_device_ops.all_reduce(ctx._step, rid, ReduceOp.SUM, inputs, outputs,
+                                                            agree=union), Disagreement):
+                raise RuntimeError("replicas disagree on the union of their gradient masks (internal error).")
         return list(layout.results)
+
+    def _gradient_layout(self, cache: dict, rid: int, grads: Sequence[Tensor | None]) -> buckets.GradientLayout:
+        """The persistent buffers for these gradients, built once per replica and gradient signature.
+        A few signatures are kept per replica (a model whose None gradients vary by step needs a
+        couple); the least recently built goes first."""
+        sig = (rid, buckets.signature(grads))
+        layout = cache.get(sig)
+        if layout is None:
+            mine = [k for k in cache if k[0] == rid]
+            for k in mine[:max(0, len(mine) - _LAYOUTS_KEPT + 1)]:
+                del cache[k]
+            layout = cache[sig] = buckets.GradientLayout(grads, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
+        return layout
 
     # ---- cross-replica reductions -----------------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:
