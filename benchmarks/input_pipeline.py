@@ -21,14 +21,14 @@ the range, since the machine may be shared, with the cores the process kept busy
 pipeline on an idle machine should keep them all busy. torch runs each op on `--torch-threads`
 threads (default 1, so the map's threads do not each start an OpenMP team on the same cores).
 
-With glibc's default malloc, each image's large buffers are fresh mmap'd pages: ~100-150 page
-faults per image, and with two threads the kernel time per image doubles, which costs AUTOTUNE
-about a fifth of its speedup here; --tune-malloc shows the pipeline without that cost.
+With glibc's default malloc, each image's large buffers are fresh mmap'd pages: ~50-200 page
+faults per image, and with two threads the kernel time per image grows, which costs AUTOTUNE
+part of its speedup; --tune-malloc runs everything after `mr.tune_allocator()` (what the
+`mirrored` command does) to show the pipeline without that cost.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import io
 import itertools
 import json
@@ -225,18 +225,6 @@ class TfData:
 # ----------------------------------------------------------------------------------- main
 
 
-def tune_malloc() -> None:
-    """Makes glibc keep freed blocks up to 32 MB in its heaps instead of returning them to the
-    kernel. By default every decoded/resized image that crosses the adaptive mmap threshold is
-    an mmap + munmap: fresh zeroed pages, ~100+ page faults per image, and munmaps that stall the
-    other threads' faults. Same as MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=...
-    in the environment, or LD_PRELOAD of jemalloc/tcmalloc."""
-    libc = ctypes.CDLL(None)
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    if not (libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)):
-        raise SystemExit("--tune-malloc: mallopt failed (not glibc?); run without it.")
-
-
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())
@@ -261,11 +249,11 @@ def main() -> None:
     parser.add_argument("--tf-python", help="python of a venv with TensorFlow, to time tf.data")
     parser.add_argument("--no-pillow", action="store_true", help="skip the Pillow-decode rows")
     parser.add_argument("--tune-malloc", action="store_true",
-                        help="keep freed memory in glibc's heap (see tune_malloc)")
+                        help="keep freed memory in glibc's heaps (mr.tune_allocator(), as `mirrored train` does)")
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
-    if args.tune_malloc:
-        tune_malloc()
+    if args.tune_malloc and not mr.tune_allocator():
+        raise SystemExit("--tune-malloc: this is not glibc; run without it.")
 
     with tempfile.TemporaryDirectory(prefix="mirrored-bench-") as scratch:
         if args.data_dir is None:

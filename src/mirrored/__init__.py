@@ -22,6 +22,7 @@ from mirrored.distribute import (CollectiveAllReduce, CollectiveMismatchError, C
                                  ReplicaContext, Strategy, SyncOnReadVariable, ValueContext, Variable,
                                  VariableAggregation, VariableSynchronization, get_replica_context, get_strategy,
                                  has_strategy, in_cross_replica_context)
+from mirrored._allocator import tune_allocator
 from mirrored.distribute import CommunicationOptions, MultiWorkerMirroredStrategy
 
 __version__ = "0.1.0"
@@ -65,5 +66,5 @@ __all__ = [
     "MirroredStrategy", "MirroredVariable", "NcclAllReduce", "OneDeviceStrategy", "OutOfSyncError", "PerReplica",
     "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "SyncOnReadVariable", "ValueContext",
     "Variable", "VariableAggregation", "VariableSynchronization", "get_replica_context", "get_strategy",
-    "has_strategy", "in_cross_replica_context", *_NAMESPACES, *_LAZY_NAMES,
+    "has_strategy", "in_cross_replica_context", "tune_allocator", *_NAMESPACES, *_LAZY_NAMES,
 ]

@@ -257,6 +257,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("MIRRORED_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    from mirrored import tune_allocator
+
+    tune_allocator()  # images and batches reuse freed memory instead of faulting in fresh pages
     try:
         return {"train": cmd_train, "profile": cmd_train, "evaluate": cmd_evaluate}[args.command](args)
     except CliError as e:

@@ -80,6 +80,14 @@ def resolve_parallelism(num_parallel_calls: int | None) -> int | None:
     return available_cpus() if num_parallel_calls == -1 else num_parallel_calls
 
 
+def map_in_flight(workers: int) -> int:
+    """Elements a parallel map may hold between upstream and its consumer. Enough that the workers
+    keep going while the consumer stacks a batch or one element takes long (results leave in
+    order), and bounded, so memory is too: 2 per worker measured 1.52x serial on 2 cores, 8 per
+    worker 1.62x."""
+    return max(8, 4 * workers)
+
+
 class Map(Node):
     kind = "map"
 
@@ -92,8 +100,7 @@ class Map(Node):
         upstream = self.inputs[0].iterate(probe)
         if self.workers is None or probe:
             return self._sequential(upstream)
-        # 2 per worker in flight: a worker always finds the next element while the consumer is busy
-        return threaded_iter(upstream, self.fn, num_workers=self.workers, max_in_flight=2 * self.workers,
+        return threaded_iter(upstream, self.fn, num_workers=self.workers, max_in_flight=map_in_flight(self.workers),
                              deterministic=self.deterministic, what="map")
 
     def _sequential(self, upstream: Iterator[Any]) -> Iterator[Any]:
