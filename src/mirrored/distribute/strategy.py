@@ -236,14 +236,14 @@ class Strategy:
     def _gradient_layout(self, cache: dict, rid: int, grads: Sequence[Tensor | None]) -> buckets.GradientLayout:
         """The persistent buffers for these gradients, built once per replica and gradient signature.
         A few signatures are kept per replica (a model whose None gradients vary by step needs a
-        couple); the least recently built goes first."""
-        sig = (rid, buckets.signature(grads))
-        layout = cache.get(sig)
+        couple); the least recently built goes first. Each replica thread touches only its own dict."""
+        mine = cache.setdefault(rid, {})  # atomic: replicas call this concurrently on one cache
+        sig = buckets.signature(grads)
+        layout = mine.get(sig)
         if layout is None:
-            mine = [k for k in cache if k[0] == rid]
-            for k in mine[:max(0, len(mine) - _LAYOUTS_KEPT + 1)]:
-                del cache[k]
-            layout = cache[sig] = buckets.GradientLayout(grads, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
+            while len(mine) >= _LAYOUTS_KEPT:
+                del mine[next(iter(mine))]
+            layout = mine[sig] = buckets.GradientLayout(grads, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
         return layout
 
     # ---- cross-replica reductions -----------------------------------------------------------------
