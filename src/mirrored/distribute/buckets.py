@@ -48,8 +48,9 @@ class Bucket:
 
     def unpack(self, flat: Tensor, into: list[Tensor | None]) -> None:
         """Puts views of `flat` (one per packed tensor, in its shape) into `into` at their indices."""
-        for i, off, shape in zip(self.indices, self.offsets, self.shapes):
-            into[i] = flat[off:off + shape.numel()].view(shape)
+        parts = flat.split([shape.numel() for shape in self.shapes])  # one call for all the views
+        for i, part, shape in zip(self.indices, parts, self.shapes):
+            into[i] = part.view(shape)
 
 
 def plan(tensors: Sequence[Tensor | None], bytes_per_pack: int) -> list[Bucket]:

@@ -391,11 +391,12 @@ def _is_distributed(value: Any) -> bool:
 
 
 def _as_tensor(value: Any, device: torch.device | None) -> Tensor:
-    from mirrored.distribute.variables import Variable
+    if isinstance(value, Tensor):
+        t = value
+    else:
+        from mirrored.distribute.variables import Variable
 
-    if isinstance(value, Variable):
-        value = value.read_value()
-    t = value if isinstance(value, Tensor) else torch.as_tensor(value)
+        t = torch.as_tensor(value.read_value() if isinstance(value, Variable) else value)
     return t if device is None or t.device == device else t.to(device)
 
 
