@@ -17,7 +17,6 @@ Uses the standard library only.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import platform
 
@@ -57,7 +56,7 @@ def _glibc() -> ctypes.CDLL | None:
     if platform.libc_ver()[0] != "glibc":
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the C library this process already runs on
         libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     except (OSError, AttributeError):
         return None

@@ -272,4 +272,67 @@ def test_gradient_masks_that_vary_by_step_keep_few_buffers():
         s.check_in_sync(mnet)
         for p, e in zip(mnet.replicas[0].parameters(), expected):
             torch.testing.assert_close(p.detach(), e)
-    assert [len(opt._grad_buffers[r]) for r in range(2)] == [strategy_mod._LAYOUTS_KEPT] * 2
+    for r in range(2):
+        state = opt._grad_buffers[r]
+        assert len(state.layouts) == strategy_mod._LAYOUTS_KEPT
+        assert len(state.unions) == 4  # each mask's union, learned once: later steps meet only once
+        # the layouts kept are the unions' (two layers with gradients), not the masks' own
+        assert all(sum(entry is not None for entry in sig) == 2 for sig in state.layouts)
+
+
+@pytest.mark.parametrize("ops_cls", CPU_OPS)
+def test_inputs_are_left_as_they_were(ops_cls):
+    """4 replicas (a two-level tree for HierarchicalCopyAllReduce), large tensors read in place:
+    every replica's input keeps its values."""
+    s = strategy_of(4, ops_cls())
+    xs = random_inputs(4, strategy_mod._DIRECT_NUMEL + 5)
+    inputs = [torch.from_numpy(x.copy()) for x in xs]
+    out = s.run(lambda: md.get_replica_context().all_reduce("sum", inputs[replica_id()]))
+    for r in range(4):
+        np.testing.assert_array_equal(inputs[r].numpy(), xs[r])
+        np.testing.assert_allclose(out.values[r].numpy(), sum(xs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [3, strategy_mod._DIRECT_NUMEL + 5])
+def test_all_reduce_is_differentiable_as_in_tf(size):
+    """TF's all-reduce gradient is the same all-reduce of the upstream gradients. Each replica's
+    loss is sum(w * y) with y = all_reduce(x_r): dL_total/dx_r = sum_k w_k for SUM, its mean for
+    MEAN (closed form), and a trainable Variable passes through the same way."""
+    s = strategy_of(3)
+    weights = [float(r + 1) for r in range(3)]
+
+    def fn(op):
+        r = replica_id()
+        x = torch.full((size,), float(r), requires_grad=True)
+        y = md.get_replica_context().all_reduce(op, x)
+        (weights[r] * y).sum().backward()
+        return y.detach(), x.grad
+
+    for op, scale in (("sum", 1.0), ("mean", 1 / 3)):
+        ys, grads = s.run(fn, args=(op,))
+        for r in range(3):
+            torch.testing.assert_close(ys.values[r], torch.full((size,), 3.0 * scale))
+            torch.testing.assert_close(grads.values[r], torch.full((size,), sum(weights) * scale))
+    with s.scope():
+        v = md.Variable(torch.ones(3))
+    out = s.run(lambda: md.get_replica_context().all_reduce("mean", v))
+    assert all(torch.equal(t.detach(), torch.ones(3)) for t in out.values)
+
+
+def test_different_collectives_are_named_not_confused():
+    """Replica 0 all-reduces a tensor while replica 1 steps its optimizer: the error names both calls."""
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(nn.Linear(3, 1))
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+
+    def fn():
+        if replica_id() == 0:
+            md.get_replica_context().all_reduce("sum", torch.ones(2))
+        else:
+            mnet(torch.ones(1, 3)).sum().backward()
+            opt.step()
+
+    with pytest.raises(md.CollectiveMismatchError, match=r"replica 0 called all_reduce; replica 1 called "
+                                                         r"all_reduce \(gradients\)"):
+        s.run(fn)

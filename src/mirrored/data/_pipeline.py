@@ -81,10 +81,10 @@ def resolve_parallelism(num_parallel_calls: int | None) -> int | None:
 
 
 def map_in_flight(workers: int) -> int:
-    """Elements a parallel map may hold between upstream and its consumer. Enough that the workers
+    """Elements a parallel map may hold between upstream and its consumer: enough that the workers
     keep going while the consumer stacks a batch or one element takes long (results leave in
-    order), and bounded, so memory is too: 2 per worker measured 1.52x serial on 2 cores, 8 per
-    worker 1.62x."""
+    order), and bounded, so memory is too. On 2 cores 2 per worker gave AUTOTUNE 1.52x serial and
+    8 per worker 1.62x (one run each); this window measured 1.79x (benchmarks/RESULTS.md)."""
     return max(8, 4 * workers)
 
 

@@ -3,14 +3,14 @@
 `ReductionToOneDevice` sums on one device and copies back; `HierarchicalCopyAllReduce` sums in a
 tree over device pairs; `NcclAllReduce` calls NCCL across GPUs; `InMemoryAllReduce`, the default for
 CPU replicas, sums straight into the replicas' output buffers on all cores, allocating nothing.
-The public `reduce` and
-`batch_reduce` (cross-replica context, on PerReplica values) validate once and call `_all_sum`;
-`all_reduce` is what replica threads call from inside a step. Uses devices.py, values.py,
-replicas.py (Rendezvous) and buckets.py.
+The public `reduce` and `batch_reduce` (cross-replica context, on PerReplica values) validate once
+and call `_all_sum`; `all_reduce` is what replica threads call from inside a step, and it writes
+the results through `_reduce_into`. Uses devices.py, values.py, replicas.py (Rendezvous) and
+buckets.py.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -20,8 +20,6 @@ from mirrored.distribute import buckets
 from mirrored.distribute.devices import Device, canonical, torch_device, usable_cores
 from mirrored.distribute.replicas import Rendezvous
 from mirrored.distribute.values import DistributedValues, Mirrored, ReduceOp
-
-
 
 _PARALLEL_NUMEL = 1 << 19  # from 2 MB of float32 the summing thread borrows the idle replicas' cores; below,
 # starting the extra intra-op threads costs more than it saves (measured: 1 MB, 77 us on one thread, 88+ on two)
@@ -43,7 +41,8 @@ def divide_(t: Tensor, n: int) -> Tensor:
 
 
 class CrossDeviceOps:
-    """Base class: subclasses implement `_all_sum` (and may override `all_reduce` for speed)."""
+    """Base class: subclasses implement `_all_sum`, and may override `_reduce_into` (how one
+    replica writes every replica's results inside a step) for speed."""
 
     def __init__(self, bytes_per_pack: int = 25 * 2**20):
         if not isinstance(bytes_per_pack, int) or bytes_per_pack <= 0:
@@ -129,7 +128,8 @@ class CrossDeviceOps:
     # ---- replica context: called by every replica thread with its own tensors -------------------
     def all_reduce(self, rendezvous: Rendezvous, replica_id: int, reduce_op: ReduceOp,
                    inputs: list[Tensor], outputs: list[Tensor] | None = None,
-                   agree: Hashable = None) -> list[Tensor] | Disagreement:
+                   agree: Any = None, agreed: Callable[[list[Any]], bool] | None = None,
+                   what: str = "all_reduce") -> list[Tensor] | Disagreement:
         """Every replica passes its flat tensors (same sizes everywhere); the reduced values land in
         `outputs` (in `inputs` when None) on each replica's device, and `outputs` is returned.
 
@@ -137,24 +137,26 @@ class CrossDeviceOps:
         every replica's outputs, so once a replica is released nobody touches its tensors again (it
         may modify its results in place at once). `agree` is a value every replica must pass alike
         (a gradient mask, say): where they differ nothing is reduced and every replica gets the same
-        `Disagreement`, so a caller can fix its inputs and call again."""
+        `Disagreement`, so a caller can fix its inputs and call again; `agreed(tokens)` replaces
+        "all equal" as the test where given. `what` names the call in
+        errors; replicas that make different calls get a CollectiveMismatchError naming both."""
         outputs = inputs if outputs is None else outputs
 
-        def combine(everyone: list[tuple[list[Tensor], list[Tensor], Hashable]]) -> Disagreement | None:
+        def combine(everyone: list[tuple[list[Tensor], list[Tensor], Any]]) -> Disagreement | None:
             tokens = [e[2] for e in everyone]
-            if any(t != tokens[0] for t in tokens[1:]):
+            if not (agreed(tokens) if agreed is not None else all(t == tokens[0] for t in tokens[1:])):
                 return Disagreement(tokens)
             check_same_shapes([e[0] for e in everyone])
             self._reduce_into([e[0] for e in everyone], [e[1] for e in everyone], reduce_op)
             return None
 
-        disagreement = rendezvous.exchange(replica_id, (inputs, outputs, agree), "all_reduce", combine)
+        disagreement = rendezvous.exchange(replica_id, (inputs, outputs, agree), what, combine)
         return outputs if disagreement is None else disagreement
 
     def _reduce_into(self, inputs: list[list[Tensor]], outputs: list[list[Tensor]], reduce_op: ReduceOp) -> None:
         """Writes the reduction of every replica's `inputs` into every replica's `outputs`."""
         n = len(inputs)
-        for r, (summed, outs) in enumerate(zip(self._all_sum(inputs), outputs)):
+        for summed, outs in zip(self._all_sum(inputs), outputs):
             for out, t in zip(outs, summed):
                 out.copy_(divide_(t, n) if reduce_op is ReduceOp.MEAN else t)
 
@@ -202,12 +204,14 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
     def _all_sum(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
         n = len(per_replica)
         partial = [[t.clone() for t in per_replica[0]]] + [list(lst) for lst in per_replica[1:]]
+        owned = {0}  # replicas whose partial sums are our copies; the others are still the callers' inputs
         stride = 1
         while stride < n:
             for r in range(0, n - stride, 2 * stride):
+                if r not in owned:
+                    partial[r] = [t.clone() for t in partial[r]]
+                    owned.add(r)
                 dst = partial[r]
-                if r != 0 and dst is per_replica[r]:
-                    dst = partial[r] = [t.clone() for t in dst]
                 for j, t in enumerate(partial[r + stride]):
                     dst[j].add_(t.to(dst[j].device))
             stride *= 2
@@ -252,8 +256,8 @@ class InMemoryAllReduce(CrossDeviceOps):
     for its intra-op threads: it adds every replica's input into replica 0's output (reading large
     gradients where backward left them, without packing them first) and copies that one sum into
     the others' outputs. The memory traffic is that of a reduce-scatter/all-gather between the
-    threads, but the replicas meet once per step instead of three times, which is what small
-    gradient sets pay for; every replica gets the same bits, and nothing is allocated."""
+    threads, but the replicas meet once per all-reduce instead of three times, which is what
+    small gradient sets pay for; every replica gets the same bits, and nothing is allocated."""
 
     def _all_sum(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
         return _sum_on_one_device(per_replica, None)
@@ -261,8 +265,9 @@ class InMemoryAllReduce(CrossDeviceOps):
     def _reduce_into(self, inputs: list[list[Tensor]], outputs: list[list[Tensor]], reduce_op: ReduceOp) -> None:
         n = len(inputs)
         threads = torch.get_num_threads()
-        if sum(t.numel() for t in outputs[0]) >= _PARALLEL_NUMEL:
-            torch.set_num_threads(max(threads, usable_cores()))
+        borrow = sum(t.numel() for t in outputs[0]) >= _PARALLEL_NUMEL and usable_cores() > threads
+        if borrow:
+            torch.set_num_threads(usable_cores())
         try:
             for j, total in enumerate(outputs[0]):
                 column = [lst[j] if lst[j].device == total.device else lst[j].to(total.device) for lst in inputs]
@@ -277,7 +282,8 @@ class InMemoryAllReduce(CrossDeviceOps):
                 for outs in outputs[1:]:  # after every input was read: an output may be its own input
                     outs[j].copy_(total)
         finally:
-            torch.set_num_threads(threads)
+            if borrow:
+                torch.set_num_threads(threads)
 
 
 def check_same_shapes(everyone: list[list[Tensor]]) -> None:

@@ -196,55 +196,75 @@ class Strategy:
     def _replica_all_reduce(self, ctx: ReplicaContext, reduce_op: ReduceOp | str, value: Nested,
                             same_shapes: bool = False) -> Nested:
         """`ctx.all_reduce`. same_shapes=True: the caller guarantees every replica passes the same
-        shapes, so a strategy whose shape check costs a round trip (multi-worker) may skip it."""
+        shapes, so a strategy whose shape check costs a round trip (multi-worker) may skip it.
+        Differentiable as in TF: the gradient is the same all-reduce of the upstream gradients
+        (run backward inside the same `strategy.run`, where the other replicas do too)."""
         del same_shapes  # between threads the check is free (check_same_shapes)
         op = as_reduce_op(reduce_op, "ReplicaContext.all_reduce")
         device = torch_device(self._devices[ctx._replica_id])
         leaves = [_as_tensor(v, device) for v in flatten(value)]
         if ctx._step is None:
             return pack_sequence_as(value, leaves)
-        # Fresh buffers each call: the results belong to the caller. Large leaves are read in place.
-        layout = buckets.GradientLayout(leaves, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
-        inputs, outputs = layout.stage(leaves)
-        self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, op, inputs, outputs)
-        return pack_sequence_as(value, layout.results)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
+            return pack_sequence_as(value, list(_AllReduceFunction.apply(self, ctx, op, *leaves)))
+        return pack_sequence_as(value, self._all_reduce_leaves(ctx, op, leaves))
+
+    def _all_reduce_leaves(self, ctx: ReplicaContext, op: ReduceOp, leaves: Sequence[Tensor]) -> list[Tensor]:
+        """All-reduces tensors into fresh buffers (the results belong to the caller); small ones
+        travel packed, large ones are read where they lie."""
+        with torch.no_grad():
+            leaves = [t.detach() for t in leaves]
+            layout = buckets.GradientLayout(leaves, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
+            inputs, outputs = layout.stage(leaves)
+            self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, op, inputs, outputs)
+        return list(layout.results)  # type: ignore[arg-type]
 
     def _reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
                           grads: list[Tensor | None]) -> list[Tensor | None]:
         """SUM-all-reduces one replica's gradients into persistent buffers kept in `cache` (the
         optimizer's); returns views of them. A gradient that is None on every replica stays None;
-        None on some only counts as zeros. The replicas compare which gradients they have in the
-        same meeting that reduces them, and meet a second time only when those differ."""
+        None on some only counts as zeros.
+
+        The replicas check which gradients they have in the same meeting that reduces them: each
+        brings its mask and the union it expects (the one learned last time for that mask), and the
+        reduction goes ahead when every expectation equals the true union. Only when it does not
+        (the first such step) do they meet again, with the union filled in as zeros."""
         if ctx is None or ctx._step is None:
             return grads
         rid = ctx._replica_id
+        if ctx._step.error is not None:  # an abandoned replica of a failed step: leave the buffers alone
+            raise replicas._Released("all_reduce (gradients)")
+        state = cache.get(rid)
+        if state is None:
+            state = cache.setdefault(rid, _GradientState())  # atomic: each replica thread has its own
         mask = tuple(g is not None for g in grads)
-        layout = self._gradient_layout(cache, rid, grads)
-        inputs, outputs = layout.stage(grads)
-        reduced = self._cross_device_ops.all_reduce(ctx._step, rid, ReduceOp.SUM, inputs, outputs, agree=mask)
-        if isinstance(reduced, Disagreement):  # some replica's loss did not reach some parameter
-            union = tuple(map(any, zip(*reduced.tokens)))
+        expected = state.unions.get(mask, mask)
+        reduced = self._reduce_with_union(ctx, state, params, grads, mask, expected)
+        if isinstance(reduced, Disagreement):
+            masks = [token[0] for token in reduced.tokens]
+            if any(len(m) != len(mask) for m in masks):
+                raise replicas.CollectiveMismatchError(
+                    f"optimizer.step: the replicas' optimizers hold different numbers of parameters "
+                    f"({[len(m) for m in masks]}). Every replica must step the same mirrored optimizer.")
+            union = tuple(map(any, zip(*masks)))
+            state.learn(mask, union)
+            reduced = self._reduce_with_union(ctx, state, params, grads, mask, union)
+            if isinstance(reduced, Disagreement):
+                raise RuntimeError("replicas disagree on the union of their gradient masks (internal error).")
+        return reduced
+
+    def _reduce_with_union(self, ctx: ReplicaContext, state: _GradientState, params: Sequence[Tensor],
+                           grads: list[Tensor | None], mask: tuple[bool, ...], union: tuple[bool, ...]
+                           ) -> list[Tensor | None] | Disagreement:
+        if union != mask:  # zeros where this replica's loss did not reach a parameter others need
             grads = [torch.zeros_like(params[i]) if needed and g is None else g
                      for i, (g, needed) in enumerate(zip(grads, union))]
-            layout = self._gradient_layout(cache, rid, grads)
-            inputs, outputs = layout.stage(grads)
-            if isinstance(self._cross_device_ops.all_reduce(ctx._step, rid, ReduceOp.SUM, inputs, outputs,
-                                                            agree=union), Disagreement):
-                raise RuntimeError("replicas disagree on the union of their gradient masks (internal error).")
-        return list(layout.results)
-
-    def _gradient_layout(self, cache: dict, rid: int, grads: Sequence[Tensor | None]) -> buckets.GradientLayout:
-        """The persistent buffers for these gradients, built once per replica and gradient signature.
-        A few signatures are kept per replica (a model whose None gradients vary by step needs a
-        couple); the least recently built goes first. Each replica thread touches only its own dict."""
-        mine = cache.setdefault(rid, {})  # atomic: replicas call this concurrently on one cache
-        sig = buckets.signature(grads)
-        layout = mine.get(sig)
-        if layout is None:
-            while len(mine) >= _LAYOUTS_KEPT:
-                del mine[next(iter(mine))]
-            layout = mine[sig] = buckets.GradientLayout(grads, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
-        return layout
+        layout = state.layout(grads, self._cross_device_ops.bytes_per_pack)
+        inputs, outputs = layout.stage(grads)
+        reduced = self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, ReduceOp.SUM, inputs, outputs,
+                                                    agree=(mask, union), agreed=_union_is_exact,
+                                                    what="all_reduce (gradients)")
+        return reduced if isinstance(reduced, Disagreement) else list(layout.results)
 
     # ---- cross-replica reductions -----------------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:
@@ -388,6 +408,53 @@ def _is_distributed(value: Any) -> bool:
     from mirrored.distribute.variables import Variable
 
     return isinstance(value, DistributedValues) or (isinstance(value, Variable) and len(value.values) > 1)
+
+
+class _GradientState:
+    """One replica's gradient buffers for one optimizer: a few layouts, least recently used out,
+    and the mask unions learned (which gradients the other replicas had when this one lacked some)."""
+
+    def __init__(self) -> None:
+        self.layouts: dict[tuple, buckets.GradientLayout] = {}
+        self.unions: dict[tuple[bool, ...], tuple[bool, ...]] = {}
+
+    def layout(self, grads: Sequence[Tensor | None], bytes_per_pack: int) -> buckets.GradientLayout:
+        sig = buckets.signature(grads)
+        layout = self.layouts.pop(sig, None)
+        if layout is None:
+            while len(self.layouts) >= _LAYOUTS_KEPT:
+                del self.layouts[next(iter(self.layouts))]
+            layout = buckets.GradientLayout(grads, bytes_per_pack, _DIRECT_NUMEL)
+        self.layouts[sig] = layout  # most recently used last
+        return layout
+
+    def learn(self, mask: tuple[bool, ...], union: tuple[bool, ...]) -> None:
+        if len(self.unions) >= 4 * _LAYOUTS_KEPT:
+            self.unions.clear()
+        self.unions[mask] = union
+
+
+def _union_is_exact(tokens: list[tuple[tuple[bool, ...], tuple[bool, ...]]]) -> bool:
+    """Every replica expected the same union of gradient masks, and it is the true one."""
+    expected = tokens[0][1]
+    if any(t[1] != expected or len(t[0]) != len(expected) for t in tokens):
+        return False
+    return expected == tuple(map(any, zip(*(t[0] for t in tokens))))
+
+
+class _AllReduceFunction(torch.autograd.Function):
+    """ctx.all_reduce under autograd: backward all-reduces the upstream gradients with the same op
+    (d/dx_r of sum_k L_k for y = SUM_r x_r is SUM_k dL_k/dy), as TF's all-reduce gradient does."""
+
+    @staticmethod
+    def forward(fctx: Any, strategy: Strategy, rctx: ReplicaContext, op: ReduceOp, *leaves: Tensor) -> tuple:
+        fctx.strategy, fctx.rctx, fctx.op = strategy, rctx, op
+        return tuple(strategy._all_reduce_leaves(rctx, op, leaves))
+
+    @staticmethod
+    def backward(fctx: Any, *upstream: Tensor) -> tuple:
+        reduced = fctx.strategy._all_reduce_leaves(fctx.rctx, fctx.op, upstream)
+        return (None, None, None, *reduced)
 
 
 def _as_tensor(value: Any, device: torch.device | None) -> Tensor:
