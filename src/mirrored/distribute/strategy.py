@@ -213,7 +213,7 @@ class Strategy:
         """All-reduces tensors into fresh buffers (the results belong to the caller); small ones
         travel packed, large ones are read where they lie."""
         with torch.no_grad():
-            leaves = [t.detach() for t in leaves]
+            leaves = [t.detach() if t.requires_grad else t for t in leaves]
             layout = buckets.GradientLayout(leaves, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
             inputs, outputs = layout.stage(leaves)
             self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, op, inputs, outputs)
@@ -437,9 +437,11 @@ class _GradientState:
 def _union_is_exact(tokens: list[tuple[tuple[bool, ...], tuple[bool, ...]]]) -> bool:
     """Every replica expected the same union of gradient masks, and it is the true one."""
     expected = tokens[0][1]
-    if any(t[1] != expected or len(t[0]) != len(expected) for t in tokens):
+    if all(mask == expected for mask, _ in tokens):  # the common case: everyone has the same gradients
+        return all(union == expected for _, union in tokens)
+    if any(union != expected or len(mask) != len(expected) for mask, union in tokens):
         return False
-    return expected == tuple(map(any, zip(*(t[0] for t in tokens))))
+    return expected == tuple(map(any, zip(*(mask for mask, _ in tokens))))
 
 
 class _AllReduceFunction(torch.autograd.Function):
