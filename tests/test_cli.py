@@ -111,3 +111,12 @@ def test_profile_writes_a_timeline(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "all-reduce" in result.stdout and "images/s" in result.stdout
     assert (tmp_path / "trace.json").is_file() and (tmp_path / "timeline.png").is_file()
+
+
+def test_train_and_profile_keep_their_own_defaults():
+    """`mirrored train` runs 6 epochs into runs/train; `profile` 1 into runs/profile (they share
+    their flags, and once shared the defaults too, so `make train` ran one epoch into runs/profile)."""
+    train = cli.build_parser().parse_args(["train"])
+    profile = cli.build_parser().parse_args(["profile"])
+    assert (train.epochs, train.out) == (6, "runs/train")
+    assert (profile.epochs, profile.out) == (1, "runs/profile")

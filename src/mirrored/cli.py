@@ -45,11 +45,10 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mirrored", description="Synchronous data-parallel training on PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    train_args = argparse.ArgumentParser(add_help=False)
-    train = train_args
+def _train_args(epochs: int, out: str) -> argparse.ArgumentParser:
+    """The flags `train` and `profile` share, with their own defaults. One parent per command: a
+    parent's actions are shared objects, so set_defaults on one subcommand would change both."""
+    train = argparse.ArgumentParser(add_help=False)
     train.add_argument("--dataset", default="digits", help="digits (embedded), cassava, or folder:PATH")
     train.add_argument("--data-dir", default=None, help="TFDS data directory (default: $TFDS_DATA_DIR or "
                        "~/tensorflow_datasets)")
@@ -60,21 +59,27 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--replicas", type=_positive_int, default=None,
                        help="N logical replicas (cpu:0..N-1, or the first N GPUs)")
     where.add_argument("--devices", default=None, help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu:0,cpu:1")
-    train.add_argument("--epochs", type=_positive_int, default=6)
+    train.add_argument("--epochs", type=_positive_int, default=epochs)
     train.add_argument("--batch-size", type=_positive_int, default=None,
                        help="GLOBAL batch size (default: 32 per replica)")
     train.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate, decayed by a cosine over the epochs (default 0.05 x global/64)")
     train.add_argument("--image-size", type=_positive_int, default=None, help="resize images to this square size")
     train.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     train.add_argument("--resume", action="store_true", help="continue an interrupted run from --out/backup")
-    train.add_argument("--out", default="runs/train", help="output folder (default: runs/train)")
+    train.add_argument("--out", default=out, help=f"output folder (default: {out})")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--verbose", type=int, choices=[0, 1, 2], default=None,
                        help="0 silent, 1 progress bar, 2 one line per epoch (default: 1 on a terminal, else 2)")
-    sub.add_parser("train", parents=[train_args], help="train a model (default: small ResNet on the embedded digits)")
-    profile = sub.add_parser("profile", parents=[train_args],
-                             help="train like `train` and write a step timeline (input / compute / all-reduce)")
-    profile.set_defaults(epochs=1, out="runs/profile")
+    return train
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mirrored", description="Synchronous data-parallel training on PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", parents=[_train_args(epochs=6, out="runs/train")],
+                   help="train a model (default: small ResNet on the embedded digits)")
+    sub.add_parser("profile", parents=[_train_args(epochs=1, out="runs/profile")],
+                   help="train like `train` and write a step timeline (input / compute / all-reduce)")
     evaluate = sub.add_parser("evaluate", help="evaluate a checkpoint written by `mirrored train`")
     evaluate.add_argument("checkpoint")
     evaluate.add_argument("--dataset", default=None, help="default: the dataset the checkpoint was trained on")
