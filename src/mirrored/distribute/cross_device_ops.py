@@ -257,7 +257,9 @@ class InMemoryAllReduce(CrossDeviceOps):
     gradients where backward left them, without packing them first) and copies that one sum into
     the others' outputs. The memory traffic is that of a reduce-scatter/all-gather between the
     threads, but the replicas meet once per all-reduce instead of three times, which is what
-    small gradient sets pay for; every replica gets the same bits, and nothing is allocated."""
+    small gradient sets pay for; every replica gets the same bits, and nothing is allocated.
+    Made for CPU replicas: across GPUs use NcclAllReduce (here one thread would issue every
+    replica's copies on its own CUDA stream, unordered with streams the replicas made)."""
 
     def _all_sum(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
         return _sum_on_one_device(per_replica, None)
