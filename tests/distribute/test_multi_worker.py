@@ -129,6 +129,7 @@ def test_all_reduce_and_reduce(two_workers):
     for r in two_workers:
         assert r["all_reduce_sum"] == {"a": [3.0, 6.0], "b": 3}
         assert r["all_reduce_mean"] == {"a": [1.5, 3.0], "b": 1}  # integers divide with truncation, as in TF
+        assert r["all_reduce_grad"] == [3.0, 3.0, 3.0]  # d/dx_r of sum_k (k+1) * sum(x_0 + x_1) = 1 + 2
         assert r["reduce_sum"] == 3.0 and r["reduce_mean"] == 1.5
         assert r["reduce_sum_axis"] == 2.0 and r["reduce_mean_axis"] == pytest.approx(2 / 3, rel=1e-7)
         assert r["reduce_mean_int"] == [2]
@@ -374,6 +375,13 @@ def scenario_collectives(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
         return ctx.all_reduce("sum", value), ctx.all_reduce(md.ReduceOp.MEAN, value)
 
     total, mean = s.run(nested)
+
+    def differentiated():  # TF's rule: the gradient of an all-reduce is the all-reduce of the gradients
+        x = torch.full((3,), float(_rank()), requires_grad=True)
+        ((_rank() + 1.0) * md.get_replica_context().all_reduce("sum", x)).sum().backward()
+        return x.grad
+
+    res["all_reduce_grad"] = s.run(differentiated).tolist()
     res["all_reduce_sum"] = {"a": total["a"].tolist(), "b": total["b"][0].item()}
     res["all_reduce_mean"] = {"a": mean["a"].tolist(), "b": mean["b"][0].item()}
     ones = s.run(lambda: torch.tensor(float(_rank() + 1)))

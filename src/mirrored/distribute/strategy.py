@@ -236,7 +236,7 @@ class Strategy:
             raise replicas._Released("all_reduce (gradients)")
         state = cache.get(rid)
         if state is None:
-            state = cache.setdefault(rid, _GradientState())  # atomic: each replica thread has its own
+            state = cache.setdefault(rid, _GradientState())  # atomic; each replica thread has its own
         mask = tuple(g is not None for g in grads)
         expected = state.unions.get(mask, mask)
         reduced = self._reduce_with_union(ctx, state, params, grads, mask, expected)
