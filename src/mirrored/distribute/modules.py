@@ -142,7 +142,8 @@ class MirroredOptimizer:
         params = self._params(rid)
         reduced = self._strategy._reduce_gradients(ctx, self._grad_buffers, params, [p.grad for p in params])
         for p, g in zip(params, reduced):
-            p.grad = g
+            if p.grad is not g:  # after zero_grad(set_to_none=False) backward refilled last step's views
+                p.grad = g
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Replica context: all-reduce this replica's gradients, then apply them with its optimizer."""
