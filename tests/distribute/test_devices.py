@@ -1,6 +1,8 @@
 """devices.py: parsing device spellings, validating device lists, splitting cores between replicas."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -108,7 +110,7 @@ INTRA_OP = [  # (cores, devices, intra-op threads per CPU replica)
 
 def test_intra_op_threads_split_cores(monkeypatch):
     for cores, devs, want in INTRA_OP:
-        monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)),
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)),
                             raising=False)
         assert devices.intra_op_threads(devs) == want, (cores, devs)
 

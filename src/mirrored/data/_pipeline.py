@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
+from mirrored._cpus import usable_cores
 from mirrored.data import _structure
 from mirrored.data._structure import TensorSpec, spec_of
-from mirrored.data._threads import add_note, available_cpus, close_iterator, threaded_iter
+from mirrored.data._threads import add_note, close_iterator, threaded_iter
 
 INFINITE_CARDINALITY = -1
 UNKNOWN_CARDINALITY = -2
@@ -77,7 +78,7 @@ class Node:
 def resolve_parallelism(num_parallel_calls: int | None) -> int | None:
     if num_parallel_calls is None:
         return None
-    return available_cpus() if num_parallel_calls == -1 else num_parallel_calls
+    return usable_cores() if num_parallel_calls == -1 else num_parallel_calls
 
 
 def map_in_flight(workers: int) -> int:
@@ -408,7 +409,7 @@ class Interleave(Node):
                  block_length: int, num_parallel_calls: int | None):
         super().__init__(input)
         self.fn, self.block_length = fn, block_length
-        self.cycle_length = cycle_length if cycle_length not in (None, -1) else available_cpus()
+        self.cycle_length = cycle_length if cycle_length not in (None, -1) else usable_cores()
         self.workers = resolve_parallelism(num_parallel_calls)
 
     def iterate(self, probe: bool) -> Iterator[Any]:

@@ -14,7 +14,6 @@ garbage-collected) stops the workers, joins them, then closes upstream, so no th
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -23,13 +22,6 @@ from typing import Any
 
 AUTOTUNE = -1
 _OK, _END, _ERROR, _UPSTREAM_ERROR = 0, 1, 2, 3
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def add_note(error: BaseException, note: str) -> None:

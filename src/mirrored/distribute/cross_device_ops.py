@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from mirrored.distribute import buckets
-from mirrored.distribute.devices import Device, canonical, torch_device, usable_cores
+from mirrored._cpus import usable_cores
+from mirrored.distribute.devices import Device, canonical, torch_device
 from mirrored.distribute.replicas import Rendezvous
 from mirrored.distribute.values import DistributedValues, Mirrored, ReduceOp
 

@@ -6,12 +6,12 @@ instead of oversubscribing. Uses torch and values.py only.
 """
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 
 import torch
 
+from mirrored._cpus import usable_cores
 from mirrored.distribute.values import Device
 
 # "/job:localhost/replica:0/task:0/device:GPU:0", "/device:CPU:1", "/gpu:0", "GPU", "cuda:1", "cpu"
@@ -78,11 +78,6 @@ def resolve_devices(devices: Sequence[str | torch.device] | None, *, where: str 
 def torch_device(device: Device) -> torch.device:
     """The torch.device a replica's tensors live on: every logical CPU replica uses the one CPU."""
     return torch.device("cpu") if device.startswith("cpu") else torch.device(device)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity), at least 1."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def intra_op_threads(devices: Sequence[Device]) -> int:
