@@ -35,9 +35,9 @@ from mirrored.distribute.cross_device_ops import CrossDeviceOps, as_reduce_op, d
 from mirrored.distribute.devices import Device, resolve_devices, torch_device, visible_gpus
 from mirrored.distribute.modules import named_copies
 from mirrored.distribute.replicas import CollectiveTimeoutError
-from mirrored.distribute.strategy import (DEFAULT_TIMEOUT_S, OutOfSyncError, Strategy, _AllReduceFunction, _as_tensor,
+from mirrored.distribute.strategy import (DEFAULT_TIMEOUT_S, OutOfSyncError, Strategy, _as_tensor,
                                           _is_mirrored_variable)
-from mirrored.distribute.values import Mirrored, Nested, ReduceOp, flatten, pack_sequence_as
+from mirrored.distribute.values import Mirrored, ReduceOp
 
 logger = logging.getLogger(__name__)
 
@@ -453,22 +453,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         return ClusterResolver("worker" if self._backend else None, self._rank)
 
     # ---- replica context ------------------------------------------------------------------------------
-    def _replica_all_reduce(self, ctx: ReplicaContext, reduce_op: ReduceOp | str, value: Nested,
-                            same_shapes: bool = False) -> Nested:
-        op = as_reduce_op(reduce_op, "ReplicaContext.all_reduce")
-        device = torch_device(self._devices[0])
-        leaves = [_as_tensor(v, device) for v in flatten(value)]
-        if self._world_size == 1:
-            return pack_sequence_as(value, leaves)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):  # as between threads
-            return pack_sequence_as(value, list(_AllReduceFunction.apply(self, ctx, op, *leaves)))
-        return pack_sequence_as(value, self._all_reduce_leaves(ctx, op, leaves, check_shapes=not same_shapes))
+    def _has_peers(self, ctx: ReplicaContext) -> bool:
+        return self._world_size > 1
 
-    def _all_reduce_leaves(self, ctx: ReplicaContext, op: ReduceOp, leaves: Sequence[Tensor],
-                           check_shapes: bool = True) -> list[Tensor]:
-        with torch.no_grad():
-            leaves = [t.detach() if t.requires_grad else t for t in leaves]
-            return self._collectives.all_reduce(op, leaves, "ReplicaContext.all_reduce", check_shapes=check_shapes)
+    def _all_reduce_untracked(self, ctx: ReplicaContext, op: ReduceOp, leaves: list[Tensor],
+                              check_shapes: bool) -> list[Tensor]:
+        return self._collectives.all_reduce(op, leaves, "ReplicaContext.all_reduce", check_shapes=check_shapes)
 
     def _reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
                           grads: list[Tensor | None]) -> list[Tensor | None]:

@@ -199,24 +199,35 @@ class Strategy:
         shapes, so a strategy whose shape check costs a round trip (multi-worker) may skip it.
         Differentiable as in TF: the gradient is the same all-reduce of the upstream gradients
         (run backward inside the same `strategy.run`, where the other replicas do too)."""
-        del same_shapes  # between threads the check is free (check_same_shapes)
         op = as_reduce_op(reduce_op, "ReplicaContext.all_reduce")
         device = torch_device(self._devices[ctx._replica_id])
         leaves = [_as_tensor(v, device) for v in flatten(value)]
-        if ctx._step is None:
+        if not self._has_peers(ctx):
             return pack_sequence_as(value, leaves)
         if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
             return pack_sequence_as(value, list(_AllReduceFunction.apply(self, ctx, op, *leaves)))
-        return pack_sequence_as(value, self._all_reduce_leaves(ctx, op, leaves))
+        return pack_sequence_as(value, self._all_reduce_leaves(ctx, op, leaves, check_shapes=not same_shapes))
 
-    def _all_reduce_leaves(self, ctx: ReplicaContext, op: ReduceOp, leaves: Sequence[Tensor]) -> list[Tensor]:
-        """All-reduces tensors into fresh buffers (the results belong to the caller); small ones
-        travel packed, large ones are read where they lie."""
+    def _has_peers(self, ctx: ReplicaContext) -> bool:
+        """Whether `ctx`'s replica reduces with others (not a lone replica run inline)."""
+        return ctx._step is not None
+
+    def _all_reduce_leaves(self, ctx: ReplicaContext, op: ReduceOp, leaves: Sequence[Tensor],
+                           check_shapes: bool = True) -> list[Tensor]:
+        """Reduces tensors into new ones that belong to the caller. Autograd sees the reduction
+        only through _AllReduceFunction, so it runs untracked."""
         with torch.no_grad():
-            leaves = [t.detach() if t.requires_grad else t for t in leaves]
-            layout = buckets.GradientLayout(leaves, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
-            inputs, outputs = layout.stage(leaves)
-            self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, op, inputs, outputs)
+            return self._all_reduce_untracked(ctx, op, [t.detach() if t.requires_grad else t for t in leaves],
+                                              check_shapes)
+
+    def _all_reduce_untracked(self, ctx: ReplicaContext, op: ReduceOp, leaves: list[Tensor],
+                              check_shapes: bool) -> list[Tensor]:
+        """Between threads: small tensors travel packed, large ones are read where they lie; the
+        shape check is free (check_same_shapes)."""
+        del check_shapes
+        layout = buckets.GradientLayout(leaves, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
+        inputs, outputs = layout.stage(leaves)
+        self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, op, inputs, outputs)
         return list(layout.results)  # type: ignore[arg-type]
 
     def _reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
