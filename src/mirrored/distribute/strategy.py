@@ -257,7 +257,7 @@ class Strategy:
                 raise replicas.CollectiveMismatchError(
                     f"optimizer.step: the replicas' optimizers hold different numbers of parameters "
                     f"({[len(m) for m in masks]}). Every replica must step the same mirrored optimizer.")
-            union = tuple(map(any, zip(*masks)))
+            union = _union_of(masks)
             state.learn(mask, union)
             reduced = self._reduce_with_union(ctx, state, params, grads, mask, union)
             if isinstance(reduced, Disagreement):
@@ -452,7 +452,12 @@ def _union_is_exact(tokens: list[tuple[tuple[bool, ...], tuple[bool, ...]]]) -> 
         return all(union == expected for _, union in tokens)
     if any(union != expected or len(mask) != len(expected) for mask, union in tokens):
         return False
-    return expected == tuple(map(any, zip(*(mask for mask, _ in tokens))))
+    return expected == _union_of([mask for mask, _ in tokens])
+
+
+def _union_of(masks: Sequence[tuple[bool, ...]]) -> tuple[bool, ...]:
+    """Which gradients at least one replica has (masks of equal length)."""
+    return tuple(map(any, zip(*masks)))
 
 
 class _AllReduceFunction(torch.autograd.Function):
