@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import platform
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def tune_allocator(mmap_threshold: int = _MMAP_MAX, trim_threshold: int = 256 <<
         return True
     libc = _glibc()
     if libc is None:
-        logger.info("tune_allocator: not glibc (%s); leaving the allocator as it is", platform.libc_ver())
+        logger.info("tune_allocator: not glibc; leaving the allocator as it is")
         return False
     if not (libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)):
         logger.warning("tune_allocator: glibc's mallopt refused mmap_threshold=%d, trim_threshold=%d",
@@ -53,7 +53,10 @@ def tune_allocator(mmap_threshold: int = _MMAP_MAX, trim_threshold: int = 256 <<
 
 
 def _glibc() -> ctypes.CDLL | None:
-    if platform.libc_ver()[0] != "glibc":
+    try:  # asks the running C library (platform.libc_ver() would scan the interpreter's binary)
+        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+            return None
+    except (AttributeError, ValueError, OSError):  # not POSIX, or no such name: not glibc
         return None
     try:
         libc = ctypes.CDLL(None)  # the C library this process already runs on
