@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mirrored.distribute import context
 from mirrored.distribute.devices import torch_device
-from mirrored.distribute.values import DistributedValues, PerReplica, map_structure
+from mirrored.distribute.values import DistributedValues, PerReplica, ReduceOp, map_structure
 
 if TYPE_CHECKING:
     from mirrored.distribute.strategy import Strategy
@@ -271,8 +271,6 @@ def _merge_update(strategy: Strategy, var: MirroredVariable, value: Any, op: str
     if agg is VariableAggregation.ONLY_FIRST_REPLICA or shared or strategy.num_replicas_in_sync == 1:
         combined = parts[0]
     else:
-        from mirrored.distribute.values import ReduceOp
-
         reduce_op = ReduceOp.SUM if agg is VariableAggregation.SUM else ReduceOp.MEAN
         # A multi-worker strategy holds one local part; its reduce adds the other workers' parts.
         combined = strategy.reduce(reduce_op, PerReplica(parts) if len(parts) > 1 else parts[0])
@@ -302,8 +300,6 @@ class SyncOnReadVariable(Variable):
                 f"SyncOnReadVariable {self._name!r} has aggregation NONE, so it cannot be read in cross-replica "
                 "context (there is no rule to combine its copies). Create it with aggregation=SUM, MEAN or "
                 "ONLY_FIRST_REPLICA, or read one copy with strategy.experimental_local_results(var).")
-        from mirrored.distribute.values import ReduceOp
-
         op = ReduceOp.SUM if agg is VariableAggregation.SUM else ReduceOp.MEAN
         # Through the strategy, so that a multi-worker strategy adds the other workers' copies too.
         local = PerReplica([t.detach() for t in self._values]) if len(self._values) > 1 else self._values[0].detach()
