@@ -277,7 +277,7 @@ def test_gradient_masks_that_vary_by_step_keep_few_buffers():
         assert len(state.layouts) == strategy_mod._LAYOUTS_KEPT
         assert len(state.unions) == 4  # each mask's union, learned once: later steps meet only once
         # the layouts kept are the unions' (two layers with gradients), not the masks' own
-        assert all(sum(entry is not None for entry in sig) == 2 for sig in state.layouts)
+        assert all(sum(union) == 2 for union in state.layouts)
 
 
 @pytest.mark.parametrize("ops_cls", CPU_OPS)
@@ -291,6 +291,50 @@ def test_inputs_are_left_as_they_were(ops_cls):
     for r in range(4):
         np.testing.assert_array_equal(inputs[r].numpy(), xs[r])
         np.testing.assert_allclose(out.values[r].numpy(), sum(xs), rtol=1e-5, atol=1e-5)
+
+
+def test_all_reduce_results_belong_to_the_caller():
+    """ctx.all_reduce reuses its plan for tensors of the same shapes, but never its results: those of
+    an earlier call keep their values after a later one, and differ in storage between calls."""
+    s = strategy_of(2)
+    shapes = [(3, 2), (strategy_mod._DIRECT_NUMEL + 5,), ()]  # packed, read in place, a scalar
+
+    seen = {}
+
+    def fn():
+        r = replica_id()
+        first = md.get_replica_context().all_reduce("sum", [torch.full(sh, 1.0 + r) for sh in shapes])
+        kept = [t.clone() for t in first]
+        second = md.get_replica_context().all_reduce("sum", [torch.full(sh, 10.0 * (1 + r)) for sh in shapes])
+        seen[r] = first, kept, second
+
+    s.run(fn)
+    assert sorted(seen) == [0, 1]
+    for first, kept, second in seen.values():
+        for a, k, b, shape in zip(first, kept, second, shapes):
+            assert a.shape == b.shape == shape
+            torch.testing.assert_close(a, k, rtol=0, atol=0)
+            torch.testing.assert_close(a, torch.full(shape, 3.0), rtol=0, atol=0)
+            torch.testing.assert_close(b, torch.full(shape, 30.0), rtol=0, atol=0)
+            assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+
+
+def test_all_reduce_keeps_few_plans():
+    """Many different shapes through ctx.all_reduce: each replica keeps a bounded number of plans."""
+    s = strategy_of(2)
+    calls = strategy_mod._VALUE_LAYOUTS_KEPT + 5
+
+    seen = {}
+
+    def fn():
+        seen[replica_id()] = [md.get_replica_context().all_reduce("sum", torch.ones(n)) for n in range(1, calls + 1)]
+
+    s.run(fn)
+    assert sorted(seen) == [0, 1]
+    for results in seen.values():
+        for n, t in enumerate(results, start=1):
+            torch.testing.assert_close(t, torch.full((n,), 2.0))
+    assert {len(layouts) for layouts in s._value_layouts.values()} == {strategy_mod._VALUE_LAYOUTS_KEPT}
 
 
 @pytest.mark.parametrize("size", [3, strategy_mod._DIRECT_NUMEL + 5])

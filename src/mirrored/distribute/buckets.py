@@ -2,7 +2,8 @@
 
 `plan(tensors, bytes_per_pack)` groups tensors of one dtype and device, in order, into buckets of
 at most `bytes_per_pack` bytes (a tensor larger than that gets a bucket of its own); `pack` copies
-them into one flat buffer and `unpack` hands back views of it. Buffers can be kept by the caller
+them into one flat buffer and `unpack` hands back views of it. A `Layout` is the plan for tensors
+of one signature (which are packed, which are read where they lie); its `buffers()` can be kept
 and reused step after step, so a training step allocates nothing. Uses torch only.
 """
 from __future__ import annotations
@@ -50,7 +51,14 @@ class Bucket:
         """Puts views of `flat` (one per packed tensor, in its shape) into `into` at their indices."""
         parts = flat.split([shape.numel() for shape in self.shapes])  # one call for all the views
         for i, part, shape in zip(self.indices, parts, self.shapes):
-            into[i] = part.view(shape)
+            into[i] = _shaped(part, shape)
+
+
+def _shaped(flat: Tensor, shape: Sequence[int]) -> Tensor:
+    """`flat` viewed in `shape`: view(*ints) costs a third of view(torch.Size), and 1-D needs none."""
+    if len(shape) == 1:
+        return flat
+    return flat.view(*shape) if shape else flat.view(())
 
 
 def plan(tensors: Sequence[Tensor | None], bytes_per_pack: int) -> list[Bucket]:
@@ -78,32 +86,51 @@ def signature(tensors: Sequence[Tensor | None]) -> tuple:
     return tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
 
 
-class GradientLayout:
-    """How one replica's gradients of a fixed signature travel, step after step, allocating nothing:
-    small ones are packed into persistent flat buffers; ones of `direct_numel` elements or more are
-    read where backward left them and reduced into persistent outputs of their own. `results` are
-    the reduced gradients (views of those buffers), in the order of the gradients."""
+class Layout:
+    """Where the tensors of one signature travel: small ones packed into flat buckets, ones of
+    `direct_numel` elements or more read where they lie (packing them would only copy). Holds no
+    buffers: `buffers()` makes a set, which the caller may keep and reuse step after step."""
 
-    def __init__(self, grads: Sequence[Tensor | None], bytes_per_pack: int, direct_numel: int):
-        small = [g if g is not None and g.numel() < direct_numel else None for g in grads]
+    def __init__(self, tensors: Sequence[Tensor | None], bytes_per_pack: int, direct_numel: int):
+        small = [t if t is not None and t.numel() < direct_numel else None for t in tensors]
         self.buckets = plan(small, bytes_per_pack)
-        self.flats = [b.new_buffer() for b in self.buckets]
-        self.results: list[Tensor | None] = [None] * len(grads)
-        for b, flat in zip(self.buckets, self.flats):
-            b.unpack(flat, self.results)
         self.packed = [i for b in self.buckets for i in b.indices]
-        self._packed_views = [self.results[i] for i in self.packed]
-        self.direct = [i for i, g in enumerate(grads) if g is not None and g.numel() >= direct_numel]
-        self.direct_out = [torch.empty(grads[i].numel(), dtype=grads[i].dtype, device=grads[i].device)
-                           for i in self.direct]
-        for i, out in zip(self.direct, self.direct_out):
-            self.results[i] = out.view(grads[i].shape)
+        self.direct = [(i, t.numel(), t.dtype, t.device, tuple(t.shape)) for i, t in enumerate(tensors)
+                       if t is not None and t.numel() >= direct_numel]
+        self.size = len(tensors)
 
-    def stage(self, grads: Sequence[Tensor | None]) -> tuple[list[Tensor], list[Tensor]]:
-        """Packs the small gradients (one fused copy, skipped where backward accumulated into last
-        step's results in place) and returns the (inputs, outputs) to all-reduce."""
-        src = [grads[i] for i in self.packed]
+    def buffers(self) -> LayoutBuffers:
+        """Fresh buffers for one reduction (results are views of them, in the tensors' shapes)."""
+        flats = [b.new_buffer() for b in self.buckets]
+        results: list[Tensor | None] = [None] * self.size
+        for b, flat in zip(self.buckets, flats):
+            b.unpack(flat, results)
+        direct_out = []
+        for i, numel, dtype, device, shape in self.direct:
+            out = torch.empty(numel, dtype=dtype, device=device)
+            direct_out.append(out)
+            results[i] = _shaped(out, shape)
+        return LayoutBuffers(self, flats, direct_out, results)
+
+
+class LayoutBuffers:
+    """One set of buffers of a Layout. `stage(tensors)` packs the small tensors (one fused copy) and
+    returns the flat (inputs, outputs) to reduce; `results` are then the reduced tensors."""
+
+    def __init__(self, layout: Layout, flats: list[Tensor], direct_out: list[Tensor],
+                 results: list[Tensor | None]):
+        self.layout = layout
+        self.flats = flats
+        self.direct_out = direct_out
+        self.results = results
+        self._packed_views = [results[i] for i in layout.packed]
+        self._outputs = flats + direct_out
+
+    def stage(self, tensors: Sequence[Tensor | None]) -> tuple[list[Tensor], list[Tensor]]:
+        """The copy is skipped where the tensors already are these results (backward accumulated
+        into last step's reduced gradients in place)."""
+        src = [tensors[i] for i in self.layout.packed]
         if any(s is not d for s, d in zip(src, self._packed_views)):
             torch._foreach_copy_(self._packed_views, src)  # a tensor copied onto itself is a no-op
-        inputs = self.flats + [grads[i].reshape(-1) for i in self.direct]
-        return inputs, self.flats + self.direct_out
+        inputs = self.flats + [tensors[i].reshape(-1) for i, *_ in self.layout.direct]
+        return inputs, self._outputs

@@ -262,15 +262,19 @@ class InMemoryAllReduce(CrossDeviceOps):
     Made for CPU replicas: across GPUs use NcclAllReduce (here one thread would issue every
     replica's copies on its own CUDA stream, unordered with streams the replicas made)."""
 
+    def __init__(self, bytes_per_pack: int = 25 * 2**20):
+        super().__init__(bytes_per_pack)
+        self._cores = usable_cores()  # asked once: the summing thread borrows this many
+
     def _all_sum(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
         return _sum_on_one_device(per_replica, None)
 
     def _reduce_into(self, inputs: list[list[Tensor]], outputs: list[list[Tensor]], reduce_op: ReduceOp) -> None:
         n = len(inputs)
         threads = torch.get_num_threads()
-        borrow = sum(t.numel() for t in outputs[0]) >= _PARALLEL_NUMEL and usable_cores() > threads
+        borrow = self._cores > threads and sum(t.numel() for t in outputs[0]) >= _PARALLEL_NUMEL
         if borrow:
-            torch.set_num_threads(usable_cores())
+            torch.set_num_threads(self._cores)
         try:
             for j, total in enumerate(outputs[0]):
                 column = [lst[j] if lst[j].device == total.device else lst[j].to(total.device) for lst in inputs]

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a missing replica before failing
 _DIRECT_NUMEL = 1 << 16  # tensors this large are reduced where they lie; packing them would only copy
 _LAYOUTS_KEPT = 4  # gradient layouts (persistent reduction buffers) kept per optimizer and replica
+_VALUE_LAYOUTS_KEPT = 16  # ctx.all_reduce layouts (plans, no buffers) kept per replica
 
 
 class OutOfSyncError(RuntimeError):
@@ -89,6 +90,7 @@ class Strategy:
             self._cross_device_ops.check_devices(self._devices)
         self._timeout_s = float(timeout_s)
         self._pool: replicas.ReplicaPool | None = None
+        self._value_layouts: dict[int, dict] = {}  # ctx.all_reduce's layouts, by replica and signature
         if len(self._devices) > 1:
             self._pool = replicas.ReplicaPool(self._devices, intra_op_threads(self._devices))
             replicas.stop_on_collect(self, self._pool)
@@ -225,10 +227,16 @@ class Strategy:
         """Between threads: small tensors travel packed, large ones are read where they lie; the
         shape check is free (check_same_shapes)."""
         del check_shapes
-        layout = buckets.GradientLayout(leaves, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL)
-        inputs, outputs = layout.stage(leaves)
-        self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, op, inputs, outputs)
-        return list(layout.results)  # type: ignore[arg-type]
+        rid = ctx._replica_id
+        layouts = self._value_layouts.get(rid)
+        if layouts is None:
+            layouts = self._value_layouts.setdefault(rid, {})  # atomic; each replica thread has its own
+        staged = _recent(layouts, buckets.signature(leaves),
+                         lambda: buckets.Layout(leaves, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL),
+                         _VALUE_LAYOUTS_KEPT).buffers()  # fresh results every call: the caller owns them
+        inputs, outputs = staged.stage(leaves)
+        self._cross_device_ops.all_reduce(ctx._step, rid, op, inputs, outputs)
+        return list(staged.results)  # type: ignore[arg-type]
 
     def _reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
                           grads: list[Tensor | None]) -> list[Tensor | None]:
@@ -270,7 +278,7 @@ class Strategy:
         if union != mask:  # zeros where this replica's loss did not reach a parameter others need
             grads = [torch.zeros_like(params[i]) if needed and g is None else g
                      for i, (g, needed) in enumerate(zip(grads, union))]
-        layout = state.layout(grads, self._cross_device_ops.bytes_per_pack)
+        layout = state.buffers(grads, union, self._cross_device_ops.bytes_per_pack)
         inputs, outputs = layout.stage(grads)
         reduced = self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, ReduceOp.SUM, inputs, outputs,
                                                     agree=(mask, union), agreed=_union_is_exact,
@@ -422,27 +430,35 @@ def _is_distributed(value: Any) -> bool:
 
 
 class _GradientState:
-    """One replica's gradient buffers for one optimizer: a few layouts, least recently used out,
-    and the mask unions learned (which gradients the other replicas had when this one lacked some)."""
+    """One replica's gradient buffers for one optimizer: a few sets, least recently used out, and
+    the mask unions learned (which gradients the other replicas had when this one lacked some)."""
 
     def __init__(self) -> None:
-        self.layouts: dict[tuple, buckets.GradientLayout] = {}
+        self.layouts: dict[tuple[bool, ...], buckets.LayoutBuffers] = {}
         self.unions: dict[tuple[bool, ...], tuple[bool, ...]] = {}
 
-    def layout(self, grads: Sequence[Tensor | None], bytes_per_pack: int) -> buckets.GradientLayout:
-        sig = buckets.signature(grads)
-        layout = self.layouts.pop(sig, None)
-        if layout is None:
-            while len(self.layouts) >= _LAYOUTS_KEPT:
-                del self.layouts[next(iter(self.layouts))]
-            layout = buckets.GradientLayout(grads, bytes_per_pack, _DIRECT_NUMEL)
-        self.layouts[sig] = layout  # most recently used last
-        return layout
+    def buffers(self, grads: Sequence[Tensor | None], union: tuple[bool, ...],
+                bytes_per_pack: int) -> buckets.LayoutBuffers:
+        """Buffers for `grads`, which are present exactly where `union` says. The union is key enough
+        (cheaper than shapes, dtypes and devices): torch holds every .grad to its parameter's."""
+        return _recent(self.layouts, union,
+                       lambda: buckets.Layout(grads, bytes_per_pack, _DIRECT_NUMEL).buffers(), _LAYOUTS_KEPT)
 
     def learn(self, mask: tuple[bool, ...], union: tuple[bool, ...]) -> None:
         if len(self.unions) >= 4 * _LAYOUTS_KEPT:
             self.unions.clear()
         self.unions[mask] = union
+
+
+def _recent(cache: dict, key: Any, make: Callable[[], Any], kept: int) -> Any:
+    """cache[key], made by `make()` when missing; keeps the `kept` most recently used."""
+    value = cache.pop(key, None)
+    if value is None:
+        while len(cache) >= kept:
+            del cache[next(iter(cache))]
+        value = make()
+    cache[key] = value  # most recently used last
+    return value
 
 
 def _union_is_exact(tokens: list[tuple[tuple[bool, ...], tuple[bool, ...]]]) -> bool:
