@@ -67,6 +67,36 @@ def test_combine_runs_once_and_generations_repeat():
     assert len(calls) == 5 and rv.error is None
 
 
+def test_timeouts_racing_arrivals_never_hang_or_corrupt():
+    """A timeout about as long as the replicas' jitter: a replica's wait may time out just as the
+    last one arrives and opens its gate. Whatever the interleaving, every exchange returns the right
+    sum or the step fails with the timeout, and every participant finishes."""
+    import random
+
+    rv = Rendezvous(DEVICES, timeout_s=0.002)
+
+    def combine(values):
+        return sum(values)
+
+    def replica(i):
+        rng = random.Random(i)
+        sums = []
+        try:
+            for step in range(300):
+                time.sleep(rng.random() * 0.002)
+                sums.append(rv.exchange(i, i + 10 * step, "sum", combine))
+        except (CollectiveTimeoutError, replicas._Released) as e:
+            return sums, e
+        return sums, None
+
+    out = run_threads([lambda i=i: replica(i) for i in range(3)])
+    for sums, error in out:
+        assert sums == [3 + 30 * step for step in range(len(sums))]
+        assert (error is None) == (len(sums) == 300)
+    if any(error is not None for _, error in out):
+        assert isinstance(rv.error, CollectiveTimeoutError)
+
+
 def test_different_calls_are_a_mismatch():
     rv = Rendezvous(DEVICES, timeout_s=JOIN_S)
     out = run_threads([lambda: rv.exchange(0, 0, "all_reduce"), lambda: rv.exchange(1, 0, "merge_call"),

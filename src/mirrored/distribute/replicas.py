@@ -11,6 +11,7 @@ Uses torch and devices.py only.
 """
 from __future__ import annotations
 
+import _thread
 import logging
 import queue
 import threading
@@ -45,13 +46,20 @@ def _names(ids: Sequence[int], devices: Sequence[Device]) -> str:
 
 
 class Rendezvous:
-    """The meeting point of N replica threads within one step."""
+    """The meeting point of N replica threads within one step.
+
+    Built on raw locks rather than threading.Condition: a waiting replica blocks on a gate of its
+    own, which whoever completes the meeting (or fails it) opens, so a wake-up is one futex call
+    and the woken thread takes no shared lock on its way out. A step makes one Rendezvous; its gates
+    are made on first use, so a step without collectives costs one lock."""
 
     def __init__(self, devices: Sequence[Device], timeout_s: float):
         self._devices = tuple(devices)
         self._n = len(devices)
         self._timeout_s = timeout_s
-        self._cond = threading.Condition(threading.Lock())
+        self._mutex = _thread.allocate_lock()  # guards every field below
+        self._gates: list[Any] = [None] * self._n  # replica r blocks on _gates[r]; held unless opened for it
+        self._waiting: set[int] = set()  # replicas blocked on their gates now
         self._generation = 0
         self._slots: list[Any] = [None] * self._n
         self._whats: list[str | None] = [None] * self._n
@@ -65,64 +73,84 @@ class Rendezvous:
                  combine: Callable[[list[Any]], Any] | None = None) -> Any:
         """Blocks until every replica deposited a value. Returns combine(values) (computed once, by
         the last replica to arrive) or, without combine, the list of all values in replica order."""
-        with self._cond:
+        with self._mutex:
             self._check_can_join(replica_id, what)
             gen = self._generation
             self._slots[replica_id] = value
             self._whats[replica_id] = what
             self._arrived += 1
             if self._arrived < self._n:
-                return self._wait(gen, replica_id, what)
-            slots, whats = self._slots, self._whats
-            self._slots, self._whats = [None] * self._n, [None] * self._n
-            if any(w != what for w in whats):
-                calls = "; ".join(f"replica {i} called {w}" for i, w in enumerate(whats))
-                self._fail(CollectiveMismatchError(
-                    f"replicas made different collective calls ({calls}). Every replica must make the same "
-                    "merge_call()/all_reduce() calls in the same order."))
-                raise _Released(what)
-            if combine is None:
-                return self._publish(slots)
-            self._combining = True
+                gate = self._gates[replica_id]
+                if gate is None:
+                    gate = self._gates[replica_id] = _thread.allocate_lock()
+                    gate.acquire()
+                self._waiting.add(replica_id)
+                waiting = True
+            else:
+                waiting = False
+                slots, whats = self._slots, self._whats
+                self._slots, self._whats = [None] * self._n, [None] * self._n
+                if any(w != what for w in whats):
+                    calls = "; ".join(f"replica {i} called {w}" for i, w in enumerate(whats))
+                    self._fail(CollectiveMismatchError(
+                        f"replicas made different collective calls ({calls}). Every replica must make the same "
+                        "merge_call()/all_reduce() calls in the same order."))
+                    raise _Released(what)
+                if combine is None:
+                    return self._publish(slots)
+                self._combining = True
+        if waiting:
+            return self._wait(gen, replica_id, what, gate)
         try:
             result = combine(slots)
         except BaseException as e:
-            with self._cond:
+            with self._mutex:
                 self._combining = False
                 self._fail(_Released(f"{what} failed in replica {replica_id}"), notify_only=True)
                 self.error = self.error or e
             raise
-        with self._cond:
+        with self._mutex:
             self._combining = False
             return self._publish(result)
 
-    def _publish(self, result: Any) -> Any:
+    def _publish(self, result: Any) -> Any:  # with the mutex held
         self._result = result
         self._arrived = 0
         self._generation += 1
-        self._cond.notify_all()
+        self._open_gates()
         return result
 
-    def _wait(self, gen: int, replica_id: int, what: str) -> Any:
+    def _open_gates(self) -> None:  # with the mutex held
+        for i in self._waiting:
+            self._gates[i].release()
+        self._waiting.clear()
+
+    def _wait(self, gen: int, replica_id: int, what: str, gate: Any) -> Any:
         deadline = time.monotonic() + self._timeout_s
-        while self._generation == gen and self.error is None:
-            if self._combining:
-                self._cond.wait()  # the combine step is running: its duration is not a missed rendezvous
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = [i for i in range(self._n) if self._whats[i] is None]
-                waiting = [i for i in range(self._n) if self._whats[i] is not None]
-                self._fail(CollectiveTimeoutError(
-                    f"{what}: replica {_names(missing, self._devices)} did not arrive within "
-                    f"{self._timeout_s:g} s; replica {_names(waiting, self._devices)} waited for it. A replica "
-                    "is hung, or skipped a collective the others made (raise MirroredStrategy(timeout_s=...) "
-                    "if its work is just slow)."))
-                break
-            self._cond.wait(remaining)
-        if self._generation != gen:
-            return self._result
-        raise _Released(what)
+        timeout = self._timeout_s
+        while True:
+            opened = gate.acquire(timeout=timeout) if timeout >= 0 else gate.acquire()
+            with self._mutex:
+                if not opened and replica_id not in self._waiting:
+                    gate.acquire()  # opened (under the mutex we now hold) just after the timeout: take it
+                    opened = True
+                if not opened and not self._combining and time.monotonic() >= deadline:
+                    missing = [i for i in range(self._n) if self._whats[i] is None]
+                    waiting = [i for i in range(self._n) if self._whats[i] is not None]
+                    self._fail(CollectiveTimeoutError(
+                        f"{what}: replica {_names(missing, self._devices)} did not arrive within "
+                        f"{self._timeout_s:g} s; replica {_names(waiting, self._devices)} waited for it. A replica "
+                        "is hung, or skipped a collective the others made (raise MirroredStrategy(timeout_s=...) "
+                        "if its work is just slow)."))
+                    gate.acquire()  # _fail opened every gate, this one too
+                    opened = True
+                if opened:
+                    if self._generation != gen:
+                        return self._result
+                    raise _Released(what)
+                # the combine step is running (its duration is not a missed rendezvous), or the timeout
+                # woke us early: wait again, without a deadline while combining
+                timeout = -1 if self._combining else max(0.0, deadline - time.monotonic())
 
     def _check_can_join(self, replica_id: int, what: str) -> None:
         if self.error is not None:
@@ -136,7 +164,7 @@ class Rendezvous:
 
     def finish(self, replica_id: int) -> None:
         """Replica `replica_id` returned from its function: nobody may wait for it any more."""
-        with self._cond:
+        with self._mutex:
             self._done.add(replica_id)
             if self._arrived and self.error is None:
                 waiting = [i for i in range(self._n) if self._whats[i] is not None]
@@ -148,22 +176,26 @@ class Rendezvous:
 
     def abort(self, error: BaseException) -> None:
         """Releases every waiting replica because `error` ended the step."""
-        with self._cond:
+        with self._mutex:
             self._fail(error)
 
-    def _fail(self, error: BaseException, notify_only: bool = False) -> None:
+    def _fail(self, error: BaseException, notify_only: bool = False) -> None:  # with the mutex held
         if self.error is None and not notify_only:
             self.error = error
-        self._cond.notify_all()
+        self._open_gates()
 
 
 class _Run:
-    """Bookkeeping of one `ReplicaPool.run` call."""
+    """Bookkeeping of one `ReplicaPool.run` call. Workers record their outcome under `lock` and open
+    `wake` (a raw lock the caller blocks on) when the last one finishes or one fails."""
 
-    __slots__ = ("cond", "pending", "results", "errors", "finished")
+    __slots__ = ("lock", "wake", "woken", "pending", "results", "errors", "finished")
 
     def __init__(self, n: int):
-        self.cond = threading.Condition(threading.Lock())
+        self.lock = _thread.allocate_lock()
+        self.wake = _thread.allocate_lock()
+        self.wake.acquire()
+        self.woken = False  # wake is open and not yet taken by the caller
         self.pending = n
         self.results: list[Any] = [None] * n
         self.errors: dict[int, BaseException] = {}
@@ -195,15 +227,16 @@ def _worker_main(inbox: queue.SimpleQueue, replica_id: int, device: Device, intr
             result, error = task(replica_id), None
         except BaseException as e:  # noqa: BLE001 - everything reaches the caller of run()
             result, error = None, e
-        with run.cond:
+        with run.lock:
             if error is None:
                 run.results[replica_id] = result
             else:
                 run.errors[replica_id] = error
             run.finished[replica_id] = True
             run.pending -= 1
-            if run.pending == 0 or error is not None:
-                run.cond.notify_all()
+            if (run.pending == 0 or error is not None) and not run.woken:
+                run.woken = True
+                run.wake.release()
         del run, task, result, error, item
 
 
@@ -234,16 +267,22 @@ class ReplicaPool:
             run = _Run(len(workers))
             for w in workers:
                 w.inbox.put((run, task))
-            with run.cond:
-                deadline = None
-                while run.pending:
-                    if run.errors and deadline is None:
-                        deadline = time.monotonic() + grace_s
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
+            deadline = None
+            while True:
+                remaining = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+                taken = run.wake.acquire(timeout=remaining)
+                with run.lock:
+                    if run.woken:
+                        if not taken:
+                            run.wake.acquire()  # opened (under run.lock) just after the timeout: take it
+                        run.woken = False
+                    if run.pending == 0:
                         break
-                    run.cond.wait(remaining)
-                stuck = [i for i, done in enumerate(run.finished) if not done]
+                    if run.errors and deadline is None:  # the others get grace_s to finish
+                        deadline = time.monotonic() + grace_s
+                    elif deadline is not None and time.monotonic() >= deadline:
+                        break
+            stuck = [i for i, done in enumerate(run.finished) if not done]
             if stuck:
                 self._replace(stuck)
             return run.results, run.errors
