@@ -166,8 +166,11 @@ def allreduce_row(replicas: int, layout: str, size_mb: float, repeats: int, samp
         mnet = strategy.mirror(GradientHolder(shapes))
         opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.0)
     gen = torch.Generator().manual_seed(0)
-    # What backward would hand each replica: fresh tensors, not views of the reduction buffers.
-    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(replicas)]
+    # What backward would hand each replica: tensors of their own, not views of the reduction buffers.
+    # Zeros, because reduce_gradients sums large gradients in place (as DDP does), so every call sums
+    # the same tensors again: zeros stay zeros, where random values would double each call up to inf.
+    # (A float add costs the same whatever the values; the floor adds random ones.)
+    grads = [[torch.zeros(s) for s in shapes] for _ in range(replicas)]
     params = [list(m.parameters()) for m in mnet.replicas]
 
     def set_grads() -> None:

@@ -192,6 +192,26 @@ def test_check_in_sync_names_the_perturbed_parameter():
     assert msg.startswith("2.weight: replica 0 and replica 1 (cpu:1) hold different values (max abs difference")
 
 
+def test_check_in_sync_reads_any_strides():
+    """A 1x1 convolution in channels_last memory is contiguous yet its last stride is not 1 (so its
+    bytes cannot be viewed as is), and a transposed tensor is not contiguous at all: both compare."""
+    s = strategy_of(2)
+    mnet = s.mirror(nn.Conv2d(4, 3, 1).to(memory_format=torch.channels_last))
+    assert mnet.replicas[1].weight.stride(-1) != 1
+    s.check_in_sync(mnet)
+    with torch.no_grad():
+        mnet.replicas[1].weight[2, 3] += 1e-6
+    with pytest.raises(md.OutOfSyncError, match="weight: replica 0 and replica 1"):
+        s.check_in_sync(mnet)
+    from mirrored.distribute.strategy import _bitwise_equal
+
+    a, b = torch.arange(6.0).view(2, 3).t(), torch.arange(6.0).view(2, 3).t().contiguous()
+    c = b.clone()
+    c[2, 1] += 1e-6
+    assert _bitwise_equal(a, b) and not _bitwise_equal(a, c)
+    assert not _bitwise_equal(torch.tensor(0.0), torch.tensor(-0.0))
+
+
 def test_check_in_sync_sees_optimizer_state_and_negative_zero():
     s = strategy_of(2)
     mnet = s.mirror(tiny())
@@ -275,8 +295,8 @@ def test_batchnorm_running_stats_are_averaged_and_stay_in_sync():
 @pytest.mark.parametrize("replicas", [2, 3])
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_large_gradients_reduced_where_they_lie_match_plain_torch(replicas, set_to_none):
-    """Gradients of >= 64K elements skip the bucket copy (reduced straight into persistent outputs);
-    with zero_grad(set_to_none=False) backward accumulates into those outputs and they reduce in place."""
+    """Gradients of >= 64K elements skip the bucket copy (reduced in place in their own tensors);
+    with zero_grad(set_to_none=False) backward accumulates into last step's results, reduced again."""
     import copy
 
     import mirrored as mr
@@ -306,3 +326,39 @@ def test_large_gradients_reduced_where_they_lie_match_plain_torch(replicas, set_
         strategy.check_in_sync(opt)
     for got, want in zip(mnet.replicas[-1].parameters(), ref.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_large_gradients_are_reduced_in_their_own_tensors():
+    """As DDP does with .grad: a large contiguous gradient is summed where it lies (p.grad stays the
+    same tensor and the optimizer keeps no second copy); a non-contiguous one (a transposed view)
+    is summed in a contiguous copy and the caller's tensor is left alone; small ones travel packed."""
+    from mirrored.distribute import strategy as strategy_mod
+
+    rows, cols = 256, strategy_mod._DIRECT_NUMEL // 256 + 1
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(nn.ParameterList([nn.Parameter(torch.zeros(rows, cols)), nn.Parameter(torch.zeros(cols, rows)),
+                                          nn.Parameter(torch.zeros(5))]))
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.0)
+    seen = {}
+
+    def fn():
+        r = replica_id()
+        big, transposed, small = mnet.replicas[r]
+        grads = [torch.full((rows, cols), 1.0 + r), torch.full((rows, cols), 10.0 * (1 + r)).t(),
+                 torch.full((5,), 100.0 * (1 + r))]
+        for p, g in zip((big, transposed, small), grads):
+            p.grad = g
+        opt.reduce_gradients()
+        seen[r] = grads, [big.grad, transposed.grad, small.grad]
+
+    s.run(fn)
+    for r, (given, reduced) in seen.items():
+        assert reduced[0] is given[0]
+        torch.testing.assert_close(reduced[0], torch.full((rows, cols), 3.0), rtol=0, atol=0)
+        torch.testing.assert_close(given[1], torch.full((cols, rows), 10.0 * (1 + r)), rtol=0, atol=0)
+        assert reduced[1].is_contiguous()
+        torch.testing.assert_close(reduced[1], torch.full((cols, rows), 30.0), rtol=0, atol=0)
+        torch.testing.assert_close(reduced[2], torch.full((5,), 300.0), rtol=0, atol=0)
+        (buffers,) = opt._grad_buffers[r].layouts.values()
+        assert buffers.direct_out is None and sum(f.numel() for f in buffers.flats) == 5

@@ -99,38 +99,49 @@ class Layout:
                        if t is not None and t.numel() >= direct_numel]
         self.size = len(tensors)
 
-    def buffers(self) -> LayoutBuffers:
-        """Fresh buffers for one reduction (results are views of them, in the tensors' shapes)."""
+    def buffers(self, in_place: bool = False) -> LayoutBuffers:
+        """Fresh buffers for reductions of this layout: flat buckets for the small tensors, and for
+        the large ones an output each, or none with `in_place` (they are then reduced where they lie,
+        as DDP reduces .grad: half the memory, and half the bytes for the caches to hold)."""
         flats = [b.new_buffer() for b in self.buckets]
         results: list[Tensor | None] = [None] * self.size
         for b, flat in zip(self.buckets, flats):
             b.unpack(flat, results)
-        direct_out = []
-        for i, numel, dtype, device, shape in self.direct:
-            out = torch.empty(numel, dtype=dtype, device=device)
-            direct_out.append(out)
-            results[i] = _shaped(out, shape)
+        direct_out = None if in_place else [torch.empty(numel, dtype=dtype, device=device)
+                                            for _, numel, dtype, device, _ in self.direct]
         return LayoutBuffers(self, flats, direct_out, results)
 
 
 class LayoutBuffers:
-    """One set of buffers of a Layout. `stage(tensors)` packs the small tensors (one fused copy) and
-    returns the flat (inputs, outputs) to reduce; `results` are then the reduced tensors."""
+    """One set of buffers of a Layout: `stage(tensors)` gives what to reduce and where its results
+    will be."""
 
-    def __init__(self, layout: Layout, flats: list[Tensor], direct_out: list[Tensor],
+    def __init__(self, layout: Layout, flats: list[Tensor], direct_out: list[Tensor] | None,
                  results: list[Tensor | None]):
         self.layout = layout
         self.flats = flats
         self.direct_out = direct_out
-        self.results = results
+        self._packed_results = results
         self._packed_views = [results[i] for i in layout.packed]
-        self._outputs = flats + direct_out
+        if direct_out is not None:
+            self._fixed_results = list(results)
+            for (i, *_, shape), out in zip(layout.direct, direct_out):
+                self._fixed_results[i] = _shaped(out, shape)
 
-    def stage(self, tensors: Sequence[Tensor | None]) -> tuple[list[Tensor], list[Tensor]]:
-        """The copy is skipped where the tensors already are these results (backward accumulated
-        into last step's reduced gradients in place)."""
+    def stage(self, tensors: Sequence[Tensor | None]) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
+        """Packs the small tensors (one fused copy, skipped where they already are last step's
+        results: backward accumulated into them) and returns the flat (inputs, outputs) to reduce
+        and the `results` they become, in the tensors' shapes. In place, a large contiguous tensor is
+        its own result; a non-contiguous one is reduced in a contiguous copy."""
         src = [tensors[i] for i in self.layout.packed]
         if any(s is not d for s, d in zip(src, self._packed_views)):
             torch._foreach_copy_(self._packed_views, src)  # a tensor copied onto itself is a no-op
-        inputs = self.flats + [tensors[i].reshape(-1) for i, *_ in self.layout.direct]
-        return inputs, self._outputs
+        direct = [tensors[i].reshape(-1) for i, *_ in self.layout.direct]
+        if self.direct_out is not None:
+            return self.flats + direct, self.flats + self.direct_out, list(self._fixed_results)
+        results = list(self._packed_results)
+        for (i, *_, shape), flat in zip(self.layout.direct, direct):
+            t = tensors[i]
+            results[i] = t if flat.data_ptr() == t.data_ptr() and t.is_contiguous() else _shaped(flat, shape)
+        inputs = self.flats + direct
+        return inputs, inputs, results

@@ -234,15 +234,17 @@ class Strategy:
         staged = _recent(layouts, buckets.signature(leaves),
                          lambda: buckets.Layout(leaves, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL),
                          _VALUE_LAYOUTS_KEPT).buffers()  # fresh results every call: the caller owns them
-        inputs, outputs = staged.stage(leaves)
+        inputs, outputs, results = staged.stage(leaves)
         self._cross_device_ops.all_reduce(ctx._step, rid, op, inputs, outputs)
-        return list(staged.results)  # type: ignore[arg-type]
+        return results  # type: ignore[return-value]
 
     def _reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
                           grads: list[Tensor | None]) -> list[Tensor | None]:
-        """SUM-all-reduces one replica's gradients into persistent buffers kept in `cache` (the
-        optimizer's); returns views of them. A gradient that is None on every replica stays None;
-        None on some only counts as zeros.
+        """SUM-all-reduces one replica's gradients: small ones packed into persistent buffers kept in
+        `cache` (the optimizer's), large ones in place, as DDP reduces .grad (a second copy of a
+        ResNet-50's gradients per replica would cost 100 MB, and cache room). Returns the reduced
+        gradients. A gradient that is None on every replica stays None; None on some only counts as
+        zeros.
 
         The replicas check which gradients they have in the same meeting that reduces them: each
         brings its mask and the union it expects (the one learned last time for that mask), and the
@@ -279,11 +281,11 @@ class Strategy:
             grads = [torch.zeros_like(params[i]) if needed and g is None else g
                      for i, (g, needed) in enumerate(zip(grads, union))]
         layout = state.buffers(grads, union, self._cross_device_ops.bytes_per_pack)
-        inputs, outputs = layout.stage(grads)
+        inputs, outputs, results = layout.stage(grads)
         reduced = self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, ReduceOp.SUM, inputs, outputs,
                                                     agree=(mask, union), agreed=_union_is_exact,
                                                     what="all_reduce (gradients)")
-        return reduced if isinstance(reduced, Disagreement) else list(layout.results)
+        return reduced if isinstance(reduced, Disagreement) else results
 
     # ---- cross-replica reductions -----------------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:
@@ -411,9 +413,9 @@ class Strategy:
 
 
 def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
-    if a.is_floating_point():
-        return torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
-                           b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))
+    """Same bits (NaN equals NaN, -0.0 differs from 0.0), whatever the strides (channels_last state too)."""
+    if a.is_floating_point() or a.is_complex():
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     return torch.equal(a, b)
 
 
@@ -442,7 +444,8 @@ class _GradientState:
         """Buffers for `grads`, which are present exactly where `union` says. The union is key enough
         (cheaper than shapes, dtypes and devices): torch holds every .grad to its parameter's."""
         return _recent(self.layouts, union,
-                       lambda: buckets.Layout(grads, bytes_per_pack, _DIRECT_NUMEL).buffers(), _LAYOUTS_KEPT)
+                       lambda: buckets.Layout(grads, bytes_per_pack, _DIRECT_NUMEL).buffers(in_place=True),
+                       _LAYOUTS_KEPT)
 
     def learn(self, mask: tuple[bool, ...], union: tuple[bool, ...]) -> None:
         if len(self.unions) >= 4 * _LAYOUTS_KEPT:
