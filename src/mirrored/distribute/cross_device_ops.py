@@ -276,21 +276,33 @@ class InMemoryAllReduce(CrossDeviceOps):
         if borrow:
             torch.set_num_threads(self._cores)
         try:
-            for j, total in enumerate(outputs[0]):
-                column = [lst[j] if lst[j].device == total.device else lst[j].to(total.device) for lst in inputs]
-                if n == 1:
-                    total.copy_(column[0])
-                else:
-                    torch.add(column[0], column[1], out=total)  # total may be column[0]: in place is fine
-                for t in column[2:]:
-                    total.add_(t)
-                if reduce_op is ReduceOp.MEAN:
-                    divide_(total, n)
-                for outs in outputs[1:]:  # after every input was read: an output may be its own input
-                    outs[j].copy_(total)
+            _sum_into(inputs, outputs[0], reduce_op)
+            for outs in outputs[1:]:  # after every input was read: an output may be its own input
+                torch._foreach_copy_(outs, outputs[0])  # one call for all tensors: Python costs ~5 us each
         finally:
             if borrow:
                 torch.set_num_threads(threads)
+
+
+def _sum_into(inputs: list[list[Tensor]], totals: list[Tensor], reduce_op: ReduceOp) -> None:
+    """totals[j] = the reduction of every replica's inputs[r][j] (each replica's tensors on one
+    device, moved to the totals'); a total may be replica 0's input itself (reduced in place)."""
+    n = len(inputs)
+    device = totals[0].device if totals else None
+    inputs = [lst if not lst or lst[0].device == device else [t.to(device) for t in lst] for lst in inputs]
+    if n > 1 and inputs[0] is totals:  # in place, as gradients are: whole lists at once
+        torch._foreach_add_(totals, inputs[1])
+    else:
+        for j, total in enumerate(totals):
+            if n == 1:
+                total.copy_(inputs[0][j])
+            else:
+                torch.add(inputs[0][j], inputs[1][j], out=total)  # total may be inputs[0][j]: in place is fine
+    for lst in inputs[2:]:
+        torch._foreach_add_(totals, lst)
+    if reduce_op is ReduceOp.MEAN:
+        for total in totals:
+            divide_(total, n)
 
 
 def check_same_shapes(everyone: list[list[Tensor]]) -> None:
