@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/allreduce.py                      # 1-100 MB, 2 and 4 replicas (~2 min)
     .venv/bin/python benchmarks/allreduce.py --quick              # 1 and 16 MB, 2 replicas
     .venv/bin/python benchmarks/allreduce.py --sizes 16,64 --replicas 2 --repeats 9
+    .venv/bin/python benchmarks/allreduce.py --tune-malloc        # glibc keeps freed memory
 
 The all-reduce is timed the way training does it: inside `strategy.run`, every replica reduces its
 gradients, either with `opt.reduce_gradients()` of a mirrored optimizer (what `opt.step()` does
@@ -14,6 +15,9 @@ The floor is what summing N buffers must cost at least: N-1 passes of `torch.add
 over the same bytes, in the main thread with all cores. Measurements alternate (floor, empty run,
 reduce_gradients, all_reduce, floor, ...); each repeat gives a ratio, and the median is printed.
 Target: ratio <= 2. Small sizes sit in cache, where the fixed cost of a rendezvous dominates.
+reduce_gradients allocates nothing; ctx.all_reduce returns new tensors, and with glibc's default
+malloc those are fresh pages (page faults) above a few MB: --tune-malloc runs everything after
+`mr.tune_allocator()`, as `mirrored train` does (tensors above 32 MB are fresh pages either way).
 The floor is also timed on one core, as a check: when other processes hold the cores, every
 multi-threaded add waits for them, the all-core floor comes out slower than one core's, and the
 row is marked * (its ratio then means little).
@@ -268,7 +272,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="samples per measurement, the median is kept (default 7)")
     parser.add_argument("--quick", action="store_true",
                         help="defaults of 1,16 MB, 2 replicas, 3 repeats and shorter samples (flags still win)")
+    parser.add_argument("--tune-malloc", action="store_true",
+                        help="keep freed memory in glibc's heaps (mr.tune_allocator(), as `mirrored train` does)")
     args = parser.parse_args()
+    if args.tune_malloc and not mr.tune_allocator():
+        raise SystemExit("--tune-malloc: this is not glibc; run without it.")
     defaults = ("1,16", "2", 3) if args.quick else ("1,4,16,64,100", "2,4", 7)
     sizes = [float(s) for s in (args.sizes or defaults[0]).split(",")]
     replica_counts = [int(n) for n in (args.replicas or defaults[1]).split(",")]
@@ -277,7 +285,7 @@ def main() -> None:
     if repeats < 1 or any(n < 2 for n in replica_counts) or any(s <= 0 for s in sizes):
         parser.error("--repeats must be >= 1, --replicas >= 2 each, --sizes > 0 each")
 
-    print(machine())
+    print(machine() + f"; glibc malloc {'tuned' if args.tune_malloc else 'default'}")
     print(f"load average before: {load()}  (other processes on these cores stall multi-threaded ops: "
           "compare runs on a quiet machine)")
     print()

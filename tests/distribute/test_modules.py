@@ -362,3 +362,60 @@ def test_large_gradients_are_reduced_in_their_own_tensors():
         torch.testing.assert_close(reduced[2], torch.full((5,), 300.0), rtol=0, atol=0)
         (buffers,) = opt._grad_buffers[r].layouts.values()
         assert buffers.direct_out is None and sum(f.numel() for f in buffers.flats) == 5
+
+
+def test_odd_gradients_reduce_like_plain_sums():
+    """What in-place reduction must not get wrong: an expanded gradient (stride 0: the gradient of
+    a sum), one tensor tied to two parameters (summed once, not twice), and a step where no
+    replica has any gradient (nothing to reduce)."""
+    from mirrored.distribute import strategy as strategy_mod
+
+    n = strategy_mod._DIRECT_NUMEL
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(nn.ParameterList([nn.Parameter(torch.zeros(n)) for _ in range(3)]))
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=1.0)
+    seen = {}
+
+    def fn():
+        r = replica_id()
+        expanded, a, b = mnet.replicas[r]
+        (g,) = torch.autograd.grad(expanded.sum() * (r + 1), [expanded])
+        assert g.stride() == (0,)
+        expanded.grad = g
+        a.grad = b.grad = torch.full((n,), 10.0 * (r + 1))
+        opt.reduce_gradients()
+        seen[r] = [p.grad for p in (expanded, a, b)]
+        opt.zero_grad()
+        opt.step()  # no gradients anywhere: a no-op, as in plain torch
+
+    s.run(fn)
+    assert sorted(seen) == [0, 1]
+    for expanded, a, b in seen.values():
+        torch.testing.assert_close(expanded, torch.full((n,), 3.0), rtol=0, atol=0)
+        torch.testing.assert_close(a, torch.full((n,), 30.0), rtol=0, atol=0)
+        torch.testing.assert_close(b, torch.full((n,), 30.0), rtol=0, atol=0)
+    assert all(not p.any() for p in mnet.replicas[0])
+    assert s.run(lambda: md.get_replica_context().all_reduce("sum", [])) == []
+
+
+def test_converting_the_module_after_a_step_gets_new_buffers():
+    """module.double() keeps the Parameter objects (same gradient mask) but changes their dtype:
+    the optimizer's gradient buffers follow."""
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(tiny())
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+
+    def step():
+        net = mnet.replicas[replica_id()]
+        net(torch.ones(2, 3, dtype=net[0].weight.dtype)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    s.run(step)
+    for m in mnet.replicas:
+        m.double()
+    s.run(step)
+    s.check_in_sync(mnet)
+    assert all(p.dtype == torch.float64 for p in mnet.replicas[1].parameters())

@@ -131,17 +131,28 @@ class LayoutBuffers:
     def stage(self, tensors: Sequence[Tensor | None]) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
         """Packs the small tensors (one fused copy, skipped where they already are last step's
         results: backward accumulated into them) and returns the flat (inputs, outputs) to reduce
-        and the `results` they become, in the tensors' shapes. In place, a large contiguous tensor is
-        its own result; a non-contiguous one is reduced in a contiguous copy."""
+        and the `results` they become, in the tensors' shapes. In place, a large tensor is its own
+        result when it is contiguous and shares its memory with no other large one; otherwise
+        (strided, expanded, or a gradient tied to another) it is reduced in a copy of its own."""
         src = [tensors[i] for i in self.layout.packed]
         if any(s is not d for s, d in zip(src, self._packed_views)):
             torch._foreach_copy_(self._packed_views, src)  # a tensor copied onto itself is a no-op
-        direct = [tensors[i].reshape(-1) for i, *_ in self.layout.direct]
         if self.direct_out is not None:
+            direct = [tensors[i].reshape(-1) for i, *_ in self.layout.direct]  # read only: a view will do
             return self.flats + direct, self.flats + self.direct_out, list(self._fixed_results)
         results = list(self._packed_results)
-        for (i, *_, shape), flat in zip(self.layout.direct, direct):
+        inputs = list(self.flats)
+        storages: set[int] = set()
+        for i, *_, shape in self.layout.direct:
             t = tensors[i]
-            results[i] = t if flat.data_ptr() == t.data_ptr() and t.is_contiguous() else _shaped(flat, shape)
-        inputs = self.flats + direct
+            storage = t.untyped_storage().data_ptr()
+            if t.is_contiguous() and storage not in storages:
+                storages.add(storage)
+                inputs.append(t.view(-1))
+                results[i] = t
+            else:
+                flat = t.contiguous().view(-1)
+                flat = flat.clone() if flat.data_ptr() == t.data_ptr() else flat
+                inputs.append(flat)
+                results[i] = _shaped(flat, shape)
         return inputs, inputs, results

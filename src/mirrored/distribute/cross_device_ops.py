@@ -270,7 +270,8 @@ class InMemoryAllReduce(CrossDeviceOps):
         return _sum_on_one_device(per_replica, None)
 
     def _reduce_into(self, inputs: list[list[Tensor]], outputs: list[list[Tensor]], reduce_op: ReduceOp) -> None:
-        n = len(inputs)
+        if not outputs[0]:  # nothing to reduce (no gradients this step): foreach ops refuse empty lists
+            return
         threads = torch.get_num_threads()
         borrow = self._cores > threads and sum(t.numel() for t in outputs[0]) >= _PARALLEL_NUMEL
         if borrow:

@@ -49,8 +49,9 @@ class Rendezvous:
     """The meeting point of N replica threads within one step.
 
     Built on raw locks rather than threading.Condition: a waiting replica blocks on a gate of its
-    own, which whoever completes the meeting (or fails it) opens, so a wake-up is one futex call
-    and the woken thread takes no shared lock on its way out. A step makes one Rendezvous; its gates
+    own, which whoever completes the meeting (or fails it) opens once the outcome is set, so a
+    wake-up is one futex call and the woken thread takes no shared lock on its way out (only a
+    wait that timed out does, to tell a real timeout from a gate opened just after it). A step makes one Rendezvous; its gates
     are made on first use, so a step without collectives costs one lock."""
 
     def __init__(self, devices: Sequence[Device], timeout_s: float):
@@ -130,6 +131,10 @@ class Rendezvous:
         timeout = self._timeout_s
         while True:
             opened = gate.acquire(timeout=timeout) if timeout >= 0 else gate.acquire()
+            if opened:  # opened under the mutex after the outcome was set, which stays until we meet again
+                if self._generation != gen:
+                    return self._result
+                raise _Released(what)
             with self._mutex:
                 if not opened and replica_id not in self._waiting:
                     gate.acquire()  # opened (under the mutex we now hold) just after the timeout: take it

@@ -228,6 +228,8 @@ class Strategy:
         shape check is free (check_same_shapes)."""
         del check_shapes
         rid = ctx._replica_id
+        if ctx._step.error is not None:  # an abandoned replica of a failed step: leave the caches alone
+            raise replicas._Released("all_reduce")
         layouts = self._value_layouts.get(rid)
         if layouts is None:
             layouts = self._value_layouts.setdefault(rid, {})  # atomic; each replica thread has its own
@@ -436,14 +438,18 @@ class _GradientState:
     the mask unions learned (which gradients the other replicas had when this one lacked some)."""
 
     def __init__(self) -> None:
-        self.layouts: dict[tuple[bool, ...], buckets.LayoutBuffers] = {}
+        self.layouts: dict[tuple, buckets.LayoutBuffers] = {}  # by (mask union, dtypes)
         self.unions: dict[tuple[bool, ...], tuple[bool, ...]] = {}
 
     def buffers(self, grads: Sequence[Tensor | None], union: tuple[bool, ...],
                 bytes_per_pack: int) -> buckets.LayoutBuffers:
-        """Buffers for `grads`, which are present exactly where `union` says. The union is key enough
-        (cheaper than shapes, dtypes and devices): torch holds every .grad to its parameter's."""
-        return _recent(self.layouts, union,
+        """Buffers for `grads`, which are present exactly where `union` says. Keyed by the union and
+        the gradients' dtypes, cheaper than every shape too: torch holds each .grad to its
+        parameter's shape, dtype and device, and a module converted with .double() or .half()
+        keeps its parameters (shapes do not change; a module moved to another device is not a
+        replica any more)."""
+        key = (union, tuple(g.dtype for g in grads if g is not None))
+        return _recent(self.layouts, key,
                        lambda: buckets.Layout(grads, bytes_per_pack, _DIRECT_NUMEL).buffers(in_place=True),
                        _LAYOUTS_KEPT)
 
