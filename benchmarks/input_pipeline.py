@@ -11,7 +11,9 @@ The pipeline is the reference workload's: read file -> decode JPEG (RGB) -> resi
 element at a time, on the consumer's thread) or AUTOTUNE (one thread per core). The same map is
 also timed with Pillow decoding instead of decode_image (simplejpeg), to show what the decoder
 contributes, and without Dataset (a loop, then a ThreadPoolExecutor with a thread per core), to
-show what Dataset's threads cost over a plain pool. With --tf-python, an interpreter that has
+show what Dataset's threads cost over a plain pool. Last, the same work in separate processes (one,
+then one per core, each on its share of the files, no batching): no GIL and nothing shared, so
+their ratio is what this machine gives that many workers at best (a VM's cores may not be whole). With --tf-python, an interpreter that has
 TensorFlow (a separate venv, e.g. `python3.11 -m venv /tmp/tfbench && /tmp/tfbench/bin/pip
 install tensorflow-cpu`) runs the same pipeline in tf.data (tf.io.decode_jpeg, tf.image.resize)
 on the same files, as a subprocess started once and driven over a pipe, so its rounds alternate
@@ -39,7 +41,8 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +179,37 @@ def reference(files: list[str], load: Callable[[str], torch.Tensor], parallel: b
             yield torch.stack(chunk)
 
 
+def _load_share(files: list[str], size: int, tune_malloc: bool) -> tuple[int, float, float, float]:
+    """In a worker process: loads `files` one by one; (count, CPU s, start, end on the monotonic
+    clock, which all processes share)."""
+    torch.set_num_threads(1)
+    if tune_malloc:
+        mr.tune_allocator()
+    load = simplejpeg_load(size)
+    start, cpu = time.monotonic(), time.process_time()
+    for path in files:
+        load(path)
+    return len(files), time.process_time() - cpu, start, time.monotonic()
+
+
+class Processes:
+    """One process per core, started once (spawned: no inherited threads); `run(k)` splits the
+    files over k of them and returns (images/s from the first start to the last end, cores busy)."""
+
+    def __init__(self, files: list[str], size: int, tune_malloc: bool):
+        self.files, self.size, self.tune_malloc = files, size, tune_malloc
+        self.pool = ProcessPoolExecutor(len(os.sched_getaffinity(0)), mp_context=get_context("spawn"))
+
+    def run(self, k: int) -> tuple[float, float]:
+        shares = [self.files[i::k] for i in range(k)]
+        done = list(self.pool.map(_load_share, shares, [self.size] * k, [self.tune_malloc] * k))
+        wall = max(d[3] for d in done) - min(d[2] for d in done)
+        return sum(d[0] for d in done) / wall, sum(d[1] for d in done) / wall
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
 def throughput(batches: Iterable[torch.Tensor]) -> tuple[float, float]:
     """(images/s, cores busy = this process's CPU seconds per second) over one pass."""
     wall, cpu, n = time.perf_counter(), time.process_time(), 0
@@ -274,6 +308,9 @@ def main() -> None:
         for mode, parallel in (("serial", False), ("AUTOTUNE", True)):
             runs[f"{_REFERENCE}|{mode}"] = lambda parallel=parallel: throughput(
                 reference(files, loads["ours, simplejpeg"], parallel, args.batch))
+        processes = Processes(files, args.size, args.tune_malloc)
+        runs[f"{_PROCESSES}|serial"] = lambda: processes.run(1)
+        runs[f"{_PROCESSES}|AUTOTUNE"] = lambda: processes.run(len(os.sched_getaffinity(0)))
         tf = None
         if args.tf_python:
             tf = TfData(args.tf_python, files, args.size, args.batch)
@@ -304,12 +341,14 @@ def main() -> None:
         for r in range(args.rounds):
             for key in keys[r % len(keys):] + keys[:r % len(keys)]:  # rotate who goes first
                 results[key].append(runs[key]())
+        processes.close()
         if tf is not None:
             tf.close()
     print_table(results, tf is not None)
 
 
 _REFERENCE = "no Dataset (ref.)"
+_PROCESSES = "processes (ceiling)"
 
 
 def print_table(results: dict[str, list[tuple[float, float]]], with_tf: bool) -> None:
