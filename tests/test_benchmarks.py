@@ -1,0 +1,36 @@
+"""The benchmarks run end to end on tiny settings, so they do not rot between the sessions that
+measure with them. Only that they finish and print their tables is checked: never a timing."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+_TIMEOUT_S = 100  # ~10 s each on 2 cores; below pytest's 120 s limit, so a hang fails with the output
+
+
+def _run(script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=_TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    return proc.stdout
+
+
+def test_allreduce_benchmark_prints_ratios_and_run_overhead():
+    out = _run("allreduce.py", "--quick", "--sizes", "0.25", "--repeats", "1")
+    for replicas in (1, 2, 4):
+        assert re.search(rf"run, {replicas} replicas?\s+[0-9.]+\s+[0-9]+", out), out
+    rows = re.findall(r"^\s+2 (1 tensor|161 \(ResNet-50\))\s+0\.25\s+[0-9.]+\s+[0-9]+/[0-9]+(\s+[0-9.]+){4}", out, re.M)
+    assert [r[0] for r in rows] == ["1 tensor", "161 (ResNet-50)"], out
+    assert re.search(r"reduce_gradients within 2x of the floor in \d of 2 rows", out), out
+
+
+def test_input_pipeline_benchmark_prints_every_row():
+    out = _run("input_pipeline.py", "--images", "12", "--rounds", "1", "--batch", "4", "--no-pillow",
+               "--tune-malloc")
+    assert "glibc malloc tuned" in out, out
+    for label in ("ours, simplejpeg", "no Dataset (ref.)", "processes (ceiling)"):
+        assert re.search(rf"^{re.escape(label)}\s+[0-9]+ \(.*\)\s.*\s[0-9.]+x$", out, re.M), out
