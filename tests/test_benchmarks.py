@@ -34,3 +34,8 @@ def test_input_pipeline_benchmark_prints_every_row():
     assert "glibc malloc tuned" in out, out
     for label in ("ours, simplejpeg", "no Dataset (ref.)", "processes (ceiling)"):
         assert re.search(rf"^{re.escape(label)}\s+[0-9]+ \(.*\)\s.*\s[0-9.]+x$", out, re.M), out
+
+
+def test_fit_throughput_benchmark_prints_the_ratio():
+    out = _run("fit_throughput.py", "--batches", "16", "--images", "64", "--rounds", "1")
+    assert re.search(r"^\s+16\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+$", out, re.M), out
