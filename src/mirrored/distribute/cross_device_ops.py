@@ -287,9 +287,10 @@ class InMemoryAllReduce(CrossDeviceOps):
 
 def _sum_into(inputs: list[list[Tensor]], totals: list[Tensor], reduce_op: ReduceOp) -> None:
     """totals[j] = the reduction of every replica's inputs[r][j] (each replica's tensors on one
-    device, moved to the totals'); a total may be replica 0's input itself (reduced in place)."""
+    device, moved to the totals'); a total may be replica 0's input itself (reduced in place).
+    `totals` is not empty."""
     n = len(inputs)
-    device = totals[0].device if totals else None
+    device = totals[0].device
     inputs = [lst if not lst or lst[0].device == device else [t.to(device) for t in lst] for lst in inputs]
     if n > 1 and inputs[0] is totals:  # in place, as gradients are: whole lists at once
         torch._foreach_add_(totals, inputs[1])

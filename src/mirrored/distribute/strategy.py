@@ -444,10 +444,9 @@ class _GradientState:
     def buffers(self, grads: Sequence[Tensor | None], union: tuple[bool, ...],
                 bytes_per_pack: int) -> buckets.LayoutBuffers:
         """Buffers for `grads`, which are present exactly where `union` says. Keyed by the union and
-        the gradients' dtypes, cheaper than every shape too: torch holds each .grad to its
-        parameter's shape, dtype and device, and a module converted with .double() or .half()
-        keeps its parameters (shapes do not change; a module moved to another device is not a
-        replica any more)."""
+        the gradients' dtypes, not their shapes too (a third of the cost): torch holds each .grad to
+        its parameter's shape, which does not change, while .double() or .half() changes a
+        parameter's dtype in place. (A module moved to another device is not a replica any more.)"""
         key = (union, tuple(g.dtype for g in grads if g is not None))
         return _recent(self.layouts, key,
                        lambda: buckets.Layout(grads, bytes_per_pack, _DIRECT_NUMEL).buffers(in_place=True),
