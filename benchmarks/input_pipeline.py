@@ -31,6 +31,7 @@ part of its speedup; --tune-malloc runs everything after `mr.tune_allocator()` (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import itertools
 import json
@@ -289,7 +290,8 @@ def main() -> None:
     if args.tune_malloc and not mr.tune_allocator():
         raise SystemExit("--tune-malloc: this is not glibc; run without it.")
 
-    with tempfile.TemporaryDirectory(prefix="mirrored-bench-") as scratch:
+    # The stack stops the worker processes and tf.data (also on an error) before the files go.
+    with tempfile.TemporaryDirectory(prefix="mirrored-bench-") as scratch, contextlib.ExitStack() as stack:
         if args.data_dir is None:
             files = write_synthetic(Path(scratch), args.images)
             source = f"{len(files)} synthetic 500x375 photo-like JPEGs (quality 90)"
@@ -309,11 +311,13 @@ def main() -> None:
             runs[f"{_REFERENCE}|{mode}"] = lambda parallel=parallel: throughput(
                 reference(files, loads["ours, simplejpeg"], parallel, args.batch))
         processes = Processes(files, args.size, args.tune_malloc)
+        stack.callback(processes.close)
         runs[f"{_PROCESSES}|serial"] = lambda: processes.run(1)
         runs[f"{_PROCESSES}|AUTOTUNE"] = lambda: processes.run(len(os.sched_getaffinity(0)))
         tf = None
         if args.tf_python:
             tf = TfData(args.tf_python, files, args.size, args.batch)
+            stack.callback(tf.close)
             runs["tf.data|serial"] = lambda: tuple(tf.ask("serial"))
             runs["tf.data|AUTOTUNE"] = lambda: tuple(tf.ask("autotune"))
 
@@ -341,9 +345,6 @@ def main() -> None:
         for r in range(args.rounds):
             for key in keys[r % len(keys):] + keys[:r % len(keys)]:  # rotate who goes first
                 results[key].append(runs[key]())
-        processes.close()
-        if tf is not None:
-            tf.close()
     print_table(results, tf is not None)
 
 
