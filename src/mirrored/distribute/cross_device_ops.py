@@ -291,7 +291,7 @@ def _sum_into(inputs: list[list[Tensor]], totals: list[Tensor], reduce_op: Reduc
     `totals` is not empty."""
     n = len(inputs)
     device = totals[0].device
-    inputs = [lst if not lst or lst[0].device == device else [t.to(device) for t in lst] for lst in inputs]
+    inputs = [lst if lst[0].device == device else [t.to(device) for t in lst] for lst in inputs]
     if n > 1 and inputs[0] is totals:  # in place, as gradients are: whole lists at once
         torch._foreach_add_(totals, inputs[1])
     else:

@@ -51,8 +51,9 @@ class Rendezvous:
     Built on raw locks rather than threading.Condition: a waiting replica blocks on a gate of its
     own, which whoever completes the meeting (or fails it) opens once the outcome is set, so a
     wake-up is one futex call and the woken thread takes no shared lock on its way out (only a
-    wait that timed out does, to tell a real timeout from a gate opened just after it). A step makes one Rendezvous; its gates
-    are made on first use, so a step without collectives costs one lock."""
+    wait that timed out does, to tell a real timeout from a gate opened just after it). A step
+    makes one Rendezvous; its gates are made on first use, so a step without collectives costs
+    one lock."""
 
     def __init__(self, devices: Sequence[Device], timeout_s: float):
         self._devices = tuple(devices)
@@ -131,31 +132,28 @@ class Rendezvous:
         timeout = self._timeout_s
         while True:
             opened = gate.acquire(timeout=timeout) if timeout >= 0 else gate.acquire()
+            if not opened:
+                with self._mutex:
+                    if replica_id not in self._waiting:
+                        gate.acquire()  # opened (under the mutex we now hold) just after the timeout: take it
+                        opened = True
+                    elif not self._combining and time.monotonic() >= deadline:
+                        missing = [i for i in range(self._n) if self._whats[i] is None]
+                        waiting = [i for i in range(self._n) if self._whats[i] is not None]
+                        self._fail(CollectiveTimeoutError(
+                            f"{what}: replica {_names(missing, self._devices)} did not arrive within "
+                            f"{self._timeout_s:g} s; replica {_names(waiting, self._devices)} waited for it. A "
+                            "replica is hung, or skipped a collective the others made (raise "
+                            "MirroredStrategy(timeout_s=...) if its work is just slow)."))
+                        gate.acquire()  # _fail opened every gate, this one too
+                        opened = True
+                    else:  # the combine step is running (its duration is not a missed rendezvous), or
+                        # the timeout woke us early: wait again, without a deadline while combining
+                        timeout = -1 if self._combining else max(0.0, deadline - time.monotonic())
             if opened:  # opened under the mutex after the outcome was set, which stays until we meet again
                 if self._generation != gen:
                     return self._result
                 raise _Released(what)
-            with self._mutex:
-                if not opened and replica_id not in self._waiting:
-                    gate.acquire()  # opened (under the mutex we now hold) just after the timeout: take it
-                    opened = True
-                if not opened and not self._combining and time.monotonic() >= deadline:
-                    missing = [i for i in range(self._n) if self._whats[i] is None]
-                    waiting = [i for i in range(self._n) if self._whats[i] is not None]
-                    self._fail(CollectiveTimeoutError(
-                        f"{what}: replica {_names(missing, self._devices)} did not arrive within "
-                        f"{self._timeout_s:g} s; replica {_names(waiting, self._devices)} waited for it. A replica "
-                        "is hung, or skipped a collective the others made (raise MirroredStrategy(timeout_s=...) "
-                        "if its work is just slow)."))
-                    gate.acquire()  # _fail opened every gate, this one too
-                    opened = True
-                if opened:
-                    if self._generation != gen:
-                        return self._result
-                    raise _Released(what)
-                # the combine step is running (its duration is not a missed rendezvous), or the timeout
-                # woke us early: wait again, without a deadline while combining
-                timeout = -1 if self._combining else max(0.0, deadline - time.monotonic())
 
     def _check_can_join(self, replica_id: int, what: str) -> None:
         if self.error is not None:

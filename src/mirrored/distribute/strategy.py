@@ -228,11 +228,7 @@ class Strategy:
         shape check is free (check_same_shapes)."""
         del check_shapes
         rid = ctx._replica_id
-        if ctx._step.error is not None:  # an abandoned replica of a failed step: leave the caches alone
-            raise replicas._Released("all_reduce")
-        layouts = self._value_layouts.get(rid)
-        if layouts is None:
-            layouts = self._value_layouts.setdefault(rid, {})  # atomic; each replica thread has its own
+        layouts = _replica_entry(ctx, self._value_layouts, dict, "all_reduce")
         staged = _recent(layouts, buckets.signature(leaves),
                          lambda: buckets.Layout(leaves, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL),
                          _VALUE_LAYOUTS_KEPT).buffers()  # fresh results every call: the caller owns them
@@ -254,12 +250,7 @@ class Strategy:
         (the first such step) do they meet again, with the union filled in as zeros."""
         if ctx is None or ctx._step is None:
             return grads
-        rid = ctx._replica_id
-        if ctx._step.error is not None:  # an abandoned replica of a failed step: leave the buffers alone
-            raise replicas._Released("all_reduce (gradients)")
-        state = cache.get(rid)
-        if state is None:
-            state = cache.setdefault(rid, _GradientState())  # atomic; each replica thread has its own
+        state = _replica_entry(ctx, cache, _GradientState, "all_reduce (gradients)")
         mask = tuple(g is not None for g in grads)
         expected = state.unions.get(mask, mask)
         reduced = self._reduce_with_union(ctx, state, params, grads, mask, expected)
@@ -456,6 +447,16 @@ class _GradientState:
         if len(self.unions) >= 4 * _LAYOUTS_KEPT:
             self.unions.clear()
         self.unions[mask] = union
+
+
+def _replica_entry(ctx: ReplicaContext, cache: dict, make: Callable[[], Any], what: str) -> Any:
+    """The calling replica's entry of `cache`, made on first use: each replica thread has its own,
+    and setdefault is atomic. An abandoned replica of a failed step gets _Released instead, so it
+    never touches what its replacement thread now uses."""
+    if ctx._step.error is not None:
+        raise replicas._Released(what)
+    entry = cache.get(ctx._replica_id)
+    return entry if entry is not None else cache.setdefault(ctx._replica_id, make())
 
 
 def _recent(cache: dict, key: Any, make: Callable[[], Any], kept: int) -> Any:
