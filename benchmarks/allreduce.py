@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 import mirrored as mr
+from mirrored._cpus import usable_cores
 
 MB = 2**20  # sizes are in MiB; "100 MB" of float32 is 26.2M values (ResNet-50 has 25.6M)
 _TARGET_RATIO = 2.0
@@ -255,8 +256,7 @@ def machine() -> str:
                     break
     except OSError:
         pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{model}; {usable} usable cores ({os.cpu_count()} online); torch {torch.__version__} with "
+    return (f"{model}; {usable_cores()} usable cores ({os.cpu_count()} online); torch {torch.__version__} with "
             f"{torch.get_num_threads()} intra-op threads in the main thread; python {platform.python_version()}; "
             f"mirrored {mr.__version__}")
 

@@ -10,7 +10,6 @@ several rounds, and the ratio of medians is printed (target: fit / plain >= 0.95
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import time
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import mirrored as mr
+from mirrored._cpus import usable_cores
 
 
 def make_data(n: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -70,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.images, args.rounds = 512, 1
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     print(f"machine: {cpu}, {cores} cores | python {platform.python_version()} | torch {torch.__version__}")

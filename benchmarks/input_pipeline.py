@@ -54,6 +54,7 @@ import torch
 from PIL import Image
 
 import mirrored as mr
+from mirrored._cpus import usable_cores
 from mirrored.data.images import decode_image, resize
 from mirrored.data.tfrecord import parse_example, read_records
 
@@ -174,7 +175,7 @@ def reference(files: list[str], load: Callable[[str], torch.Tensor], parallel: b
               batch: int) -> Iterator[torch.Tensor]:
     """The same work without Dataset: a loop, or a thread pool with a thread per core whose
     results are stacked as they arrive; what Dataset's own stages cost is the difference."""
-    with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+    with ThreadPoolExecutor(usable_cores()) as pool:
         images = pool.map(load, files) if parallel else map(load, files)
         while chunk := list(itertools.islice(images, batch)):
             yield torch.stack(chunk)
@@ -199,7 +200,7 @@ class Processes:
 
     def __init__(self, files: list[str], size: int, tune_malloc: bool):
         self.files, self.size, self.tune_malloc = files, size, tune_malloc
-        self.pool = ProcessPoolExecutor(len(os.sched_getaffinity(0)), mp_context=get_context("spawn"))
+        self.pool = ProcessPoolExecutor(usable_cores(), mp_context=get_context("spawn"))
 
     def run(self, k: int) -> tuple[float, float]:
         shares = [self.files[i::k] for i in range(k)]
@@ -263,7 +264,7 @@ class TfData:
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())
-    return f"{cpu}, {len(os.sched_getaffinity(0))} cores"
+    return f"{cpu}, {usable_cores()} cores"
 
 
 def cell(values: list[tuple[float, float]]) -> str:
@@ -313,7 +314,7 @@ def main() -> None:
         processes = Processes(files, args.size, args.tune_malloc)
         stack.callback(processes.close)
         runs[f"{_PROCESSES}|serial"] = lambda: processes.run(1)
-        runs[f"{_PROCESSES}|AUTOTUNE"] = lambda: processes.run(len(os.sched_getaffinity(0)))
+        runs[f"{_PROCESSES}|AUTOTUNE"] = lambda: processes.run(usable_cores())
         tf = None
         if args.tf_python:
             tf = TfData(args.tf_python, files, args.size, args.batch)
@@ -367,7 +368,7 @@ def print_table(results: dict[str, list[tuple[float, float]]], with_tf: bool) ->
                 serial = med[f"{label}|serial"] / med["tf.data|serial"]
                 auto = med[f"{label}|AUTOTUNE"] / med["tf.data|AUTOTUNE"]
                 print(f"{label + ' / tf.data':<35}{serial:>9.2f}x{auto:>24.2f}x")
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     busy = statistics.median(v[1] for v in results[f"{_REFERENCE}|AUTOTUNE"])
     if busy < 0.8 * cores:
         print(f"note: the thread-pool reference kept only {busy:.2f} of {cores} cores busy: other "
