@@ -236,6 +236,49 @@ def test_bilinear_matches_reference():
         np.testing.assert_allclose(got.numpy(), ref_bilinear(unit, *out_size), atol=1e-4)
 
 
+def _torch_path(image: torch.Tensor) -> torch.Tensor:
+    """A copy of the image routed to torch's kernel: resize leaves tensors that need autograd to it."""
+    return image.float().clone().requires_grad_()
+
+
+@pytest.mark.parametrize("route", ["opencv", "torch"])
+@pytest.mark.parametrize("in_shape, out_size", [
+    ((375, 500, 3), (224, 224)),  # the reference workload's downscale
+    ((40, 1000, 3), (70, 33)),  # far apart scales, upsampling one side
+    ((13, 13, 1), (27, 5)),  # one channel keeps its axis
+    ((9, 30, 4), (9, 30)),  # same size: a float copy
+    ((6, 7, 2), (1, 1)),
+])
+def test_bilinear_routes_match_float64_reference(route, in_shape, out_size):
+    image = torch.from_numpy(rng_image(*in_shape, seed=3))
+    got = resize(_torch_path(image) if route == "torch" else image, out_size).detach()
+    assert got.dtype == torch.float32 and got.shape == (*out_size, in_shape[2]) and got.is_contiguous()
+    want = ref_bilinear(image.numpy().astype(np.float64), *out_size)
+    # On 0..255 values. OpenCV computes source coordinates in float64, torch (like TF) in float32,
+    # whose rounding at coordinate ~1000 (6e-5) times a 255-level step gives up to ~1.5e-2.
+    np.testing.assert_allclose(got.numpy(), want, atol=2e-3 if route == "opencv" else 2e-2, rtol=0)
+
+
+def test_bilinear_routes_agree_on_batches_and_strided_input():
+    batch = torch.from_numpy(rng_image(3, 50, 60, 3, seed=4))
+    strided = batch[:, ::2, 1::3]  # a view with odd strides: copied before OpenCV reads it
+    for images in (batch, strided, strided.float() / 255):
+        fast = resize(images, (17, 23))
+        slow = resize(_torch_path(images), (17, 23)).detach()
+        assert fast.shape == slow.shape == (3, 17, 23, 3) and fast.is_contiguous()
+        scale = float(images.max())
+        torch.testing.assert_close(fast, slow, atol=1e-4 * scale, rtol=0)
+        for n in range(3):  # a batch gives each image's own resize
+            torch.testing.assert_close(fast[n], resize(images[n], (17, 23)), atol=0, rtol=0)
+
+
+def test_bilinear_is_single_threaded_in_opencv():
+    import cv2
+
+    resize(rng_image(8, 8, 3), (4, 4))  # imports and sets up OpenCV
+    assert cv2.getNumThreads() == 1  # the map's threads are the parallelism
+
+
 def test_bilinear_batched_float_input():
     batch = np.random.default_rng(1).random((3, 11, 6, 2)).astype(np.float32)
     got = resize(torch.from_numpy(batch), (4, 15))

@@ -4,8 +4,9 @@ Decoded images are uint8 HWC tensors, as tf.io.decode_image gives them; every fu
 a batch (NHWC). decode_image() decodes JPEGs to gray or RGB with simplejpeg (libjpeg-turbo) and
 everything else with Pillow; both release the GIL while they decode, so a thread pool
 (Dataset.map(num_parallel_calls=...)) decodes in parallel. resize() follows tf.image.resize
-(half-pixel centers, float32 out). Random ops take an optional torch.Generator. Uses torch, numpy,
-simplejpeg and Pillow.
+(half-pixel centers, float32 out); its default (bilinear) runs in OpenCV on CPU tensors, 3x faster
+than torch's kernel for 3-channel images. Random ops take an optional torch.Generator. Uses torch,
+numpy, simplejpeg, Pillow and OpenCV.
 
 JPEGs go through simplejpeg with libjpeg's fast integer DCT and fancy upsampling, TF's
 decode_jpeg defaults, so pixels match TF's (the fixture's mean pixels to its 4 decimals); Pillow
@@ -272,7 +273,8 @@ def resize(images: ImageLike, size: Sequence[int], method: str = "bilinear",
     Returns float32, except for "nearest", which keeps the input dtype (as TF does). Out-of-image
     taps get no weight and the rest are renormalized (TF's behavior at the borders). `antialias`
     widens the bilinear/bicubic kernel when downsampling; "area" averages by covered area and
-    "nearest" ignores antialias, both as in TF.
+    "nearest" ignores antialias, both as in TF. Plain bilinear on a CPU tensor runs in OpenCV, which
+    places samples in float64 where TF uses float32: up to ~5e-5 of the value range closer to exact.
     """
     images = _as_image(images, "resize")
     if method not in _RESIZE_METHODS:
@@ -289,6 +291,9 @@ def resize(images: ImageLike, size: Sequence[int], method: str = "bilinear",
         # nearest-exact is floor((i + 0.5) * scale), TF's nearest with half-pixel centers.
         out = F.interpolate(nchw, size=size, mode="nearest-exact")
     elif method == "bilinear" and not antialias:
+        fast = _bilinear_opencv(batch, height, width)
+        if fast is not None:
+            return fast if images.dim() == 4 else fast[0]
         out = F.interpolate(nchw.float(), size=size, mode="bilinear", align_corners=False)
     elif method == "bilinear" or (method == "bicubic" and (antialias or not downsampling)):
         # torch's antialiased kernels are TF's scale_and_translate: triangle or Keys a=-0.5
@@ -303,6 +308,43 @@ def resize(images: ImageLike, size: Sequence[int], method: str = "bilinear",
         out = out.permute(0, 3, 1, 2)
     out = out.permute(0, 2, 3, 1).contiguous()
     return out if images.dim() == 4 else out[0]
+
+
+def _opencv():
+    """cv2, imported on first use (~0.1 s) and set to one thread per call, as albumentations sets
+    it: a pipeline's parallelism is its map threads, and OpenCV's own team on the same cores would
+    only contend with them (a serial map kept 1.4 cores busy)."""
+    import cv2
+
+    global _opencv_ready
+    if not _opencv_ready:
+        cv2.setNumThreads(1)
+        _opencv_ready = True
+    return cv2
+
+
+_opencv_ready = False
+_OPENCV_MAX_SIDE = 32767  # OpenCV keeps coordinates in shorts in places: larger images take torch's path
+
+
+def _bilinear_opencv(batch: torch.Tensor, height: int, width: int) -> torch.Tensor | None:
+    """TF's bilinear resize (half-pixel centers, no antialiasing) of an NHWC batch in OpenCV, as
+    float32 NHWC; None where torch must do it (a GPU tensor, autograd, very large sides).
+
+    torch's kernel on a 3-channel channels_last image runs one pixel at a time (0.6 ms for 500x375
+    to 224x224 here, against 0.13 ms in OpenCV plus 0.07 ms for the float cast): the resize was a
+    third of the reference pipeline's time per image. OpenCV computes the sample positions in
+    float64 where TF and torch use float32, so results differ from TF's by up to ~5e-5 of the
+    value range, and are that much closer to exact bilinear interpolation."""
+    if (batch.device.type != "cpu" or batch.requires_grad
+            or max(*batch.shape[1:3], height, width) >= _OPENCV_MAX_SIDE):
+        return None
+    cv2 = _opencv()
+    src = np.ascontiguousarray(batch.float().numpy())
+    channels = src.shape[3]
+    outs = [cv2.resize(image, (width, height), interpolation=cv2.INTER_LINEAR).reshape(height, width, channels)
+            for image in src]  # (OpenCV drops a single channel's axis, hence the reshape)
+    return torch.from_numpy(outs[0][None] if len(outs) == 1 else np.stack(outs))
 
 
 def _check_size(size: Sequence[int], op: str) -> tuple[int, int]:
