@@ -270,6 +270,7 @@ def test_bilinear_routes_agree_on_batches_and_strided_input():
         torch.testing.assert_close(fast, slow, atol=1e-4 * scale, rtol=0)
         for n in range(3):  # a batch gives each image's own resize
             torch.testing.assert_close(fast[n], resize(images[n], (17, 23)), atol=0, rtol=0)
+    assert resize(batch[:0], (17, 23)).shape == (0, 17, 23, 3)  # an empty batch stays one
 
 
 def test_bilinear_is_single_threaded_in_opencv():
