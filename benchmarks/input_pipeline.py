@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import cv2
 import PIL
 import simplejpeg
 import torch
@@ -323,7 +324,7 @@ def main() -> None:
             runs["tf.data|AUTOTUNE"] = lambda: tuple(tf.ask("autotune"))
 
         versions = (f"python {platform.python_version()} | torch {torch.__version__} | simplejpeg "
-                    f"{simplejpeg.__version__} | Pillow {PIL.__version__}")
+                    f"{simplejpeg.__version__} | Pillow {PIL.__version__} | OpenCV {cv2.__version__} (resize)")
         if tf is not None:
             versions += f" | tensorflow {tf.version} ({args.tf_python})"
         print(f"machine: {machine()} | load average at start {os.getloadavg()[0]:.1f}")
