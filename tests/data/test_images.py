@@ -248,6 +248,7 @@ def _torch_path(image: torch.Tensor) -> torch.Tensor:
     ((13, 13, 1), (27, 5)),  # one channel keeps its axis
     ((9, 30, 4), (9, 30)),  # same size: a float copy
     ((6, 7, 2), (1, 1)),
+    ((5, 7, 130), (3, 9)),  # a feature map: torch's kernel either way
 ])
 def test_bilinear_routes_match_float64_reference(route, in_shape, out_size):
     image = torch.from_numpy(rng_image(*in_shape, seed=3))
