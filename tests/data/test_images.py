@@ -336,6 +336,9 @@ def test_resize_validates_image_and_method():
         resize(rng_image(4, 4, 3), (2, 2), method="lanczos")
     with pytest.raises(ValueError, match="HWC image or an NHWC batch"):
         resize(rng_image(4, 4), (2, 2))
+    for empty in (rng_image(0, 4, 3), rng_image(4, 0, 3), rng_image(4, 4, 0), rng_image(2, 4, 4, 0)):
+        with pytest.raises(ValueError, match=r"the image is empty \(shape"):
+            resize(empty, (2, 2))
 
 
 # ---------------------------------------------------------------------------------------------

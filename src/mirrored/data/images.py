@@ -282,8 +282,9 @@ def resize(images: ImageLike, size: Sequence[int], method: str = "bilinear",
     height, width = _check_size(size, "resize")
     batch = images if images.dim() == 4 else images.unsqueeze(0)
     in_h, in_w = batch.shape[1], batch.shape[2]
-    if in_h == 0 or in_w == 0:
-        raise ValueError(f"resize: the image is empty (shape {tuple(images.shape)}).")
+    if in_h == 0 or in_w == 0 or batch.shape[3] == 0:
+        raise ValueError(f"resize: the image is empty (shape {tuple(images.shape)}); give it at least "
+                         "one row, column and channel.")
     if method == "bilinear" and not antialias:
         fast = _bilinear_opencv(images, height, width)
         if fast is not None:
@@ -325,26 +326,24 @@ def _opencv():
 
 
 _opencv_ready = False
-_OPENCV_MAX_SIDE = 32767  # OpenCV keeps coordinates in shorts in places: larger images take torch's path
 
 
 def _bilinear_opencv(images: torch.Tensor, height: int, width: int) -> torch.Tensor | None:
     """TF's bilinear resize (half-pixel centers, no antialiasing) of an HWC image or NHWC batch in
     OpenCV, as float32 in the same layout; None where torch must do it (a GPU tensor, autograd,
-    more than 4 channels, very large sides).
+    more than 4 channels: torch's kernel vectorizes over many channels, and OpenCV's Python binding
+    refuses more than 128).
 
     torch's kernel on a 3-channel channels_last image runs one pixel at a time (0.6 ms for 500x375
     to 224x224 here, against 0.13 ms in OpenCV plus 0.07 ms for the float cast): the resize was a
     third of the reference pipeline's time per image. OpenCV computes the sample positions in
     float64 where TF and torch use float32, so results differ from TF's by up to ~5e-5 of the
     value range, and are that much closer to exact bilinear interpolation."""
-    if (not images.is_cpu or images.requires_grad or images.shape[-1] > 4
-            or height >= _OPENCV_MAX_SIDE or width >= _OPENCV_MAX_SIDE):
-        return None  # (torch's kernel is fast with many channels: it vectorizes over them)
-    src = images.float().numpy()  # float32 stays itself; OpenCV only reads it
-    if src.shape[-3] >= _OPENCV_MAX_SIDE or src.shape[-2] >= _OPENCV_MAX_SIDE:
+    if not images.is_cpu or images.requires_grad or images.shape[-1] > 4:
         return None
-    cv2, shape = _opencv(), (height, width, src.shape[-1])  # OpenCV drops a single channel's axis
+    cv2 = _opencv()
+    src = images.float().numpy()  # float32 stays itself; OpenCV only reads it
+    shape = (height, width, src.shape[-1])  # OpenCV drops a single channel's axis: reshaped back
     if src.ndim == 3:
         out = cv2.resize(np.ascontiguousarray(src), (width, height), interpolation=cv2.INTER_LINEAR)
         return torch.from_numpy(out.reshape(shape))
