@@ -275,6 +275,7 @@ def resize(images: ImageLike, size: Sequence[int], method: str = "bilinear",
     widens the bilinear/bicubic kernel when downsampling; "area" averages by covered area and
     "nearest" ignores antialias, both as in TF. Plain bilinear on a CPU tensor runs in OpenCV, which
     places samples in float64 where TF uses float32: up to ~5e-5 of the value range closer to exact.
+    The first such call sets OpenCV to one thread (cv2.setNumThreads(1), for the whole process).
     """
     images = _as_image(images, "resize")
     if method not in _RESIZE_METHODS:
