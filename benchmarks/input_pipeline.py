@@ -47,8 +47,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import cv2
+import numpy as np
 import PIL
 import simplejpeg
 import torch
