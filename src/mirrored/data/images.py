@@ -317,16 +317,16 @@ def _opencv():
     """cv2, imported on first use (~0.1 s) and set to one thread per call, as albumentations sets
     it: a pipeline's parallelism is its map threads, and OpenCV's own team on the same cores would
     only contend with them (a serial map kept 1.4 cores busy)."""
-    import cv2
+    global _cv2
+    if _cv2 is None:
+        import cv2
 
-    global _opencv_ready
-    if not _opencv_ready:
         cv2.setNumThreads(1)
-        _opencv_ready = True
-    return cv2
+        _cv2 = cv2
+    return _cv2
 
 
-_opencv_ready = False
+_cv2 = None
 
 
 def _bilinear_opencv(images: torch.Tensor, height: int, width: int) -> torch.Tensor | None:
@@ -344,13 +344,16 @@ def _bilinear_opencv(images: torch.Tensor, height: int, width: int) -> torch.Ten
         return None
     cv2 = _opencv()
     src = images.float().numpy()  # float32 stays itself; OpenCV only reads it
-    shape = (height, width, src.shape[-1])  # OpenCV drops a single channel's axis: reshaped back
+    shape = (height, width, src.shape[-1])
+
+    def one(image: np.ndarray) -> np.ndarray:  # (OpenCV drops a single channel's axis: reshaped back)
+        return cv2.resize(np.ascontiguousarray(image), (width, height), interpolation=cv2.INTER_LINEAR).reshape(shape)
+
     if src.ndim == 3:
-        out = cv2.resize(np.ascontiguousarray(src), (width, height), interpolation=cv2.INTER_LINEAR)
-        return torch.from_numpy(out.reshape(shape))
+        return torch.from_numpy(one(src))
     out = np.empty((len(src), *shape), np.float32)  # (an empty batch stays one)
     for i, image in enumerate(src):
-        out[i] = cv2.resize(np.ascontiguousarray(image), (width, height), interpolation=cv2.INTER_LINEAR).reshape(shape)
+        out[i] = one(image)
     return torch.from_numpy(out)
 
 
