@@ -13,15 +13,15 @@ also timed with Pillow decoding instead of decode_image (simplejpeg), to show wh
 contributes, and without Dataset (a loop, then a ThreadPoolExecutor with a thread per core), to
 show what Dataset's threads cost over a plain pool. Last, the same work in separate processes (one,
 then one per core, each on its share of the files, no batching): no GIL and nothing shared, so
-their ratio is what this machine gives that many workers at best (a VM's cores may not be whole). With --tf-python, an interpreter that has
-TensorFlow (a separate venv, e.g. `python3.11 -m venv /tmp/tfbench && /tmp/tfbench/bin/pip
-install tensorflow-cpu`) runs the same pipeline in tf.data (tf.io.decode_jpeg, tf.image.resize)
-on the same files, as a subprocess started once and driven over a pipe, so its rounds alternate
-with ours. Each
-configuration runs once untimed, then `--rounds` times in alternation; medians are printed with
-the range, since the machine may be shared, with the cores the process kept busy: a parallel
-pipeline on an idle machine should keep them all busy. torch runs each op on `--torch-threads`
-threads (default 1, so the map's threads do not each start an OpenMP team on the same cores).
+their ratio is what this machine gives that many workers at best (a VM's cores may not be whole).
+With --tf-python, an interpreter that has TensorFlow (a separate venv, e.g. `python3.11 -m venv
+/tmp/tfbench && /tmp/tfbench/bin/pip install tensorflow-cpu`) runs the same pipeline in tf.data
+(tf.io.decode_jpeg, tf.image.resize) on the same files, as a subprocess started once and driven
+over a pipe, so its rounds alternate with ours. Each configuration runs once untimed, then
+`--rounds` times in alternation; medians are printed with the range, since the machine may be
+shared, with the cores the process kept busy: a parallel pipeline on an idle machine should keep
+them all busy. torch runs each op on `--torch-threads` threads (default 1, so the map's threads
+do not each start an OpenMP team on the same cores).
 
 With glibc's default malloc, each image's large buffers are fresh mmap'd pages: ~50-200 page
 faults per image, and with two threads the kernel time per image grows, which costs AUTOTUNE
