@@ -80,10 +80,26 @@ def test_cross_replica_reduce_equals_numpy():
         np.testing.assert_allclose(mean.values[0].numpy(), np.mean(xs, axis=0), rtol=1e-12, atol=1e-12)
 
 
-def test_integer_mean_truncates_and_keeps_dtype():
-    value = md.PerReplica([torch.tensor([1, -4], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)])
-    out = md.ReductionToOneDevice().reduce("mean", value)
-    assert out.values[0].dtype == torch.int32 and out.values[0].tolist() == [1, -2]
+def test_integer_mean_is_a_float64_true_division():
+    """TF 2.21 (measured): the cross-device ops' MEAN of int32 [1, -4], [2, 0], [0, 0] is float64
+    [1.0, -1.3333...], not a truncated integer."""
+    value = md.PerReplica([torch.tensor(v, dtype=torch.int32) for v in ([1, -4], [2, 0], [0, 0])])
+    for ops_cls in CPU_OPS:
+        out = ops_cls().reduce("mean", value)
+        assert out.values[0].dtype == torch.float64, ops_cls
+        assert out.values[0].tolist() == [1.0, -4 / 3], ops_cls
+
+
+@pytest.mark.parametrize("parts", [([4], [4], [2]), ([2], [4]), ([2, 3], [3, 2]), ([1], [1], [0])])
+def test_reduce_refuses_parts_of_different_shapes(parts):
+    """TF 2.21 raises InvalidArgumentError ("Inputs to operation AddN ... must have the same size
+    and shape"); packing would otherwise read past the smaller part and return garbage."""
+    value = md.PerReplica([torch.ones(p) for p in parts])
+    for ops_cls in CPU_OPS:
+        with pytest.raises(ValueError, match=r"tensor 0 has shape \[.*\] .* on replica \d but"):
+            ops_cls().reduce("sum", value)
+    with pytest.raises(ValueError, match="dtypes"):
+        md.ReductionToOneDevice().reduce("sum", md.PerReplica([torch.ones(2), torch.ones(2, dtype=torch.float64)]))
 
 
 def test_batch_reduce_packs_tensors_into_buckets(monkeypatch):
@@ -377,6 +393,6 @@ def test_different_collectives_are_named_not_confused():
             mnet(torch.ones(1, 3)).sum().backward()
             opt.step()
 
-    with pytest.raises(md.CollectiveMismatchError, match=r"replica 0 called all_reduce; replica 1 called "
+    with pytest.raises(md.CollectiveMismatchError, match=r"replica 0 called all_reduce\(SUM\); replica 1 called "
                                                          r"all_reduce \(gradients\)"):
         s.run(fn)

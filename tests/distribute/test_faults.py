@@ -177,7 +177,7 @@ def test_mismatched_collectives_raise():
             return ctx.all_reduce("sum", torch.ones(1))
         return ctx.merge_call(lambda _: None)
 
-    with pytest.raises(md.CollectiveMismatchError, match="replica 0 called all_reduce; replica 1 called merge_call"):
+    with pytest.raises(md.CollectiveMismatchError, match=r"replica 0 called all_reduce\(SUM\); replica 1 called merge_call"):
         s.run(fn)
     assert all_reduce_ids(s) == [1.0, 1.0]
 
@@ -189,8 +189,54 @@ def test_all_reduce_of_different_shapes_raises_in_every_replica():
     def fn():
         return md.get_replica_context().all_reduce("sum", torch.ones(replica_id() + 1))
 
-    with pytest.raises(ValueError, match="replica 1 passed tensors"):
+    with pytest.raises(ValueError, match=r"tensor 0 has shape \[2\] \(torch.float32\) on replica 1 but \[1\]"):
         s.run(fn)
+    assert all_reduce_ids(s) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("shapes", [((2, 3), (3, 2)), ((3,), (5,))])
+def test_all_reduce_of_equal_sizes_but_different_shapes_raises(shapes):
+    """TF 2.21 refuses a shape mismatch in a collective (measured: InvalidArgumentError "Shape
+    mismatch"). (2, 3) against (3, 2) has the same size, and [a(3), b(5)] against [b(5), a(3)]
+    packs to the same flat buffer: both would sum unrelated values without the shape check."""
+    s = strategy_of(3)
+
+    def fn():
+        first, second = (torch.ones(shapes[0]), torch.ones(shapes[1]))
+        return md.get_replica_context().all_reduce("sum", [first, second] if replica_id() == 0 else [second, first])
+
+    with pytest.raises(ValueError, match=r"tensor 0 has shape .* on replica 1 but .* on replica 0"):
+        s.run(fn)
+    assert all_reduce_ids(s) == [3.0, 3.0, 3.0]
+
+
+def test_replicas_asking_for_different_reduce_ops_raise():
+    """SUM on one replica and MEAN on the others would give an answer that depends on which replica
+    arrives last: a CollectiveMismatchError names each replica's call instead."""
+    s = strategy_of(3)
+
+    def fn():
+        return md.get_replica_context().all_reduce("sum" if replica_id() == 0 else "mean", torch.ones(1))
+
+    with pytest.raises(md.CollectiveMismatchError,
+                       match=r"replica 0 called all_reduce\(SUM\); replica 1 called all_reduce\(MEAN\)"):
+        s.run(fn)
+    assert all_reduce_ids(s) == [3.0, 3.0, 3.0]
+
+
+def test_collective_after_run_returned_is_a_clear_error():
+    """Backward through ctx.all_reduce results outside the strategy.run that made them would make a
+    collective no replica can join: a RuntimeError says so (not an internal exception), and the
+    strategy stays usable."""
+    s = strategy_of(2)
+    weights = [torch.ones(2, requires_grad=True) for _ in range(2)]
+
+    def fn():
+        return md.get_replica_context().all_reduce("sum", weights[replica_id()] * 2)
+
+    out = s.run(fn)
+    with pytest.raises(RuntimeError, match=r"all_reduce\(SUM\) was called after the strategy.run"):
+        out.values[0].sum().backward()
     assert all_reduce_ids(s) == [1.0, 1.0]
 
 

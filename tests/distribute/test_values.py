@@ -37,10 +37,13 @@ def test_flatten_pack_round_trip(structure):
 
 
 def test_nest_keeps_container_types_and_dict_order():
+    """Dicts flatten by sorted key, as tf.nest does, and rebuild in their own key order."""
     s = {"b": Point(1, [2, (3,)]), "a": 4}
     out = v.map_structure(lambda x: x * 10, s)
     assert list(out) == ["b", "a"] and isinstance(out["b"], Point) and isinstance(out["b"].y[1], tuple)
-    assert v.flatten(s) == [1, 2, 3, 4]
+    assert v.flatten(s) == [4, 1, 2, 3]
+    assert v.pack_sequence_as(s, [40, 10, 20, 30]) == {"b": Point(10, [20, (30,)]), "a": 40}
+    assert v.flatten({2: "two", "1": "one", 1: "uno"}) == v.flatten({1: "uno", "1": "one", 2: "two"})
 
 
 def test_map_structure_mismatch_names_both_shapes():
@@ -93,7 +96,9 @@ def test_regroup_nested_structures_leafwise():
 def test_regroup_mismatched_structures_wrap_whole():
     out = v.regroup([[1], [1, 2]])
     assert isinstance(out, v.PerReplica) and out.values == ([1], [1, 2])
-    out = v.regroup([{"a": 1, "b": 2}, {"b": 2, "a": 1}])  # same keys, other order: kept whole
+    out = v.regroup([{"a": 1, "b": 2}, {"b": 3, "a": 1}])  # same keys, other order: by key, as TF does
+    assert list(out) == ["a", "b"] and out["a"] == 1 and out["b"].values == (2, 3)
+    out = v.regroup([{"a": 1}, {"b": 1}])  # other keys: kept whole
     assert isinstance(out, v.PerReplica)
 
 
@@ -111,6 +116,6 @@ def test_a_list_of_strings_is_one_leaf():
     """mr.data batches str leaves into lists of str; like a string tensor in tf.nest, such a list is
     one leaf, so a distributed batch splits it along with the tensors."""
     batch = {"name": ["a.jpg", "b.jpg"], "ids": [1, 2], "empty": []}
-    assert v.flatten(batch) == [["a.jpg", "b.jpg"], 1, 2]
+    assert v.flatten(batch) == [1, 2, ["a.jpg", "b.jpg"]]  # keys sorted: empty, ids, name
     assert v.map_structure(len, {"name": ["a", b"b"]}) == {"name": 2}
-    assert v.is_string_vector(["x"]) and not v.is_string_vector([]) and not v.is_string_vector(("x",))
+    assert v.flatten({"rows": [["a", "b"], ["c", "d"]], "ragged": [["a"], ["b", "c"]]}) == [["a"], ["b", "c"], [["a", "b"], ["c", "d"]]]

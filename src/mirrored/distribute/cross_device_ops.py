@@ -34,11 +34,12 @@ def as_reduce_op(op: ReduceOp | str, where: str) -> ReduceOp:
     raise ValueError(f"{where}: unknown reduce op {op!r}. Use mr.ReduceOp.SUM or mr.ReduceOp.MEAN.")
 
 
-def divide_(t: Tensor, n: int) -> Tensor:
-    """t /= n in place, for MEAN on a tensor we own; integers keep their dtype (truncating division)."""
-    if t.is_floating_point() or t.is_complex():
-        return t.div_(n)
-    return t.copy_(torch.div(t, n, rounding_mode="trunc"))
+def mean_of_sum(total: Tensor, n: int | Tensor) -> Tensor:
+    """MEAN from a SUM the caller owns: floats are divided in place; integers are true-divided into
+    a new float64 tensor, as TF 2.21 returns their mean (7 over 3 replicas is 2.333..., not 2)."""
+    if total.is_floating_point() or total.is_complex():
+        return total.div_(n)
+    return total.double().div_(n)
 
 
 class CrossDeviceOps:
@@ -78,10 +79,13 @@ class CrossDeviceOps:
             raise ValueError(f"{type(self).__name__}.batch_reduce: values have different numbers of replicas: "
                              f"{[len(v) for v in values]}.")
         per_replica = [[v[r] for v in values] for r in range(n)]
+        shapes = [shapes_of(lst) for lst in per_replica]  # as TF refuses: packing would mix the leftovers in
+        if any(sh != shapes[0] for sh in shapes[1:]):
+            raise ValueError(shape_mismatch(f"{type(self).__name__}.batch_reduce", shapes))
         summed = self._sum_packed(per_replica) if n > 1 else [[t.clone() for t in per_replica[0]]]
         out = []
         for j, (_, dest) in enumerate(value_destination_pairs):
-            reduced = [divide_(summed[r][j], n) if op is ReduceOp.MEAN else summed[r][j] for r in range(n)]
+            reduced = [mean_of_sum(summed[r][j], n) if op is ReduceOp.MEAN else summed[r][j] for r in range(n)]
             out.append(self._to_destinations(reduced, dest))
         return out
 
@@ -159,7 +163,7 @@ class CrossDeviceOps:
         n = len(inputs)
         for summed, outs in zip(self._all_sum(inputs), outputs):
             for out, t in zip(outs, summed):
-                out.copy_(divide_(t, n) if reduce_op is ReduceOp.MEAN else t)
+                out.copy_(t.div_(n) if reduce_op is ReduceOp.MEAN else t)  # floats only: see _sum_into
 
 
 class Disagreement(NamedTuple):
@@ -302,9 +306,31 @@ def _sum_into(inputs: list[list[Tensor]], totals: list[Tensor], reduce_op: Reduc
                 torch.add(inputs[0][j], inputs[1][j], out=total)  # total may be inputs[0][j]: in place is fine
     for lst in inputs[2:]:
         torch._foreach_add_(totals, lst)
-    if reduce_op is ReduceOp.MEAN:
+    if reduce_op is ReduceOp.MEAN:  # floats only: the strategy sums integers and divides into float64
         for total in totals:
-            divide_(total, n)
+            total.div_(n)
+
+
+def shape_mismatch(where: str, tokens: Sequence[Sequence[tuple[tuple[int, ...], torch.dtype]]]) -> str:
+    """The error for replicas that passed differently shaped values to one reduction: the first
+    replica and leaf that differ from replica 0's."""
+    first = tokens[0]
+    for r, token in enumerate(tokens[1:], start=1):
+        if len(token) != len(first):
+            return (f"{where}: replica {r} passed {len(token)} tensors but replica 0 passed {len(first)}. Every "
+                    "replica must pass the same structure.")
+        for i, (mine, theirs) in enumerate(zip(token, first)):
+            if mine != theirs:
+                return (f"{where}: tensor {i} has shape {list(mine[0])} ({mine[1]}) on replica {r} but "
+                        f"{list(theirs[0])} ({theirs[1]}) on replica 0. Every replica must pass tensors of the "
+                        "same shapes and dtypes (reduce per-example values to a fixed shape first, e.g. sum "
+                        "them, or reduce along an axis).")
+    return f"{where}: the replicas passed different tensors (internal error: no difference found)."
+
+
+def shapes_of(tensors: Sequence[Tensor]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """What replicas must agree on before their tensors are reduced together: each one's shape and dtype."""
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
 
 def check_same_shapes(everyone: list[list[Tensor]]) -> None:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from mirrored.distribute import buckets, context
 from mirrored.distribute.context import ReplicaContext
-from mirrored.distribute.cross_device_ops import CrossDeviceOps, as_reduce_op, divide_
+from mirrored.distribute.cross_device_ops import CrossDeviceOps, as_reduce_op, mean_of_sum
 from mirrored.distribute.devices import Device, resolve_devices, torch_device, visible_gpus
 from mirrored.distribute.modules import named_copies
 from mirrored.distribute.replicas import CollectiveTimeoutError
@@ -213,7 +213,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         self.all_sum_(flats, what)
         out: list[Tensor | None] = [None] * len(tensors)
         for b, flat in zip(plan, flats):
-            b.unpack(divide_(flat, self.world_size) if reduce_op is ReduceOp.MEAN else flat, out)
+            b.unpack(mean_of_sum(flat, self.world_size) if reduce_op is ReduceOp.MEAN else flat, out)
         return out  # type: ignore[return-value]
 
     def all_gather_row(self, row: Sequence[int | float], what: str, dtype: torch.dtype = torch.int64) -> list[list]:
@@ -297,7 +297,7 @@ class CollectiveAllReduce(CrossDeviceOps):
             local.append(sum(parts[1:], parts[0].clone()))
         reduced = self.all_reduce(ReduceOp.SUM, local, "batch_reduce") if self.world_size > 1 else local
         if op is ReduceOp.MEAN:
-            reduced = [divide_(t, self.world_size * (replicas or 1)) for t in reduced]
+            reduced = [mean_of_sum(t, self.world_size * (replicas or 1)) for t in reduced]
         return [self._to_destinations([t], dest) for t, (_, dest) in zip(reduced, value_destination_pairs)]
 
     # ---- failures ---------------------------------------------------------------------------------
@@ -506,7 +506,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 return self._collectives.all_reduce(ReduceOp.SUM, [total], "strategy.reduce")[0]
             count = torch.tensor(math.prod(local.shape[a] for a in axes), device=total.device)
             total, count = self._collectives.all_reduce(ReduceOp.SUM, [total, count], "strategy.reduce")
-            return total / count
+            return mean_of_sum(total, count)
         if op is ReduceOp.MEAN and (isinstance(value, Mirrored) or _is_mirrored_variable(value)):
             return local.detach().clone()  # identical on every replica: no rounding, as in TF
         return self._collectives.all_reduce(op, [local], "strategy.reduce")[0]

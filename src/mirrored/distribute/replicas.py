@@ -156,6 +156,11 @@ class Rendezvous:
                 raise _Released(what)
 
     def _check_can_join(self, replica_id: int, what: str) -> None:
+        if len(self._done) == self._n:  # not a replica of this step: it is over (a ReplicaContext kept past run)
+            raise RuntimeError(
+                f"{what} was called after the strategy.run that made its replica context had returned, so no "
+                "replica can join it. Make collectives inside the replica function; run backward through "
+                "ctx.all_reduce results inside the same strategy.run, where every replica runs it too.")
         if self.error is not None:
             raise _Released(what)
         if self._done:

@@ -20,7 +20,8 @@ from torch import Tensor
 
 from mirrored.distribute import buckets, context, replicas
 from mirrored.distribute.context import ReplicaContext
-from mirrored.distribute.cross_device_ops import CrossDeviceOps, Disagreement, as_reduce_op, default_for
+from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, as_reduce_op, default_for,
+                                                mean_of_sum, shape_mismatch, shapes_of)
 from mirrored.distribute.devices import Device, intra_op_threads, resolve_devices, torch_device
 from mirrored.distribute.values import (DistributedValues, Mirrored, Nested, PerReplica, ReduceOp, flatten,
                                         pack_sequence_as, regroup, select_replica)
@@ -72,6 +73,7 @@ class Strategy:
     """Synchronous data parallelism over `devices`; see MirroredStrategy for the public constructor."""
 
     _is_default = False
+    _mirrors_variables = True  # False where TF makes plain variables (default and one-device strategies)
     # This process's replicas are replicas _first_replica_id .. _first_replica_id + len(devices) - 1 of
     # num_replicas_in_sync; only a worker of MultiWorkerMirroredStrategy starts past 0. Inside a
     # process replicas are indexed from 0 (ReplicaContext._replica_id), whatever the worker.
@@ -204,8 +206,15 @@ class Strategy:
         op = as_reduce_op(reduce_op, "ReplicaContext.all_reduce")
         device = torch_device(self._devices[ctx._replica_id])
         leaves = [_as_tensor(v, device) for v in flatten(value)]
-        if not self._has_peers(ctx):
-            return pack_sequence_as(value, leaves)
+        if op is ReduceOp.MEAN and not all(t.is_floating_point() or t.is_complex() for t in leaves):
+            # As TF 2.21: an integer mean is a float64 (7 over 3 replicas is 2.333..., not 2). Floats
+            # get the same bits as from a MEAN all-reduce: the sum, divided once.
+            n = ctx.num_replicas_in_sync
+            summed = flatten(self._replica_all_reduce(ctx, ReduceOp.SUM, leaves, same_shapes))
+            return pack_sequence_as(value, [t / n if t.is_floating_point() or t.is_complex() else t.double() / n
+                                            for t in summed])
+        if not self._has_peers(ctx):  # a new tensor all the same, as with peers (the caller may modify it)
+            return pack_sequence_as(value, [t.clone() for t in leaves])
         if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
             return pack_sequence_as(value, list(_AllReduceFunction.apply(self, ctx, op, *leaves)))
         return pack_sequence_as(value, self._all_reduce_leaves(ctx, op, leaves, check_shapes=not same_shapes))
@@ -224,16 +233,21 @@ class Strategy:
 
     def _all_reduce_untracked(self, ctx: ReplicaContext, op: ReduceOp, leaves: list[Tensor],
                               check_shapes: bool) -> list[Tensor]:
-        """Between threads: small tensors travel packed, large ones are read where they lie; the
-        shape check is free (check_same_shapes)."""
-        del check_shapes
+        """Between threads: small tensors travel packed, large ones are read where they lie. The
+        shapes and dtypes travel with them, and every replica checks them in the same meeting (TF
+        refuses a shape mismatch too): equal sizes alone would let (2, 3) meet (3, 2), or two
+        leaves swap places, and sum unrelated values."""
         rid = ctx._replica_id
         layouts = _replica_entry(ctx, self._value_layouts, dict, "all_reduce")
         staged = _recent(layouts, buckets.signature(leaves),
                          lambda: buckets.Layout(leaves, self._cross_device_ops.bytes_per_pack, _DIRECT_NUMEL),
                          _VALUE_LAYOUTS_KEPT).buffers()  # fresh results every call: the caller owns them
         inputs, outputs, results = staged.stage(leaves)
-        self._cross_device_ops.all_reduce(ctx._step, rid, op, inputs, outputs)
+        shapes = shapes_of(leaves) if check_shapes else None
+        reduced = self._cross_device_ops.all_reduce(ctx._step, rid, op, inputs, outputs, agree=shapes,
+                                                    what=f"all_reduce({op.name})")
+        if isinstance(reduced, Disagreement):
+            raise ValueError(shape_mismatch("ReplicaContext.all_reduce", reduced.tokens))
         return results  # type: ignore[return-value]
 
     def _reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
@@ -299,7 +313,7 @@ class Strategy:
                 return total
             axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
             count = sum(math.prod(p.shape[a] for a in axes) for p in parts)
-            return total / count
+            return mean_of_sum(total, count)
         if not distributed:
             if n == 1 or op is ReduceOp.MEAN:
                 return value
@@ -315,13 +329,13 @@ class Strategy:
         if op is ReduceOp.MEAN and _is_mirrored_variable(value):  # identical copies: no rounding, as in TF
             return value.values[0].detach().clone()
         total = self._sum_to_first(value)
-        return total / n if op is ReduceOp.MEAN and total.is_floating_point() else (
-            torch.div(total, n, rounding_mode="trunc") if op is ReduceOp.MEAN else total)
+        return mean_of_sum(total, n) if op is ReduceOp.MEAN else total
 
     def _sum_to_first(self, value: Any) -> Tensor:
+        """The sum of the per-replica parts on the first replica's device: a new tensor, even of one part."""
         parts = [_as_tensor(p, None) for p in self.experimental_local_results(value)]
         if len(parts) == 1:
-            return parts[0]
+            return parts[0].clone()
         mirrored = self._cross_device_ops.reduce(ReduceOp.SUM, PerReplica(parts), destinations=self._devices[0])
         return mirrored.values[0]
 
@@ -525,6 +539,8 @@ class MirroredStrategy(Strategy):
 class OneDeviceStrategy(Strategy):
     """Everything on one device, with the strategy API (tf.distribute.OneDeviceStrategy)."""
 
+    _mirrors_variables = False
+
     def __init__(self, device: str | torch.device):
         super().__init__(resolve_devices([device], where="OneDeviceStrategy"))
 
@@ -533,6 +549,7 @@ class _DefaultStrategy(Strategy):
     """The strategy in force outside any scope: one replica, the current thread, no mirroring."""
 
     _is_default = True
+    _mirrors_variables = False
 
     def __init__(self) -> None:
         super().__init__(("cpu:0",))

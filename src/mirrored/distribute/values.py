@@ -4,13 +4,15 @@
 copies known to be identical (a reduced gradient). Both are `DistributedValues` with `.values`.
 The nest helpers walk tuples, lists, dicts and namedtuples, the structures tf.nest walks, so a
 `strategy.run` argument or result may be any nesting of them (a list of strings is one leaf, as a
-string tensor is in tf.nest). Uses nothing else from mirrored.
+string tensor is in tf.nest). Uses mirrored._strings, nothing else from mirrored.
 """
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from mirrored._strings import is_string_tensor
 
 Device = str  # "cpu:0", "cuda:1": always the canonical spelling from devices.py
 Nested = Any  # a tensor, a DistributedValues, or a tuple / list / dict / namedtuple of Nested
@@ -66,24 +68,30 @@ def is_namedtuple(x: Any) -> bool:
 
 
 def _rebuild(template: Any, items: list[Any]) -> Any:
-    """A container of the same kind as `template` holding `items` (in template order)."""
+    """A container of the same kind as `template` holding `items` (in `_children` order); a dict
+    keeps the template's key order."""
     if isinstance(template, dict):
-        return type(template)(zip(template.keys(), items))
+        by_key = dict(zip(sorted_keys(template), items))
+        return type(template)((k, by_key[k]) for k in template)
     if is_namedtuple(template):
         return type(template)(*items)
     return type(template)(items)
 
 
-def is_string_vector(x: Any) -> bool:
-    """A non-empty list of str / bytes: one leaf (a batch of strings, as mr.data's `batch` makes of str
-    leaves and as tf.nest sees a string tensor), so a distributed batch splits it with the rest."""
-    return type(x) is list and len(x) > 0 and all(isinstance(s, (str, bytes)) for s in x)
+def sorted_keys(d: dict) -> list[Any]:
+    """A dict's keys in tf.nest's order: sorted, so dicts that differ only in insertion order
+    flatten alike (replicas may build their results' dicts in any order). Keys that do not sort
+    among themselves (mixed types) go by type name, then value."""
+    try:
+        return sorted(d)
+    except TypeError:
+        return sorted(d, key=lambda k: (type(k).__name__, repr(k)))
 
 
 def _children(x: Any) -> list[Any] | None:
     if isinstance(x, dict):
-        return list(x.values())
-    if isinstance(x, (list, tuple)) and not is_string_vector(x):
+        return [x[k] for k in sorted_keys(x)]
+    if isinstance(x, (list, tuple)) and not is_string_tensor(x):  # a string tensor is one leaf
         return list(x)
     return None
 
@@ -104,14 +112,14 @@ def _matching_children(structure: Nested, other: Nested) -> list[Any]:
     if isinstance(structure, dict):
         if not isinstance(other, dict) or set(other) != set(structure):
             raise ValueError(f"nested structures differ: {_describe(structure)} vs {_describe(other)}.")
-        return [other[k] for k in structure]
+        return [other[k] for k in sorted_keys(structure)]
     if not isinstance(other, (list, tuple)) or len(other) != len(structure):
         raise ValueError(f"nested structures differ: {_describe(structure)} vs {_describe(other)}.")
     return list(other)
 
 
 def flatten(structure: Nested) -> list[Any]:
-    """The leaves of `structure`, depth first, in container order."""
+    """The leaves of `structure`, depth first, in container order (a dict's by sorted key, as tf.nest)."""
     kids = _children(structure)
     if kids is None:
         return [structure]
@@ -163,7 +171,7 @@ def regroup(per_replica: Sequence[Nested], wrap: type[DistributedValues] = PerRe
     kids = _children(first)
     if kids is not None and all(type(v) is type(first) for v in per_replica[1:]):
         others = [_children(v) for v in per_replica[1:]]
-        same_keys = not isinstance(first, dict) or all(list(v.keys()) == list(first.keys()) for v in per_replica[1:])
+        same_keys = not isinstance(first, dict) or all(v.keys() == first.keys() for v in per_replica[1:])
         if same_keys and all(len(o) == len(kids) for o in others):
             columns = zip(kids, *others)
             return _rebuild(first, [regroup(col, wrap, always_wrap) for col in columns])

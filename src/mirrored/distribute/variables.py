@@ -87,6 +87,13 @@ class Variable:
         self._name = name or "Variable"
         self._strategy: Strategy = context.get_strategy()
         value = torch.as_tensor(_unwrap(initial_value), dtype=dtype)
+        if (self._aggregation is VariableAggregation.MEAN and self._strategy._mirrors_variables
+                and not (value.is_floating_point() or value.is_complex())):
+            # As TF 2.21 refuses it at creation: the mean of integer copies has no integer value.
+            raise ValueError(
+                f"Variable(name={name!r}): aggregation=MEAN on a {value.dtype} variable in {type(self._strategy).__name__}'s "
+                "scope: the mean of integer copies is not an integer (TF refuses this too). Use aggregation=SUM "
+                "or ONLY_FIRST_REPLICA, or a floating-point dtype.")
         requires_grad = self._trainable and (value.is_floating_point() or value.is_complex())
         copies = []
         for device in self._strategy.extended.worker_devices:
@@ -246,10 +253,6 @@ class MirroredVariable(Variable):
         if agg is VariableAggregation.NONE:
             _write(self._values[rid], value, op)
             return self
-        if agg is VariableAggregation.MEAN and not (self.dtype.is_floating_point or self.dtype.is_complex):
-            raise ValueError(
-                f"MirroredVariable {self._name!r}.{op} in replica context: aggregation MEAN cannot average into "
-                f"an integer variable ({self.dtype}). Use aggregation=SUM or ONLY_FIRST_REPLICA, or a float dtype.")
         ctx = context.get_replica_context()
         ctx.merge_call(_merge_update, args=(self, value, op))
         return self
