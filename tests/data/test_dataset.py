@@ -287,6 +287,35 @@ def test_batch_shape_mismatch_names_element_and_shapes():
         list(ds)
 
 
+def test_string_vectors_batch_into_one_leaf_and_unbatch_back(tmp_path):
+    """A list of bytes per element (what parse_example gives a bytes feature) batches into a rank-2
+    string tensor (nested lists) that unbatch, cache and distributed input all treat as one leaf,
+    as tf.data treats a [B, n] string tensor."""
+    elements = [{"t": [b"a%d" % i, b"b%d" % i], "x": torch.tensor(i)} for i in range(5)]
+    ds = Dataset.from_generator(lambda: iter(elements))
+    batched = ds.batch(2)
+    assert batched.element_spec["t"] == TensorSpec((None, 2), bytes)
+    first = next(iter(batched))
+    assert first["t"] == [[b"a0", b"b0"], [b"a1", b"b1"]] and first["x"].tolist() == [0, 1]
+    for got, want in zip(batched.unbatch(), elements, strict=True):
+        assert got["t"] == want["t"] and int(got["x"]) == int(want["x"])
+    twice = list(ds.batch(2).batch(2).unbatch().unbatch())
+    assert [e["t"] for e in twice] == [e["t"] for e in elements]  # rank 3 and back
+    path = str(tmp_path / "strings")
+    assert [(b["t"], b["x"].tolist()) for b in batched.cache(path)] == [(b["t"], b["x"].tolist()) for b in batched]
+    assert [e["t"] for e in Dataset.from_generator(lambda: iter(elements)).batch(2).cache(path)] == \
+        [b["t"] for b in batched]  # read back from the file
+    assert list(Dataset.from_tensor_slices(np.array([["a", "b"], ["c", "d"]]))) == [["a", "b"], ["c", "d"]]
+
+
+def test_ragged_string_vectors_do_not_batch():
+    """tf.data refuses to batch string tensors of different shapes; so do we, naming the element."""
+    ds = Dataset.from_generator(lambda: iter([[b"a", b"b"], [b"c"]])).batch(2)
+    with pytest.raises(ValueError, match=r"element 1 .* has strings of shape \(1,\) but element 0 has strings "
+                                         r"of shape \(2,\)"):
+        list(ds)
+
+
 def test_batch_structure_mismatch_is_a_value_error():
     ds = Dataset.from_generator(lambda: iter([{"a": 1}, {"b": 2}])).batch(2)
     with pytest.raises(ValueError, match=r"element 1 .*same structure"):
@@ -346,7 +375,7 @@ def test_shards_partition_the_dataset(n, num_shards):
 
 
 _OPS = st.sampled_from(["take", "skip", "shard", "batch_drop", "repeat", "map", "shuffle",
-                        "prefetch", "enumerate", "concatenate", "zip", "batch_take"])
+                        "prefetch", "enumerate", "concatenate", "zip", "batch_take", "batch_unbatch"])
 
 
 @PROPERTY
@@ -363,6 +392,7 @@ def test_cardinality_matches_the_number_of_elements(n, ops, last_batch):
             "enumerate": lambda: ds.enumerate(), "concatenate": lambda: ds.concatenate(ds),
             "zip": lambda: Dataset.zip(ds, Dataset.range(k * 3)),
             "batch_take": lambda: ds.batch(k, drop_remainder=True).take(2),
+            "batch_unbatch": lambda: ds.batch(k, drop_remainder=True).unbatch(),
         }[op]()
     if last_batch:  # a short batch can only come last: a later batch could not stack it with others
         ds = ds.batch(last_batch)
@@ -375,7 +405,12 @@ def test_cardinality_rules_and_len():
     assert Dataset.range(0).repeat().cardinality() == 0
     assert Dataset.range(10).repeat().take(25).cardinality() == 25
     assert Dataset.range(10).repeat().batch(3).cardinality() == INFINITE_CARDINALITY
-    assert Dataset.range(10).batch(3).unbatch().cardinality() == UNKNOWN_CARDINALITY
+    assert Dataset.range(10).batch(3).unbatch().cardinality() == UNKNOWN_CARDINALITY  # batch sizes vary
+    # Measured on TF 2.21: batches of a known size, and a tensor's rows, unbatch to a known count.
+    assert Dataset.range(10).batch(4, drop_remainder=True).unbatch().cardinality() == 8
+    assert Dataset.from_tensors(torch.zeros(10)).unbatch().cardinality() == 10
+    assert Dataset.range(10).batch(4, drop_remainder=True).repeat().unbatch().cardinality() == INFINITE_CARDINALITY
+    assert Dataset.range(10).skip(-1).cardinality() == 0 and Dataset.range(10).repeat().skip(-1).cardinality() == 0
     assert len(Dataset.range(10).batch(4)) == 3
     with pytest.raises(TypeError, match="infinite"):
         len(Dataset.range(3).repeat())
@@ -389,6 +424,16 @@ def test_repeat_counts_and_empty_repeat_terminates():
     assert ints(Dataset.range(3).repeat().take(7)) == [0, 1, 2, 0, 1, 2, 0]
     assert ints(Dataset.range(0).repeat()) == []
     assert ints(Dataset.range(3).repeat(0)) == []
+
+
+def test_repeat_with_a_count_goes_past_an_empty_pass():
+    """Measured on TF 2.21: a generator whose second pass is empty, repeat(3), gives passes 1 and 3;
+    only repeat() (forever) stops at an empty pass, which would otherwise never return."""
+    passes = iter([[10, 11], [], [30, 31], [40]])
+    ds = Dataset.from_generator(lambda: iter(next(passes)))
+    assert ints(ds.repeat(3)) == [10, 11, 30, 31]
+    passes = iter([[10, 11], [], [30, 31]])
+    assert ints(ds.repeat()) == [10, 11]
 
 
 def test_interleave_matches_the_tf_data_documentation_example():

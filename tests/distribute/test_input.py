@@ -52,6 +52,19 @@ def test_numpy_and_list_leaves_are_split():
     assert dist["tag"].values == ("const", "const")
 
 
+def test_batched_string_vectors_split_by_row():
+    """A batch of string vectors (a rank-2 string tensor: mr.data's batch of parse_example's bytes
+    lists) splits by row like a tensor, not as a list structure of rows."""
+    from mirrored.data import Dataset
+
+    rows = [{"t": [b"a%d" % i, b"b%d" % i], "x": torch.tensor(i)} for i in range(5)]
+    s = strategy_of(2)
+    dists = list(s.experimental_distribute_dataset(Dataset.from_generator(lambda: iter(rows)).batch(5)))
+    assert len(dists) == 1
+    assert dists[0]["t"].values == ([r["t"] for r in rows[:3]], [r["t"] for r in rows[3:]])
+    assert [t.tolist() for t in dists[0]["x"].values] == [[0, 1, 2], [3, 4]]
+
+
 def test_distributed_dataset_rejects_iterators_and_non_iterables():
     s = strategy_of(2)
     with pytest.raises(TypeError, match="got an iterator"):

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mirrored._strings import nest_strings, string_items, string_tensor_shape
 from mirrored.data._pipeline import Node
 from mirrored.data._structure import (
     _DICT,
@@ -105,10 +106,13 @@ def _encode_leaf(leaf: Any, payloads: list[Any]) -> list[Any]:
     if isinstance(leaf, bytes):
         payloads.append(leaf)
         return ["b", len(leaf)]
-    if type(leaf) is list:  # a string vector (flatten() only leaves those as list leaves)
-        data = [s.encode("utf-8") if isinstance(s, str) else s for s in leaf]
+    if type(leaf) is list:  # a string tensor (flatten() only leaves those as list leaves)
+        items = string_items(leaf)
+        data = [s.encode("utf-8") if isinstance(s, str) else s for s in items]
         payloads.extend(data)
-        return ["v", "".join("s" if isinstance(s, str) else "b" for s in leaf), [len(d) for d in data]]
+        entry = ["v", "".join("s" if isinstance(s, str) else "b" for s in items), [len(d) for d in data]]
+        shape = string_tensor_shape(leaf)
+        return entry if len(shape) == 1 else [*entry, list(shape)]  # rank 1 as before this took more
     if isinstance(leaf, bool):
         return ["o", leaf]
     if isinstance(leaf, int):
@@ -205,7 +209,8 @@ def _decode_leaf(entry: list[Any], f: Any, path: str) -> Any:
         return bytes(_read_exact(f, entry[1], path))
     if kind == "v":
         items = [bytes(_read_exact(f, n, path)) for n in entry[2]]
-        return [b.decode("utf-8") if k == "s" else b for k, b in zip(entry[1], items)]
+        strings = [b.decode("utf-8") if k == "s" else b for k, b in zip(entry[1], items)]
+        return nest_strings(strings, entry[3]) if len(entry) > 3 else strings
     if kind in ("i", "f", "o"):
         return entry[1]
     if kind == "z":

@@ -242,8 +242,17 @@ class Unbatch(Node):
             close_iterator(upstream)
 
     def cardinality(self) -> int:
+        """n batches of a known, common dim 0 (k: after batch(k, drop_remainder=True), or tensors of
+        k rows) give n * k rows, as in TF; else unknown. (Reads the input's element_spec, which
+        may run a map function once on a first element, as element_spec does.)"""
         n = self.inputs[0].cardinality()
-        return n if n in (0, INFINITE_CARDINALITY) else UNKNOWN_CARDINALITY
+        if n in (0, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY):
+            return n
+        dims = {None if spec.shape is None or not spec.shape else spec.shape[0]
+                for spec in _structure.flatten(self.inputs[0].spec())[0]}
+        if len(dims) != 1 or None in dims:
+            return UNKNOWN_CARDINALITY
+        return n * dims.pop()
 
     def _compute_spec(self) -> Any:
         return _structure.map_leaves(_structure.unbatched_spec, self.inputs[0].spec())
@@ -281,10 +290,11 @@ class Repeat(Node):
             it = self.inputs[0].iterate(probe)
             try:
                 first = next(it, _END)
-                if first is _END:  # an empty pass: repeating it forever would never return
+                if first is _END and count is None:  # repeating an empty pass forever would never return
                     return
-                yield first
-                yield from it
+                if first is not _END:  # (with a count, an empty pass just counts: a later one may yield, as in TF)
+                    yield first
+                    yield from it
             finally:
                 close_iterator(it)
             k += 1

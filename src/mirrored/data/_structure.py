@@ -1,8 +1,9 @@
 """Element structures for `Dataset`: flatten / rebuild, TensorSpec, batching and unbatching.
 
 An element is a leaf or a tuple / dict / namedtuple / list of elements. Leaves are torch tensors,
-numpy arrays, Python str / bytes / int / float / bool, and "string vectors": a non-empty list whose
-items are all str or bytes (what `batch` makes of str leaves). Any other list is a structure.
+numpy arrays, Python str / bytes / int / float / bool, and string tensors: a non-empty list of str
+or bytes (what `batch` makes of str leaves), or of string tensors of one shape (what it makes of
+those; see mirrored._strings). Any other list is a structure.
 A structure's shape is a "tree" of nested tuples, hashable and cheap to compare:
 None (a leaf), (_TUPLE, children), (_LIST, children), (_DICT, keys, children, dict type),
 (_NAMEDTUPLE, class, children). Uses torch and numpy only.
@@ -17,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from mirrored._strings import is_string_tensor, string_items, string_tensor_shape
 
 Tree = Any  # None for a leaf, else one of the tuples described above
 _TUPLE, _LIST, _DICT, _NAMEDTUPLE = 0, 1, 2, 3
@@ -56,8 +59,6 @@ def _shapes_compatible(want: tuple | None, got: tuple | None) -> bool:
 # ---------------------------------------------------------------------------------------- trees
 
 
-def is_string_vector(x: Any) -> bool:
-    return type(x) is list and len(x) > 0 and all(isinstance(s, _STRINGS) for s in x)
 
 
 def flatten(x: Any) -> tuple[list[Any], Tree]:
@@ -78,7 +79,7 @@ def _flatten(x: Any, leaves: list[Any]) -> Tree:
         if hasattr(t, "_fields"):
             return (_NAMEDTUPLE, t, tuple([_flatten(c, leaves) for c in x]))
         return (_TUPLE, tuple([_flatten(c, leaves) for c in x]))
-    if t is list and not is_string_vector(x):
+    if t is list and not is_string_tensor(x):
         return (_LIST, tuple([_flatten(c, leaves) for c in x]))
     leaves.append(x)
     return None
@@ -240,9 +241,9 @@ def spec_of_leaf(x: Any) -> TensorSpec:
         return TensorSpec(tuple(x.shape), torch_dtype_of(x.dtype))
     if isinstance(x, np.generic):
         return TensorSpec((), torch_dtype_of(x.dtype))
-    if is_string_vector(x):
-        kinds = {type(s) for s in x}
-        return TensorSpec((len(x),), bytes if kinds == {bytes} else str)
+    shape = string_tensor_shape(x)
+    if shape is not None:
+        return TensorSpec(shape, bytes if all(isinstance(s, bytes) for s in string_items(x)) else str)
     if isinstance(x, str):
         return TensorSpec((), str)
     if isinstance(x, bytes):
@@ -314,7 +315,7 @@ def as_constant(x: Any, path: str, where: str) -> Any:
     if isinstance(x, (bool, int, float)):
         return torch.tensor(x)
     if type(x) is list:
-        if is_string_vector(x):
+        if is_string_tensor(x):
             return list(x)
         try:
             if any(isinstance(v, (torch.Tensor, np.ndarray)) for v in x):
@@ -334,14 +335,13 @@ def as_constant(x: Any, path: str, where: str) -> Any:
 
 def numpy_leaf(x: np.ndarray, path: str, where: str) -> torch.Tensor | list:
     if x.dtype.kind in "USO":
-        items = x.tolist()
-        if x.ndim != 1 or not all(isinstance(s, _STRINGS) for s in items):
+        if x.ndim == 0 or not x.size or not all(isinstance(s, _STRINGS) for s in x.ravel().tolist()):
             raise TypeError(
                 f"{where}: component {path or 'x'} is a numpy array of dtype {x.dtype} and shape "
-                f"{x.shape}; only 1-D arrays of str or bytes are supported for text. Convert numbers "
-                "to a numeric dtype."
+                f"{x.shape}; only non-empty arrays of str or bytes (1-D or more) are supported for "
+                "text. Convert numbers to a numeric dtype."
             )
-        return items
+        return x.tolist()  # nested lists: a string tensor of the array's shape
     if not x.flags.writeable or not x.dtype.isnative:
         x = x.astype(x.dtype.newbyteorder("="), copy=True)
     try:
@@ -457,6 +457,13 @@ def _stack(column: tuple) -> Any:
             return torch.tensor(column)
         except (TypeError, RuntimeError, ValueError) as e:
             raise _first_mismatch(column, lambda a, b: isinstance(b, (bool, int, float, np.generic)), e) from None
+    shape = string_tensor_shape(x0)
+    if shape is not None:  # string tensors of one shape stack into one of a rank more (tf.data refuses ragged ones)
+        for k, x in enumerate(column):
+            other = string_tensor_shape(x)
+            if other != shape:
+                raise _BadColumn(k, f"strings of shape {shape}",
+                                 f"strings of shape {other}" if other is not None else _leaf_desc(x))
     return list(column)
 
 

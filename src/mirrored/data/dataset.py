@@ -311,7 +311,10 @@ class Dataset:
 
     def cardinality(self) -> int:
         """The number of elements, INFINITE_CARDINALITY (-1) or UNKNOWN_CARDINALITY (-2); computed
-        from the pipeline without iterating (filter, from_generator, interleave, unbatch: unknown)."""
+        from the pipeline without iterating (filter, from_generator, interleave: unknown; unbatch:
+        known where its input's batches have a known size, as after batch(k, drop_remainder=True)).
+        skip(-1) (skip everything) is 0 where TF says -1 or -2 for an infinite or unknown input:
+        TF's skips that input forever, ours yields nothing at once."""
         return self._node.cardinality()
 
     def __len__(self) -> int:
@@ -321,7 +324,8 @@ class Dataset:
                             "use cardinality(), or take(n) to make it finite.")
         if n == UNKNOWN_CARDINALITY:
             raise TypeError("The dataset length is unknown (it contains a filter, from_generator, "
-                            "interleave or unbatch); use cardinality(), or count by iterating.")
+                            "interleave, or an unbatch of batches of unknown size); use cardinality(), or "
+                            "count by iterating.")
         return n
 
     def __bool__(self) -> bool:
