@@ -311,6 +311,29 @@ def test_label_out_of_range_names_the_record_and_shard(tmp_path):
         list(ds)
 
 
+@pytest.mark.parametrize("feature, bad, message", [
+    ("label", 2.7, r"the label feature holds a float_list of 1 \[2.70.*\], not an int64 class id"),
+    ("label", b"3", r"the label feature holds a bytes_list of 1 starting b'3', not an int64 class id"),
+    ("image", np.array([1, 2]), r"the image feature holds an int64_list of 2 \[1, 2\], not encoded image bytes"),
+    ("image/filename", 7, r"the text feature holds an int64_list of 1 \[7\], not UTF-8 bytes"),
+])
+def test_a_feature_of_the_wrong_kind_names_the_record_and_shard(tmp_path, feature, bad, message):
+    """A float label 2.7 or a bytes label b"3" would pass int() as 2 and 3: each feature is checked
+    for the tf.train.Example list kind TFDS writes it as, and the error names the record."""
+    items = _items(4)
+
+    def encode(key):
+        fields = {"image": _tiny_jpeg(9), "image/filename": key.encode(), "label": 1}
+        if key == "img-002.jpg":
+            fields[feature] = bad
+        return encode_example(fields)
+
+    directory = _prepare(tmp_path, {"train": items}, encode=encode)
+    position = _tfds_order("train", [name for name, _, _ in items]).index("img-002.jpg")
+    with pytest.raises(ValueError, match=rf"record {position} of .*toy-train.tfrecord-00000-of-00001: {message}"):
+        list(tfds.PreparedDataset(directory).as_dataset("train"))
+
+
 def test_truncated_shard_is_reported(tmp_path):
     directory = _prepare(tmp_path, {"train": _items(10)})
     info_path = os.path.join(directory, "dataset_info.json")

@@ -75,9 +75,9 @@ class Image:
         self.shape = tuple(None if d is None or d < 0 else int(d) for d in shape)
         self.channels = self.shape[-1] or 0  # 0: as stored
 
-    def decode(self, value: list[bytes], where: str) -> torch.Tensor:
-        if not value or not isinstance(value, list):
-            raise ValueError(f"{where}: the image feature holds {value!r:.60}, not encoded image bytes; the "
+    def decode(self, value: list[bytes] | np.ndarray, where: str) -> torch.Tensor:
+        if not _is_bytes_list(value):
+            raise ValueError(f"{where}: the image feature holds {_held(value)}, not encoded image bytes; the "
                              "shard is damaged or from another dataset: prepare it again.")
         return decode_image(value[0], self.channels, name=where)
 
@@ -111,10 +111,12 @@ class ClassLabel:
     def int2str(self, label: int) -> str:
         return self.names[label]
 
-    def decode(self, value: np.ndarray, where: str) -> torch.Tensor:
+    def decode(self, value: list[bytes] | np.ndarray, where: str) -> torch.Tensor:
+        if not (isinstance(value, np.ndarray) and value.dtype == np.int64):  # a float 2.7 or b"3" is no class id
+            raise ValueError(f"{where}: the label feature holds {_held(value)}, not an int64 class id; the "
+                             "shard is damaged or from another dataset: prepare it again.")
         if len(value) != 1 or not 0 <= int(value[0]) < self.num_classes:
-            got = value.tolist() if isinstance(value, np.ndarray) else value
-            raise ValueError(f"{where}: label {got} is outside [0, {self.num_classes}) (classes "
+            raise ValueError(f"{where}: label {value.tolist()} is outside [0, {self.num_classes}) (classes "
                              f"{', '.join(self.names)}). The file is damaged or belongs to another "
                              "dataset version: prepare it again.")
         return torch.tensor(int(value[0]), dtype=torch.int64)
@@ -130,8 +132,17 @@ class ClassLabel:
 class Text:
     """A UTF-8 string, served as str (tfds.features.Text)."""
 
-    def decode(self, value: list[bytes], where: str) -> str:
-        return value[0].decode("utf-8") if value else ""
+    def decode(self, value: list[bytes] | np.ndarray, where: str) -> str:
+        if isinstance(value, list) and not value:
+            return ""
+        if not _is_bytes_list(value):
+            raise ValueError(f"{where}: the text feature holds {_held(value)}, not UTF-8 bytes; the shard is "
+                             "damaged or from another dataset: prepare it again.")
+        try:
+            return value[0].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: the text feature is not UTF-8 ({e}); the shard is damaged or from "
+                             "another dataset: prepare it again.") from None
 
     def to_json(self) -> dict[str, Any]:
         return {"pythonClassName": _TFDS + "text_feature.Text", "text": {}}
@@ -141,6 +152,21 @@ class Text:
 
 
 Feature = Image | ClassLabel | Text
+
+
+def _is_bytes_list(value: Any) -> bool:
+    """Whether a parsed feature is one bytes value (a bytes_list of length 1), as images and text are."""
+    return isinstance(value, list) and len(value) == 1 and isinstance(value[0], bytes)
+
+
+def _held(value: Any) -> str:
+    """What a parsed tf.train.Example feature holds, for errors: its list kind and its first values."""
+    if isinstance(value, np.ndarray):
+        kind = {"i": "an int64_list", "f": "a float_list"}.get(value.dtype.kind, f"a {value.dtype} array")
+        return f"{kind} of {len(value)} {value[:4].tolist()}{'...' if len(value) > 4 else ''}"
+    if isinstance(value, list):
+        return f"a bytes_list of {len(value)}{f' starting {value[0][:16]!r}' if value else ''}"
+    return f"a {type(value).__name__}"
 
 
 class FeaturesDict(dict):
