@@ -66,6 +66,39 @@ def test_channel_conversions_follow_pillow_modes():
     assert decode_image(gray_png, 4).numpy()[..., 3].min() == 255
 
 
+# tf.io.decode_png(channels=1) of the 16x16 RGB image below, measured on TF 2.21 (libpng's rgb_to_gray).
+_TF_GRAY_OF_RGB_PNG = bytes.fromhex(
+    "010a131c262f38414a535d666f78818b131c26303a434d57616b747e88929b59252f39444e58636d77828c96a1abb573"
+    "37414c57626d78838e99a4aeb9c4cf8e48545f6b76828d99a4b0bbc7d2c0cc8b5a66727e8b97a3afbbc7b6c2cedae6a5"
+    "6c7985929fabb8c5d1c1cdda505d1d297e8b99a6b3c0cdbd34414f5c69763727909eacb9313f4c3d4b58667482723341"
+    "0c1a283745534553616f7e8c7d8c4d5c1e2d3b4a594b5a697887958796a56776303f4f5e6d606f7f8e9e909fafbe6473"
+    "4252627282748595a597a7b8c86e7e8e5364758579899aaa9eaebfd0c38798a8657788998d9eafc0b4c6d7cbdca1b2a6"
+    "77899bada1b3c5b9cbddee4d5e24182a"
+)
+
+
+def _color_ramp() -> np.ndarray:
+    y, x = np.mgrid[0:16, 0:16]
+    return np.stack([(x * 17 + y * 3) % 256, (y * 29 + x * 7) % 256, (x * y * 5 + 11) % 256], -1).astype(np.uint8)
+
+
+def test_color_png_to_gray_matches_tf_exactly():
+    """decode_png(channels=1) of an RGB or RGBA PNG gives TF's gray levels bit for bit (Pillow's own
+    convert("L") rounds differently: 117 of these 256 pixels one level off); gray pixels stay."""
+    rgb = _color_ramp()
+    want = np.frombuffer(_TF_GRAY_OF_RGB_PNG, np.uint8).reshape(16, 16, 1)
+    alpha = rgb[..., :1] // 2 + 3
+    for pixels in (rgb, np.concatenate([rgb, alpha], -1)):  # TF drops alpha before the conversion
+        out = io.BytesIO()
+        Image.fromarray(pixels).save(out, format="PNG")
+        got = decode_image(out.getvalue(), 1)
+        assert got.dtype == torch.uint8 and np.array_equal(got.numpy(), want)
+    gray_rgb = np.repeat(np.arange(256, dtype=np.uint8).reshape(16, 16, 1), 3, axis=-1)
+    out = io.BytesIO()
+    Image.fromarray(gray_rgb).save(out, format="PNG")
+    assert np.array_equal(decode_image(out.getvalue(), 1).numpy()[..., 0], gray_rgb[..., 0])
+
+
 def test_decodes_palette_and_16_bit_pngs():
     palette = Image.new("P", (4, 3))
     palette.putpalette([10, 20, 30] * 256)
@@ -297,11 +330,48 @@ def test_bilinear_batched_float_input():
 ])
 def test_kernel_resizes_match_reference(method, kernel, radius, antialias):
     image = rng_image(13, 13, 3).astype(np.float64) / 255
+    # Plain bicubic reads TF's table of the kernel at 1/1024 steps: up to ~8e-4 of the range off
+    # the exact kernel (its slope is at most 1.5, the offset off by at most 1/2048, over 4 taps).
+    atol = 1e-3 if method == "bicubic" and not antialias else 1e-4
     for out_size in SIZES:
         got = resize(image.astype(np.float32), out_size, method=method, antialias=antialias)
         wh = ref_kernel_weights(13, out_size[0], kernel, radius, antialias)
         ww = ref_kernel_weights(13, out_size[1], kernel, radius, antialias)
-        np.testing.assert_allclose(got.numpy(), apply_separable(image, wh, ww), atol=1e-4)
+        np.testing.assert_allclose(got.numpy(), apply_separable(image, wh, ww), atol=atol)
+
+
+# tf.image.resize(method="bicubic") of _ramp(h, w), float32 little-endian, measured on TF 2.21.
+_TF_BICUBIC = {
+    ((8, 8), (3, 5)): bytes.fromhex(
+        "c9339d3ebdff703f8181103ff2e2903eac7e1b3f85e1c33e36c0ec3e00203b3f0abd663e60f4c33ebbd3033f"
+        "7457ce3b2000443f62b49a3e1078223f"
+    ),
+    ((5, 7), (9, 11)): bytes.fromhex(
+        "c867cabd15b7b53e9a01613f084b253f30fadb3e10be8d3e5657073dce42613e7a13623fb6b6533f5e8b283f"
+        "59368d3d7836a23e7174263f48f5373fbab7233f74bbe83e8c615b3ecc618b3eba992a3f949d113f8e21d73e"
+        "5fc2ca3ed14d8c3e2d15833eea8c543faddb7a3fac433e3f59010c3ffbcbc93ee244983e12defe3d3412453c"
+        "507e363f136c093f3b1fc13ef783293ff7862b3ff949f93e6f842d3f2cee343f1aebeb3e9be66d3e667fcc3d"
+        "267f643fd4d5483f00301a3f03e0e23eac49753e0000003e0d0a2d3f0e2d723f18d5363f2c2a073fb201d73e"
+        "2ada073f67a8c73ea7518d3e61b1103fcaaa0a3fdfa09e3ee90efc3ec6c0063f5d4ca63ef318103fc796483f"
+        "f5768c3e09c8e53d10362d3dd29b1c3fcf0c4c3f96a01d3f11a4db3e3b63613e824a5a3d27a9023f5062663f"
+        "6c21103fbc0ce03e00c8933e2dff9f3e70a5103fdcff643f02453e3f953e073f5e7ebc3efe49c83e8abae23e"
+        "1ea03d3fff21233fcee5e13e18e6103e9c47d73e7c90843f01bd6c3f394a383f02c60f3f2aa2a63e3c9e333e"
+    ),
+}
+
+
+def _ramp(h: int, w: int) -> np.ndarray:
+    i, j = np.mgrid[0:h, 0:w]
+    return (((i * 7 + j * 13) % 17) / 16).astype(np.float32)[..., None]
+
+
+@pytest.mark.parametrize("in_size, out_size", list(_TF_BICUBIC))
+def test_plain_bicubic_is_bit_exact_with_tf(in_size, out_size):
+    """Down- and upsampling: TF's tabulated weights, float32 positions and border renormalization
+    give its output bit for bit."""
+    want = np.frombuffer(_TF_BICUBIC[in_size, out_size], "<f4").reshape(*out_size, 1)
+    got = resize(torch.from_numpy(_ramp(*in_size)), out_size, method="bicubic")
+    assert got.dtype == torch.float32 and np.array_equal(got.numpy(), want)
 
 
 @pytest.mark.parametrize("in_size, out_size", [((12, 12), (4, 6)), ((12, 10), (5, 7)),

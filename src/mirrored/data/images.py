@@ -68,8 +68,11 @@ def decode_image(data: bytes, channels: int = 3, *, name: str = "") -> torch.Ten
         return torch.from_numpy(array)
     try:
         with Image.open(io.BytesIO(data)) as image:
-            image = _to_mode(image, channels)
-            array = np.array(image)  # a copy: Pillow's buffer is read-only
+            if channels == 1 and image.format == "PNG" and image.mode in _PNG_COLOR_MODES:
+                array = _png_gray(np.asarray(image.convert("RGB")))
+            else:
+                image = _to_mode(image, channels)
+                array = np.array(image)  # a copy: Pillow's buffer is read-only
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         head = bytes(data[:16])
         raise ValueError(
@@ -107,6 +110,18 @@ def _decode_jpeg_turbo(data: bytes, channels: int) -> np.ndarray | None:
         return simplejpeg.decode_jpeg(data, colorspace, fastdct=True, fastupsample=False)
     except ValueError:
         return None
+
+
+_PNG_COLOR_MODES = ("RGB", "RGBA", "P", "PA", "RGBa")
+
+
+def _png_gray(rgb: np.ndarray) -> np.ndarray:
+    """Gray from 8-bit RGB as libpng's png_set_rgb_to_gray(0.299, 0.587) computes it for TF's
+    decode_png(channels=1): 15-bit fixed-point weights 9797, 19234, 3737, truncated, and gray pixels
+    kept as they are (Pillow's convert("L") rounds instead: 1 level off on about half the pixels)."""
+    r, g, b = (rgb[..., i].astype(np.uint32) for i in range(3))
+    gray = ((9797 * r + 19234 * g + 3737 * b) >> 15).astype(np.uint8)
+    return np.where((r == g) & (g == b), rgb[..., 0], gray)
 
 
 def _of(name: str) -> str:
@@ -273,7 +288,8 @@ def resize(images: ImageLike, size: Sequence[int], method: str = "bilinear",
     Returns float32, except for "nearest", which keeps the input dtype (as TF does). Out-of-image
     taps get no weight and the rest are renormalized (TF's behavior at the borders). `antialias`
     widens the bilinear/bicubic kernel when downsampling; "area" averages by covered area and
-    "nearest" ignores antialias, both as in TF. Plain bilinear on a CPU tensor runs in OpenCV, which
+    "nearest" ignores antialias, both as in TF. Plain bicubic reads the kernel from TF's table of
+    1024 steps per pixel, so it gives TF's values bit for bit. Plain bilinear on a CPU tensor runs in OpenCV, which
     places samples in float64 where TF uses float32: up to ~5e-5 of the value range closer to exact.
     The first such call sets OpenCV to one thread (cv2.setNumThreads(1), for the whole process).
     """
@@ -298,15 +314,14 @@ def resize(images: ImageLike, size: Sequence[int], method: str = "bilinear",
         out = F.interpolate(nchw, size=size, mode="nearest-exact")
     elif method == "bilinear" and not antialias:  # what OpenCV does not take
         out = F.interpolate(nchw.float(), size=size, mode="bilinear", align_corners=False)
-    elif method == "bilinear" or (method == "bicubic" and (antialias or not downsampling)):
+    elif method == "bilinear" or (method == "bicubic" and antialias):
         # torch's antialiased kernels are TF's scale_and_translate: triangle or Keys a=-0.5
         # kernels widened by the downsampling factor, out-of-image taps dropped, renormalized.
-        # Upsampling widens nothing, so they also give TF's plain bicubic there.
         out = F.interpolate(nchw.float(), size=size, mode=method, align_corners=False,
                             antialias=True)
     elif method == "area" and in_h % height == 0 and in_w % width == 0:
         out = F.interpolate(nchw.float(), size=size, mode="area")  # whole blocks: plain mean
-    else:  # bicubic downsampling without antialias, area by fractional coverage
+    else:  # bicubic without antialias (TF's tabulated weights), area by fractional coverage
         out = _resize_separable(batch.float(), height, width, method, antialias)
         out = out.permute(0, 3, 1, 2)
     out = out.permute(0, 2, 3, 1).contiguous()
@@ -381,6 +396,8 @@ def _resize_separable(nhwc: torch.Tensor, height: int, width: int, method: str,
 def _taps(in_size: int, out_size: int, method: str, antialias: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices, weights), each [out_size, taps], for one axis; weights sum to 1 per row."""
+    if method == "bicubic" and not antialias:
+        return _bicubic_table_taps(in_size, out_size)
     scale = in_size / out_size
     out = np.arange(out_size, dtype=np.float64)
     if method == "area":
@@ -404,6 +421,30 @@ def _taps(in_size: int, out_size: int, method: str, antialias: bool
     weights /= weights.sum(axis=1, keepdims=True)
     return (torch.from_numpy(np.clip(idx, 0, in_size - 1)),
             torch.from_numpy(weights.astype(np.float32)))
+
+
+_BICUBIC_TABLE_SIZE = 1024
+
+
+def _bicubic_table_taps(in_size: int, out_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TF's resize_bicubic with half-pixel centers (tf.image.resize's bicubic without antialias):
+    the Keys kernel (a = -0.5) read from a table of 1024 steps per pixel, so each sample's offset
+    is rounded to 1/1024 (up to ~8e-4 of the value range from the exact kernel), positions in
+    float32, out-of-image taps dropped and the rest renormalized, all as TF computes them."""
+    steps = _BICUBIC_TABLE_SIZE
+    x = np.arange(steps + 1, dtype=np.float64) / steps
+    near = (((_KEYS_A + 2) * x - (_KEYS_A + 3)) * x * x + 1).astype(np.float32)  # |d| in [0, 1]
+    x = x + 1
+    far = ((((_KEYS_A * x - 5 * _KEYS_A) * x + 8 * _KEYS_A) * x) - 4 * _KEYS_A).astype(np.float32)  # [1, 2]
+    scale = np.float32(in_size) / np.float32(out_size)
+    position = (np.arange(out_size, dtype=np.float32) + np.float32(0.5)) * scale - np.float32(0.5)
+    base = np.floor(position)
+    offset = np.rint((position - base) * np.float32(steps)).astype(np.int64)  # lrintf: half to even
+    idx = base.astype(np.int64)[:, None] + np.arange(-1, 3)
+    weights = np.stack([far[offset], near[offset], near[steps - offset], far[steps - offset]], axis=1)
+    weights = np.where((idx >= 0) & (idx < in_size), weights, np.float32(0))
+    weights = weights * (np.float32(1) / weights.sum(axis=1, keepdims=True, dtype=np.float32))
+    return torch.from_numpy(np.clip(idx, 0, in_size - 1)), torch.from_numpy(weights.astype(np.float32))
 
 
 def _triangle(x: np.ndarray) -> np.ndarray:
