@@ -229,6 +229,43 @@ def test_training_on_two_workers_matches_plain_torch(tmp_path):
     assert results(tmp_path)[0]["parts"] == [[2, 2], [2, 2], [2, 1]] * EPOCHS
 
 
+def fit_run(strategy) -> tuple[dict, list[torch.Tensor], list[list[float]]]:
+    """Model.fit, evaluate and predict of mlp() on global batches of GLOBAL_BATCH: the same code
+    for the workers and the in-process reference."""
+    import mirrored as mr
+
+    x = torch.cat([b[0] for b in global_batches()])
+    y = torch.cat([b[1] for b in global_batches()])
+    with strategy.scope():
+        model = mr.Model(mlp())
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    data = mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    history = model.fit(data, epochs=EPOCHS, verbose=0).history
+    logs = {"history": history, "evaluate": model.evaluate(data, return_dict=True, verbose=0)}
+    return logs, [p.detach().clone() for p in model.module.parameters()], model.predict(x, batch_size=GLOBAL_BATCH).tolist()
+
+
+def test_model_fit_on_two_workers_matches_two_replicas(tmp_path):
+    """Model.fit divides each step's loss by the GLOBAL batch's size, which a worker cannot see in
+    its own part: on 2 workers it trains, evaluates and predicts as MirroredStrategy does on 2 replicas
+    (before the fix, the learning rate was in effect doubled), and predict returns every worker's rows."""
+    from safetensors.torch import load_file
+
+    assert launch("fit", tmp_path) == [0, 0], logs(tmp_path, 2)
+    torch.manual_seed(0)
+    want_logs, want_params, want_pred = fit_run(md.MirroredStrategy(devices=["cpu:0", "cpu:1"]))
+    for rank, res in enumerate(results(tmp_path)):
+        for key, values in want_logs["history"].items():
+            assert res["logs"]["history"][key] == pytest.approx(values, rel=RTOL, abs=ATOL), (rank, key)
+        assert res["logs"]["evaluate"] == pytest.approx(want_logs["evaluate"], rel=RTOL, abs=ATOL), rank
+        got_params = load_file(str(tmp_path / f"params{rank}.safetensors"))
+        for j, want in enumerate(want_params):
+            torch.testing.assert_close(got_params[str(j)], want, rtol=RTOL, atol=ATOL)
+        assert len(res["predict"]) == N_EXAMPLES
+        torch.testing.assert_close(torch.tensor(res["predict"]), torch.tensor(want_pred), rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.slow
 def test_training_on_three_workers_matches_plain_torch(tmp_path):
     """Over 3 workers the batches split 2/2/0, 2/2/0, 1/1/1: an empty part still joins the all-reduce."""
@@ -493,6 +530,15 @@ def scenario_training(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
     return {"losses": losses, "parts": parts}
 
 
+def scenario_fit(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(rank)  # rank 0's weights are the reference's (seed 0); Model() must broadcast them
+    fit_logs, params, predicted = fit_run(s)
+    save_file({str(j): p.contiguous() for j, p in enumerate(params)}, str(OUT_DIR / f"params{rank}.safetensors"))
+    return {"logs": fit_logs, "predict": predicted}
+
+
 def exit_early(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
     if rank == 1:
         return {}  # and exits, without joining the next collective
@@ -517,7 +563,8 @@ def scenario_hang(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
         return {"error_type": type(e).__name__, "error": str(e), "elapsed_s": time.monotonic() - started}
 
 
-SCENARIOS = {"collectives": scenario_collectives, "training": scenario_training, "hang": scenario_hang}
+SCENARIOS = {"collectives": scenario_collectives, "training": scenario_training, "hang": scenario_hang,
+             "fit": scenario_fit}
 
 
 def never_arrives() -> dict:

@@ -154,6 +154,9 @@ class DistributedIterator:
         self._source = source
         self._step = 0
         self._ahead: list[Any] = []
+        # The size of the global batch the last next() split: the same on every worker, where the
+        # parts a worker holds say only how many rows its own replicas got.
+        self.global_batch_size: int | None = None
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -181,6 +184,7 @@ class DistributedIterator:
                 f"ds.batch({max(size, 1)} * strategy.num_replicas_in_sync). (A short final batch of an epoch "
                 "is fine.)")
         self._step += 1
+        self.global_batch_size = size
         return current
 
     def get_next(self) -> Any:

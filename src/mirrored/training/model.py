@@ -78,24 +78,24 @@ def _weights_like(sw: Any, per_example: Tensor) -> Any:
     return sw
 
 
+_END = object()
+
+
 class _Continuing:
-    """Iterating again resumes where the previous iteration stopped (Keras's steps_per_epoch);
-    once the data runs out, the next iteration starts a new pass."""
+    """An epoch's iterator resumes where the previous epoch's stopped (Keras's steps_per_epoch);
+    once the data runs out, the next epoch starts a new pass."""
 
     def __init__(self, iterable: Iterable[Any]):
         self._iterable = iterable
         self._it: Iterator[Any] | None = None
 
-    def __iter__(self) -> Iterator[Any]:
+    def iterator(self) -> Iterator[Any]:
         if self._it is None:
             self._it = iter(self._iterable)
-        while True:
-            try:
-                item = next(self._it)
-            except StopIteration:
-                self._it = None
-                return
-            yield item
+        return self._it
+
+    def ran_out(self) -> None:
+        self._it = None
 
 
 class Model:
@@ -132,6 +132,7 @@ class Model:
         self._epoch_data_state: Any = None
         self._fit_dataset: Any = None
         self._precision: str | None = None
+        self._predict_like: tuple[torch.Size, torch.dtype] | None = None  # an output row's shape and dtype
         self._scalers: list[Any] = []
 
     # ---- structure -------------------------------------------------------------------------------
@@ -270,12 +271,16 @@ class Model:
                     self._update_metrics(y, logits, per_example, sw)
 
     def _predict_replica(self, x: Any) -> Tensor:
+        """This replica's outputs; for an empty part (a short last batch), no rows of the shape and
+        dtype of the others' rows, so that the parts concatenate (across workers too). Only when no
+        output was seen yet (a single batch smaller than the replica count) does the model run on
+        zero rows to learn that shape."""
         net = self._net.module
         with torch.no_grad():
-            if not _rows(x):
-                probe = next(iter(net.parameters()))
-                return torch.empty((0,), device=probe.device)
-            return self._forward(net, x)
+            if _rows(x) or self._predict_like is None:
+                return self._forward(net, x)
+            shape, dtype = self._predict_like
+            return torch.empty((0, *shape), dtype=dtype, device=next(iter(net.parameters())).device)
 
     # ---- data -----------------------------------------------------------------------------------------
     def _as_dataset(self, x: Any, y: Any, batch_size: int | None, sample_weight: Any, shuffle: bool,
@@ -308,15 +313,23 @@ class Model:
                             f"batch_size=); got {type(x).__name__}.")
         return x
 
-    def _batches(self, dist: Iterable[Any], steps: int | None, skip: int = 0) -> Iterator[list[tuple[Any, int]]]:
-        """Groups of `steps_per_execution` (x, y, sw) distributed batches with their global sizes."""
+    def _batches(self, dist: Iterable[Any] | _Continuing, steps: int | None,
+                 skip: int = 0) -> Iterator[list[tuple[Any, int]]]:
+        """Groups of `steps_per_execution` (x, y, sw) distributed batches with their global sizes
+        (the distributed iterator's: on a multi-worker strategy the local parts are not all of it)."""
+        it = dist.iterator() if isinstance(dist, _Continuing) else iter(dist)
         group: list[tuple[Any, int]] = []
-        # islice stops after `steps` batches without drawing one more (which a continuing iterator would lose).
-        for i, batch in enumerate(dist if steps is None else itertools.islice(dist, steps)):
+        # Stops after `steps` batches without drawing one more (which a continuing iterator would lose).
+        for i in itertools.count() if steps is None else range(steps):
+            batch = next(it, _END)
+            if batch is _END:
+                if isinstance(dist, _Continuing):
+                    dist.ran_out()
+                break
             if i < skip:
                 continue
             x, y, sw = _unpack(batch)
-            group.append(((x, y, sw), _global_rows(x)))
+            group.append(((x, y, sw), it.global_batch_size))
             if len(group) == self._steps_per_execution:
                 yield group
                 group = []
@@ -431,13 +444,17 @@ class Model:
         for m in self._net.replicas:
             m.eval()
         outputs = []
+        self._predict_like = None
         for i, batch in enumerate(strategy.experimental_distribute_dataset(dataset)):
             if steps is not None and i >= steps:
                 break
             bx, _, _ = _unpack(batch)
             result = strategy.run(self._predict_replica, args=(bx,))
-            parts = [p for p in strategy.experimental_local_results(result) if p.numel() or p.dim() > 1]
-            outputs.append(torch.cat([p.detach().cpu() for p in parts], dim=0).numpy())
+            first = next((p for p in strategy.experimental_local_results(result) if len(p)), None)
+            if first is not None and self._predict_like is None:
+                self._predict_like = (first.shape[1:], first.dtype)
+            # Every replica's rows in batch order: on a multi-worker strategy, every worker's.
+            outputs.append(strategy.gather(result, axis=0).detach().cpu().numpy())
         if not outputs:
             raise ValueError("Model.predict: the dataset yielded no batches.")
         return np.concatenate(outputs, axis=0)
@@ -578,11 +595,6 @@ def _rows(x: Any) -> int:
     return len(leaf)
 
 
-def _global_rows(x: Any) -> int:
-    leaf = md.values.flatten(x)[0]
-    if isinstance(leaf, md.PerReplica):
-        return sum(len(v) for v in leaf.values)
-    return len(leaf)
 
 
 def _len_or_none(dataset: Any) -> int | None:
