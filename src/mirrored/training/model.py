@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -75,10 +76,27 @@ def _weights_like(sw: Any, per_example: Tensor) -> Any:
     if isinstance(sw, Tensor) and sw.dim() > per_example.dim():
         raise ValueError(f"sample_weight of shape {tuple(sw.shape)} does not fit per-example losses of shape "
                          f"{tuple(per_example.shape)}: give one weight per example, shape (batch,) or (batch, 1).")
+    if isinstance(sw, Tensor) and 0 < sw.dim() < per_example.dim():  # one weight per example, for all its values
+        sw = sw.reshape(*sw.shape, *[1] * (per_example.dim() - sw.dim()))
     return sw
 
 
 _END = object()
+
+
+def _check_validation_freq(freq: Any) -> None:
+    """Keras's validation_freq: validate every `freq` epochs (an int >= 1), or after the epochs
+    listed (1-based, e.g. [1, 5, 10]). Checked before training, not after the first epoch."""
+    if isinstance(freq, bool) or not (
+            (isinstance(freq, int) and freq >= 1)
+            or (isinstance(freq, (list, tuple, set, range)) and freq
+                and all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in freq))):
+        raise ValueError(f"fit(validation_freq={freq!r}): give an int >= 1 (validate every that many epochs) or "
+                         "a list of 1-based epoch numbers, e.g. [1, 5, 10].")
+
+
+def _should_validate(epoch: int, freq: int | Iterable[int]) -> bool:
+    return (epoch + 1) % freq == 0 if isinstance(freq, int) else epoch + 1 in freq
 
 
 class _Continuing:
@@ -190,6 +208,10 @@ class Model:
             self.optimizer = optimizers.get(optimizer)
             self._mopt = strategy.mirror_optimizer(lambda params: self.optimizer.build(params), self._net)
             self._loss = losses.get(loss)
+            if getattr(self._loss, "reduction", None) == "none":
+                raise ValueError(f"compile(loss={loss!r}): reduction='none' leaves one loss per example, but fit "
+                                 "needs one number to minimise. Use reduction='sum_over_batch_size' (the mean, "
+                                 "Keras's default) or 'sum'.")
             loss_name = getattr(self._loss, "name", None)
             self._metrics = [metrics_lib.get(m, loss_name=loss_name) for m in (metrics or [])]
             self._loss_tracker = metrics_lib.Mean(name="loss")
@@ -219,10 +241,44 @@ class Model:
             out = net(x)
         return out.float() if isinstance(out, Tensor) and out.dtype in (torch.bfloat16, torch.float16) else out
 
-    def _update_metrics(self, y: Any, logits: Tensor, per_example: Tensor, sample_weight: Any) -> None:
-        self._loss_tracker.update_state(per_example.detach())
+    def _step_loss(self, ctx: Any, net: nn.Module, x: Any, y: Any, sw: Any, count: int
+                   ) -> tuple[Tensor | None, Tensor | None, Any]:
+        """This replica's share of the step's loss (the shares of all replicas add up to the loss of
+        the global batch, reduced as the loss object says, as Keras reduces it on one device), its
+        logits, and its sample weights. An empty part (a short last batch) has no share and no
+        logits, but joins whatever collective the others make: with ignore_class, the count of
+        kept labels; with SyncBatchNorm, the forward pass's statistics."""
+        rows = _rows(x)
+        logits = per_example = None
+        if rows or self._sync_bn:
+            logits = self._forward(net, x)
+            per_example = self._loss.per_example(y, logits)
+            sw = _weights_like(sw, per_example)
+            if sw is not None:
+                per_example = per_example * sw
+        ignore = getattr(self._loss, "ignore_class", None)
+        if self._loss.reduction == "sum":
+            denominator: Any = 1
+        elif ignore is not None:  # Keras divides by the labels kept, over the whole global batch
+            labels = torch.as_tensor(y)
+            kept = (labels != ignore).sum() if rows else torch.zeros((), dtype=torch.int64, device=labels.device)
+            denominator = ctx.all_reduce(md.ReduceOp.SUM, kept).clamp(min=1)
+        else:  # every loss value of the global batch: rows times the values per row (a sequence's steps)
+            denominator = count * (math.prod(per_example.shape[1:]) if per_example is not None else 1)
+        share = per_example.sum() / denominator if per_example is not None else None
+        return share, logits, sw
+
+    def _track(self, y: Any, logits: Tensor | None, share: Tensor | None, sw: Any, count: int,
+               regularization: Tensor | float) -> None:
+        """The reported loss is Keras's: each step's loss (regularization included) weighted by its
+        batch size; this replica adds its share of that, and its rows to the count."""
+        rows = _rows(logits) if logits is not None else 0
+        if not rows:
+            return
+        self._loss_tracker.total.assign_add(share.detach().float() * count + float(regularization) * rows)
+        self._loss_tracker.count.assign_add(rows)
         for m in self._metrics:
-            m.update_state(y, logits.detach(), sample_weight)
+            m.update_state(y, logits.detach(), sw)
 
     def _train_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
         ctx = md.get_replica_context()
@@ -230,19 +286,14 @@ class Model:
         opt = self._mopt
         scaler = self._scalers[[m is net for m in self._net.replicas].index(True)] if self._scalers else None
         for (x, y, sw), count in zip(batches, global_counts):
-            # An empty part (a short last batch) still joins the gradient all-reduce; with SyncBatchNorm
-            # it must also run forward, whose statistics all-reduce every replica joins.
-            if _rows(x) or self._sync_bn:
-                logits = self._forward(net, x)
-                per_example = self._loss.per_example(y, logits)
-                sw = _weights_like(sw, per_example)
-                if sw is not None:
-                    per_example = per_example * sw
-                loss = per_example.sum() / count + self._regularization(net, ctx.num_replicas_in_sync)
+            # An empty part (a short last batch) still joins the gradient all-reduce.
+            share, logits, sw = self._step_loss(ctx, net, x, y, sw, count)
+            if share is not None:
+                regularization = self._regularization(net)
+                loss = share + regularization / ctx.num_replicas_in_sync  # the replicas' gradients are summed
                 (scaler.scale(loss) if scaler else loss).backward()
-                if _rows(x):
-                    with torch.no_grad():
-                        self._update_metrics(y, logits, per_example, sw)
+                with torch.no_grad():
+                    self._track(y, logits, share, sw, count, regularization)
             opt.reduce_gradients()
             if scaler is not None:
                 scaler.step(opt.optimizer)
@@ -253,22 +304,20 @@ class Model:
             opt.sync_buffers()
 
     @staticmethod
-    def _regularization(net: nn.Module, num_replicas: int) -> Tensor | float:
-        """A module's `regularization_loss()` (if it has one), divided by the replica count as TF does."""
+    def _regularization(net: nn.Module) -> Tensor | float:
+        """A module's `regularization_loss()`, if it has one (each replica's gradient takes its share
+        of it, 1 / replicas, as TF does; the reported loss includes all of it, as Keras's does)."""
         fn = getattr(net, "regularization_loss", None)
-        return fn() / num_replicas if callable(fn) else 0.0
+        return fn() if callable(fn) else 0.0
 
-    def _test_replica(self, batches: list[tuple[Any, Any, Any]]) -> None:
+    def _test_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
+        ctx = md.get_replica_context()
         net = self._net.module
         with torch.no_grad():
-            for x, y, sw in batches:
-                if _rows(x):
-                    logits = self._forward(net, x)
-                    per_example = self._loss.per_example(y, logits)
-                    sw = _weights_like(sw, per_example)
-                    if sw is not None:
-                        per_example = per_example * sw
-                    self._update_metrics(y, logits, per_example, sw)
+            for (x, y, sw), count in zip(batches, global_counts):
+                share, logits, sw = self._step_loss(ctx, net, x, y, sw, count)
+                if share is not None:
+                    self._track(y, logits, share, sw, count, self._regularization(net))
 
     def _predict_replica(self, x: Any) -> Tensor:
         """This replica's outputs; for an empty part (a short last batch), no rows of the shape and
@@ -344,6 +393,7 @@ class Model:
             validation_freq: int = 1) -> Any:
         """Trains for `epochs` epochs over a dataset of GLOBAL batches (or arrays with batch_size)."""
         self._require_compiled("fit")
+        _check_validation_freq(validation_freq)
         dataset = self._as_dataset(x, y, batch_size, sample_weight, shuffle, "fit")
         val = None
         if validation_data is not None:
@@ -392,8 +442,10 @@ class Model:
                     break
             skip = 0
             epoch_logs = dict(logs) if logs else self._logs()
-            if val is not None and (epoch + 1) % validation_freq == 0 and not self.stop_training:
-                val_logs = self._evaluate(val, validation_steps, None)
+            # As Keras: validation runs (through the fit callbacks' test hooks) even in the epoch that
+            # a callback stopped, so its end has val_* logs for EarlyStopping, checkpoints and History.
+            if val is not None and _should_validate(epoch, validation_freq):
+                val_logs = self._evaluate(val, validation_steps, cbs)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 for m in self._net.replicas:
                     m.train()
@@ -413,7 +465,7 @@ class Model:
         for i, group in enumerate(self._batches(strategy.experimental_distribute_dataset(dataset), steps)):
             if cbs is not None:
                 cbs.on_test_batch_begin(i)
-            strategy.run(self._test_replica, args=([b for b, _ in group],))
+            strategy.run(self._test_replica, args=([b for b, _ in group], [n for _, n in group]))
             if cbs is not None:
                 cbs.on_test_batch_end(i, self._logs())
         logs = self._logs()
