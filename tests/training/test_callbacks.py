@@ -145,6 +145,15 @@ def test_early_stopping_restores_the_best_weights():
     assert [c[0] for c in model.calls] == ["set_weights"]
 
 
+def test_early_stopping_restores_the_best_weights_when_training_ends_without_it():
+    """Keras 3.15 (measured): restore_best_weights puts the best epoch's weights back in
+    on_train_end, also when the epochs ran out or another callback stopped training."""
+    es = EarlyStopping(patience=5, restore_best_weights=True)
+    model, stopped = _run_epochs(es, [1.0, 0.5, 0.7, 0.8])
+    assert stopped is None and es.best_epoch == 1
+    np.testing.assert_array_equal(model.weights[0], np.full(2, 1.0))  # epoch 1's, not the last epoch's 3.0
+
+
 def test_early_stopping_without_restore_keeps_the_last_weights():
     model, stopped = _run_epochs(EarlyStopping(patience=1), [1.0, 1.5])
     assert stopped == 1 and model.calls == []

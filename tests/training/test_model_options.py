@@ -314,6 +314,55 @@ def test_validation_freq_validates_every_second_epoch():
     assert len(history.history["loss"]) == 5 and len(history.history["val_loss"]) == 2
 
 
+def test_validation_freq_list_and_bad_values():
+    """Keras's validation_freq also takes a list of 1-based epochs; a bad value fails before training."""
+    x, y, _ = _data()
+    recorder = _Recorder()
+    ds = mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    model = _model(_net())
+    model.fit(ds, epochs=4, validation_data=ds, validation_freq=[1, 4], verbose=0, callbacks=[recorder])
+    assert ["val_loss" in logs for logs in recorder.epoch_logs] == [True, False, False, True]
+    for bad in (0, [0, 2], "2", 1.5, []):
+        with pytest.raises(ValueError, match="validation_freq"):
+            model.fit(ds, epochs=1, validation_data=ds, validation_freq=bad, verbose=0, callbacks=[recorder])
+    assert len(recorder.epoch_logs) == 4  # nothing trained
+
+
+class _TestHooks(mr.callbacks.Callback):
+    """Stops training after the first batch, and records the hooks fit's validation calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[str] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.stop_training = True
+
+    def on_test_begin(self, logs=None):
+        self.events.append("test_begin")
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.events.append(f"test_batch_end{batch}")
+
+    def on_test_end(self, logs=None):
+        self.events.append("test_end")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.events.append(f"epoch_end{epoch}:{sorted(logs)}")
+
+
+def test_fit_validation_calls_the_test_hooks_and_runs_in_a_stopped_epoch():
+    """Measured on Keras 3.15: fit's validation goes through the fit callbacks' test hooks, and still
+    runs in the epoch a callback stopped, so that epoch's logs have val_loss."""
+    x, y, _ = _data()
+    hooks = _TestHooks()
+    ds = mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    _model(_net()).fit(ds, epochs=3, validation_data=ds, verbose=0, callbacks=[hooks])
+    batches = -(-len(x) // GLOBAL_BATCH)
+    assert hooks.events == (["test_begin"] + [f"test_batch_end{i}" for i in range(batches)] + ["test_end"]
+                            + ["epoch_end0:['loss', 'val_loss']"])
+
+
 def test_early_stopping_stops_fit_when_the_loss_stops_improving():
     x, y, _ = _data()
     stopper = mr.callbacks.EarlyStopping(monitor="loss", patience=1)

@@ -341,7 +341,7 @@ class EarlyStopping(Callback):
     `min_delta` for `patience` epochs, counting from `start_from_epoch`.
 
     With `baseline`, the wait is reset only by values that also beat the baseline. With
-    restore_best_weights, the weights of the best epoch are put back when training stops.
+    restore_best_weights, the weights of the best epoch are put back when training ends.
     """
 
     def __init__(self, monitor: str = "val_loss", min_delta: float = 0.0, patience: int = 0,
@@ -397,15 +397,16 @@ class EarlyStopping(Callback):
         if self.wait >= self.patience and epoch > 0:
             self.stopped_epoch = epoch
             self.model.stop_training = True
-            if self.restore_best_weights and self.best_weights is not None:
-                if self.verbose:
-                    say(f"Restoring the model weights from the end of the best epoch: "
-                        f"{self.best_epoch + 1}.")
-                self.model.set_weights(self.best_weights)
 
     def on_train_end(self, logs: Logs | None = None) -> None:
+        """As Keras 3 does: the best weights come back when training ends, however it ends (this
+        callback stopped it, another one did, or the epochs ran out)."""
         if self.stopped_epoch > 0 and self.verbose:
             say(f"Epoch {self.stopped_epoch + 1}: early stopping")
+        if self.restore_best_weights and self.best_weights is not None:
+            if self.verbose:
+                say(f"Restoring the model weights from the end of the best epoch: {self.best_epoch + 1}.")
+            self.model.set_weights(self.best_weights)
 
     def __repr__(self) -> str:
         return (f"EarlyStopping(monitor={self.monitor!r}, patience={self.patience}, "
