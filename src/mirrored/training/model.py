@@ -101,19 +101,40 @@ def _should_validate(epoch: int, freq: int | Iterable[int]) -> bool:
 
 class _Continuing:
     """An epoch's iterator resumes where the previous epoch's stopped (Keras's steps_per_epoch);
-    once the data runs out, the next epoch starts a new pass."""
+    once the data runs out, the next epoch starts a new pass. For BackupAndRestore it knows where
+    it is: the dataset's state when the current pass began, and how many batches it has drawn."""
 
-    def __init__(self, iterable: Iterable[Any]):
+    def __init__(self, iterable: Iterable[Any], dataset: Any):
         self._iterable = iterable
+        self._dataset = dataset if hasattr(dataset, "get_state") else None
         self._it: Iterator[Any] | None = None
+        self.pass_state: Any = None
+        self.drawn = 0
 
     def iterator(self) -> Iterator[Any]:
         if self._it is None:
+            self.pass_state = self._dataset.get_state() if self._dataset is not None else None
+            self.drawn = 0
             self._it = iter(self._iterable)
         return self._it
 
     def ran_out(self) -> None:
         self._it = None
+
+    def position(self) -> dict[str, Any]:
+        return {"state": self.pass_state, "drawn": self.drawn}
+
+    def seek(self, position: dict[str, Any]) -> None:
+        """Replays the saved pass up to where it was (its batches are read again, not trained on)."""
+        if self._dataset is not None and position["state"] is not None:
+            self._dataset.set_state(position["state"])
+        self._it = None
+        it = self.iterator()
+        for _ in range(position["drawn"]):
+            if next(it, _END) is _END:
+                self.ran_out()
+                return
+            self.drawn += 1
 
 
 class Model:
@@ -149,6 +170,9 @@ class Model:
         self._pending_data_state: Any = None
         self._epoch_data_state: Any = None
         self._fit_dataset: Any = None
+        self._fit_source: Any = None  # what fit draws batches from: the distributed dataset, or a _Continuing
+        self._pending_position: dict[str, Any] | None = None  # a _Continuing's place, from a backup
+        self._epoch_start_lr: float | None = None  # the learning rate before this epoch's on_epoch_begin
         self._precision: str | None = None
         self._predict_like: tuple[torch.Size, torch.dtype] | None = None  # an output row's shape and dtype
         self._scalers: list[Any] = []
@@ -366,15 +390,21 @@ class Model:
                  skip: int = 0) -> Iterator[list[tuple[Any, int]]]:
         """Groups of `steps_per_execution` (x, y, sw) distributed batches with their global sizes
         (the distributed iterator's: on a multi-worker strategy the local parts are not all of it)."""
-        it = dist.iterator() if isinstance(dist, _Continuing) else iter(dist)
+        continuing = isinstance(dist, _Continuing)
+        it = dist.iterator() if continuing else iter(dist)
         group: list[tuple[Any, int]] = []
         # Stops after `steps` batches without drawing one more (which a continuing iterator would lose).
-        for i in itertools.count() if steps is None else range(steps):
+        # Resumed mid-epoch, a fresh pass draws the `skip` batches already trained on again; a continuing
+        # iterator was put back where it was (_Continuing.seek), so it starts at step `skip`.
+        first = skip if continuing else 0
+        for i in itertools.count(first) if steps is None else range(first, steps):
             batch = next(it, _END)
             if batch is _END:
-                if isinstance(dist, _Continuing):
+                if continuing:
                     dist.ran_out()
                 break
+            if continuing:
+                dist.drawn += 1
             if i < skip:
                 continue
             x, y, sw = _unpack(batch)
@@ -407,7 +437,8 @@ class Model:
         dist = strategy.experimental_distribute_dataset(dataset)
         # Keras: with steps_per_epoch, each epoch continues the previous one's iterator (so ds.repeat()
         # with steps_per_epoch sees all the data); without it, every epoch is a fresh full pass.
-        source = _Continuing(dist) if steps_per_epoch is not None else dist
+        source = _Continuing(dist, dataset) if steps_per_epoch is not None else dist
+        self._fit_source = source
         steps = steps_per_epoch if steps_per_epoch is not None else _len_or_none(dataset)
         verbose = 1 if verbose == "auto" else verbose
         cbs = callbacks_lib.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=self,
@@ -418,6 +449,10 @@ class Model:
         start_epoch, skip = initial_epoch, 0
         if self._resume_at is not None:
             start_epoch, skip = self._resume_at
+            if isinstance(source, _Continuing) and self._pending_position is not None:
+                source.seek(self._pending_position)
+                self._pending_data_state = None  # the position holds the pass's own state
+        self._pending_position = None
         for m in self._net.replicas:
             m.train()
         epoch_logs: dict[str, float] = {}
@@ -428,6 +463,7 @@ class Model:
                 self._pending_data_state = None
             self._epoch_data_state = dataset.get_state() if hasattr(dataset, "get_state") else None
             self._epoch, self._step_in_epoch = epoch, skip
+            self._epoch_start_lr = self.optimizer.learning_rate
             cbs.on_epoch_begin(epoch)
             logs: dict[str, float] = {}
             step = skip
@@ -573,6 +609,11 @@ class Model:
     def _load_optimizer(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
         if self._mopt is not None and "optimizer" in meta:
             self._mopt.load_state_dict(checkpoint.optimizer_state_from_flat(tensors, meta["optimizer"]))
+            groups = self._mopt.replicas[0].param_groups
+            if groups and self.optimizer is not None:
+                # The saved rate, which a callback may have changed (LearningRateScheduler, ReduceLROnPlateau),
+                # is in the torch optimizer's groups; callbacks read and write it through the recipe.
+                self.optimizer.learning_rate = groups[0]["lr"]
 
     @classmethod
     def load(cls, path: str | Path, module: nn.Module | None = None, compile: bool = True) -> Model:
@@ -618,7 +659,13 @@ class Model:
         data_state = self._epoch_data_state
         if step == 0 and hasattr(self._fit_dataset, "get_state"):
             data_state = self._fit_dataset.get_state()
-        meta.update({"epoch": int(epoch), "step": int(step), "rng": rng_meta, "data_state": data_state})
+        # The resumed run calls on_epoch_begin(epoch) again, so it needs the rate from before that call: a
+        # schedule of the current rate (LearningRateScheduler) would otherwise apply this epoch's change twice.
+        resume_lr = self.optimizer.learning_rate if step == 0 else self._epoch_start_lr
+        meta.update({"epoch": int(epoch), "step": int(step), "rng": rng_meta, "data_state": data_state,
+                     "resume_lr": resume_lr})
+        if isinstance(self._fit_source, _Continuing):  # with steps_per_epoch, epochs share one pass's iterator
+            meta["pass"] = self._fit_source.position()
         checkpoint.save_checkpoint(path, tensors, meta)
 
     def _restore_training_state(self, path: str | Path) -> tuple[int, int]:
@@ -628,6 +675,9 @@ class Model:
         checkpoint.restore_rng_state({k[len("rng/"):]: v for k, v in tensors.items() if k.startswith("rng/")},
                                      meta["rng"])
         self._pending_data_state = meta.get("data_state")
+        self._pending_position = meta.get("pass")
+        if meta.get("resume_lr") is not None and self.optimizer is not None:
+            self.optimizer.learning_rate = meta["resume_lr"]
         if meta.get("replicas") == self.distribute_strategy.num_replicas_in_sync:
             for i, m in enumerate(self.metrics):
                 for j, var in enumerate(getattr(m, "variables", [])):
@@ -645,8 +695,6 @@ class Model:
 def _rows(x: Any) -> int:
     leaf = md.values.flatten(x)[0]
     return len(leaf)
-
-
 
 
 def _len_or_none(dataset: Any) -> int | None:
