@@ -121,6 +121,30 @@ def test_batchnorm_model_stays_in_sync_and_saves_and_loads_on_another_replica_co
         np.testing.assert_array_equal(a.numpy(), b, err_msg=k)
 
 
+def test_batchnorm_statistics_with_an_empty_part_match_one_device():
+    """12 examples in batches of 8 on 3 replicas: the second batch splits 2/2/0. The empty replica did not
+    update its BatchNorm statistics, so it must not count in their average, and num_batches_tracked
+    (an integer buffer) must stay equal (review finding: 2, 2, 1, and check_in_sync failed). With a
+    learning rate of 0 the running mean, averaged by each replica's example count, is one device's."""
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 4) * 3 + 1, torch.randint(0, 2, (12,))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    reference = copy.deepcopy(net)
+    reference.train()
+    with torch.no_grad():
+        for i in range(0, 12, 8):
+            reference(x[i:i + 8])
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"])
+    with strategy.scope():
+        model = mr.Model(net)
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.0), loss="sparse_categorical_crossentropy")
+    model.fit(mr.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
+    model.check_in_sync()
+    bn, want = model.module[1], reference[1]
+    assert int(bn.num_batches_tracked) == 2
+    torch.testing.assert_close(bn.running_mean, want.running_mean, rtol=1e-6, atol=1e-7)
+
+
 def test_get_and_set_weights_round_trip_to_every_replica():
     strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     with strategy.scope():

@@ -161,20 +161,36 @@ class MirroredOptimizer:
         self.sync_buffers()
         return result
 
-    def sync_buffers(self) -> None:
-        """Averages the module's floating-point buffers (BatchNorm running statistics) across replicas,
-        as TF's MEAN-aggregated moving averages are, so every copy stays identical."""
+    def sync_buffers(self, weight: float | None = None) -> None:
+        """Makes the module's buffers identical across replicas: floating-point ones (BatchNorm's running
+        statistics) are averaged, as TF's MEAN-aggregated moving averages are; integer ones (BatchNorm's
+        num_batches_tracked) take replica 0's value. With `weight` (this replica's examples in the step),
+        the average is weighted by it: a replica whose part of a short last batch was empty (weight 0)
+        did not update its statistics and does not count, and uneven parts count by their size, which
+        gives a single device's update of the running mean on the whole batch."""
         ctx = context.get_replica_context()
         if ctx is None or ctx.strategy is not self._strategy or ctx.num_replicas_in_sync == 1:
             return
         net = self._module.replicas[ctx._replica_id]
-        bufs = [b for b in net.buffers() if b.is_floating_point()]
-        if bufs:
-            # Every copy of the module has the same buffers, so the strategy may skip its shape check.
-            averaged = self._strategy._replica_all_reduce(ctx, ReduceOp.MEAN, bufs, same_shapes=True)
-            with torch.no_grad():
-                for b, avg in zip(bufs, averaged):
-                    b.copy_(avg)
+        floats = [b for b in net.buffers() if b.is_floating_point()]
+        ints = [b for b in net.buffers() if not b.is_floating_point() and not b.is_complex() and b.dtype != torch.bool]
+        if not floats and not ints:  # (the same on every replica: no meeting at all)
+            return
+        first = ctx.replica_id_in_sync_group == 0
+        # Every copy of the module has the same buffers, so the strategy may skip its shape check.
+        if weight is None or not floats:
+            sent = floats + [b if first else torch.zeros_like(b) for b in ints]
+            summed = self._strategy._replica_all_reduce(ctx, ReduceOp.SUM, sent, same_shapes=True)
+            averaged = [t.div_(ctx.num_replicas_in_sync) for t in summed[:len(floats)]]
+        else:
+            w = torch.tensor(float(weight), dtype=torch.float64, device=floats[0].device)
+            sent = [b * w.to(b.dtype) for b in floats] + [b if first else torch.zeros_like(b) for b in ints] + [w]
+            summed = self._strategy._replica_all_reduce(ctx, ReduceOp.SUM, sent, same_shapes=True)
+            total = summed[-1]
+            averaged = [t.div_(total.to(t.dtype)) if total > 0 else b for t, b in zip(summed[:len(floats)], floats)]
+        with torch.no_grad():
+            for b, value in zip(floats + ints, averaged + summed[len(floats):len(floats) + len(ints)]):
+                b.copy_(value)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the current replica's gradients (every replica's outside strategy.run)."""

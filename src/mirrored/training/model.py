@@ -325,7 +325,7 @@ class Model:
             else:
                 opt.optimizer.step()
             opt.optimizer.zero_grad(set_to_none=True)
-            opt.sync_buffers()
+            opt.sync_buffers(weight=_rows(x))  # an empty part did not update BatchNorm's statistics
 
     @staticmethod
     def _regularization(net: nn.Module) -> Tensor | float:
