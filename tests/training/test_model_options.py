@@ -501,6 +501,29 @@ def test_load_rebuilds_an_mr_models_network_without_module(tmp_path):
     loaded.check_in_sync()
 
 
+def test_load_never_rebuilds_a_loss_object_with_other_settings(tmp_path):
+    """A loss or metric passed as an object is recorded by its repr only. Load used to rebuild the
+    loss by name with default settings (from_logits=False came back as True) and metrics with default
+    thresholds; now a loss object is an error that says to load with compile=False, and metric
+    objects are left out with a warning."""
+    path = tmp_path / "model.safetensors"
+    with _strategy().scope():
+        model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=10))
+        model.compile(loss=mr.losses.SparseCategoricalCrossentropy(from_logits=False))
+    model.save(path)
+    with _strategy().scope(), pytest.raises(ValueError, match=r"from_logits=False.*Load with compile=False"):
+        mr.Model.load(path)
+    with _strategy().scope():
+        loaded = mr.Model.load(path, compile=False)
+    for a, b in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy", mr.metrics.Precision(thresholds=0.3)])
+    model.save(path)
+    with _strategy().scope(), pytest.warns(UserWarning, match=r"metrics Precision\(.*compiled without them"):
+        loaded = mr.Model.load(path)
+    assert [m.name for m in loaded.metrics] == ["loss", "accuracy"]
+
+
 def test_loading_a_file_that_is_not_a_mirrored_checkpoint_says_so(tmp_path):
     import safetensors.torch
 

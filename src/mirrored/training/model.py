@@ -14,6 +14,7 @@ import itertools
 import logging
 import math
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -242,9 +243,11 @@ class Model:
         self._steps_per_execution = steps_per_execution
         self._precision = None if precision == "fp32" else precision
         self._scalers = [torch.amp.GradScaler("cuda") for _ in devices] if precision == "fp16" else []
+        # Names rebuild exactly; objects are recorded by their repr, so that load() can say what to pass.
         self._compile_config = {"optimizer": self.optimizer.get_config(), "loss": loss if isinstance(loss, str) else
-                                loss_name, "metrics": [m if isinstance(m, str) else getattr(m, "name", None)
-                                                       for m in (metrics or [])], "precision": precision}
+                                {"object": repr(self._loss)}, "metrics": [m if isinstance(m, str) else
+                                                                          {"object": repr(m)} for m in (metrics or [])],
+                                "precision": precision}
         self._compiled = True
 
     def _require_compiled(self, what: str) -> None:
@@ -633,13 +636,23 @@ class Model:
         model = cls(module)
         model._net.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
         cfg = meta.get("compile")
+        if compile and cfg and isinstance(cfg.get("loss"), dict):  # a loss object: training with another is wrong
+            raise ValueError(
+                f"Model.load({str(path)!r}): the model was compiled with the loss {cfg['loss']['object']}, an "
+                "object whose settings the file does not hold (only names rebuild exactly). Load with "
+                "compile=False and call model.compile(...) with it again; the weights load either way.")
+        objects = [m["object"] for m in (cfg or {}).get("metrics", []) if isinstance(m, dict)]
+        if compile and objects:
+            warnings.warn(f"Model.load({str(path)!r}): the metrics {', '.join(objects)} were objects whose settings "
+                          "the file does not hold; the model is compiled without them. Load with compile=False and "
+                          "compile(...) again to have them.", UserWarning, stacklevel=2)
         if compile and cfg and isinstance(cfg.get("loss"), str):
             opt_cfg = dict(cfg["optimizer"])
             name = opt_cfg.pop("name")
             opt = optimizers.get(name.lower()) if name.lower() in ("sgd", "adam", "adamw", "rmsprop") else None
             if opt is not None:
                 opt = optimizers.Optimizer(opt._torch_cls, opt_cfg.pop("learning_rate"), name, **opt_cfg)
-                model.compile(optimizer=opt, loss=cfg["loss"], metrics=[m for m in cfg["metrics"] if m],
+                model.compile(optimizer=opt, loss=cfg["loss"], metrics=[m for m in cfg["metrics"] if isinstance(m, str)],
                               precision=cfg.get("precision"))
                 model._load_optimizer(tensors, meta)
         return model

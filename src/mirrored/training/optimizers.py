@@ -58,14 +58,16 @@ class Optimizer:
 
 def SGD(learning_rate: float = 0.01, momentum: float = 0.0, nesterov: bool = False,
         weight_decay: float | None = None) -> Optimizer:
-    """Stochastic gradient descent (keras.optimizers.SGD): torch.optim.SGD."""
+    """Stochastic gradient descent (keras.optimizers.SGD): torch.optim.SGD. weight_decay is torch's L2
+    term added to the gradient (Keras decays the weights directly, decoupled from the gradient)."""
     return Optimizer(torch.optim.SGD, learning_rate, "SGD", momentum=momentum, nesterov=nesterov,
                      weight_decay=weight_decay or 0.0)
 
 
 def Adam(learning_rate: float = 0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
          amsgrad: bool = False, weight_decay: float | None = None) -> Optimizer:
-    """Adam (keras.optimizers.Adam defaults, epsilon 1e-7): torch.optim.Adam."""
+    """Adam (keras.optimizers.Adam defaults, epsilon 1e-7): torch.optim.Adam. weight_decay is torch's L2
+    term added to the gradient; for Keras's decoupled decay use AdamW, which is the same in both."""
     return Optimizer(torch.optim.Adam, learning_rate, "Adam", betas=(beta_1, beta_2), eps=epsilon,
                      amsgrad=amsgrad, weight_decay=weight_decay or 0.0)
 
