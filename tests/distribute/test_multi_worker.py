@@ -14,6 +14,7 @@ import copy
 import datetime
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -370,6 +371,34 @@ def test_constructor_validates_before_joining(monkeypatch):
     with pytest.raises(ValueError, match=r"RANK=2 is outside \[0, WORLD_SIZE=2\)"):
         md.MultiWorkerMirroredStrategy()
     assert not dist.is_initialized()
+
+
+def test_tf_config_of_several_tasks_without_rank_is_refused(monkeypatch):
+    """Regression (review): with TF_CONFIG but no RANK, worker 1 of a 2-worker cluster trained alone
+    as rank 0, the chief. Now it is refused, with the torchrun launch that joins the workers."""
+    for key in LAUNCH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    two = {"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 1}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(two))
+    with pytest.raises(ValueError, match=r"TF_CONFIG describes a cluster of several tasks \(worker: 2; this task: "
+                                         r"worker 1\), but RANK is not set.*torchrun.*RANK=1 WORLD_SIZE=2 "
+                                         r"MASTER_ADDR=host0 MASTER_PORT=2222"):
+        md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+    with_chief = {"cluster": {"chief": ["boss:5000"], "worker": ["host0:2222"]}, "task": {"type": "worker", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(with_chief))  # TF numbers the chief first
+    with pytest.raises(ValueError, match="RANK=1 WORLD_SIZE=2 MASTER_ADDR=boss MASTER_PORT=5000"):
+        md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+    for malformed, words in [("{cluster: ", "is not valid JSON"), ('{"cluster": {"worker": "host0:2222"}}',
+                                                                  "is not TF's layout")]:
+        monkeypatch.setenv("TF_CONFIG", malformed)
+        with pytest.raises(ValueError, match=f"TF_CONFIG={re.escape(repr(malformed))} {words}"):
+            md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+    assert not dist.is_initialized()
+    # One task is one worker, as in TF.
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["host0:2222"]},
+                                                "task": {"type": "worker", "index": 0}}))
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+    assert s.num_replicas_in_sync == 1 and tuple(s.cluster_resolver) == (None, 0) and not dist.is_initialized()
 
 
 def test_communication_options(monkeypatch):

@@ -4,7 +4,9 @@ One process per device, each holding one replica, started by torchrun (`torchrun
 train.py`, or `--nnodes=M --node_rank=i --master_addr=...` across machines): `num_replicas_in_sync`
 is the world size and `replica_id_in_sync_group` the process's rank. torchrun's environment (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) is read here and nowhere else in the package;
-without it the strategy is a single worker, as TF's is without TF_CONFIG.
+without it the strategy is a single worker, as TF's is without TF_CONFIG. TF_CONFIG itself is not
+used to join workers: one naming several tasks, without RANK, is refused with the torchrun launch
+that would join them, rather than letting every task train alone as rank 0.
 
 `CollectiveAllReduce` does the talking (gloo on CPU, NCCL on GPU): the gradient all-reduce of a
 mirrored optimizer (flat buckets, one collective each), `ReplicaContext.all_reduce`, and the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import json
 import logging
 import math
 import os
@@ -122,6 +125,50 @@ def _check_launch(launch: _Launch) -> None:
     if not (launch.world_size >= 1 and 0 <= launch.rank < launch.world_size):
         raise ValueError(f"MultiWorkerMirroredStrategy: RANK={launch.rank} is outside [0, WORLD_SIZE="
                          f"{launch.world_size}). Ranks run 0..WORLD_SIZE-1, one per worker process.")
+
+
+def _check_tf_config(text: str | None) -> None:
+    """Raises where TF_CONFIG (TF's cluster description) names more than one task, or is malformed:
+    without torchrun's RANK this process would otherwise train alone as rank 0, the chief, however
+    many workers TF_CONFIG lists. A TF_CONFIG of one task (or none) is a single worker, as in TF."""
+    if text is None or not text.strip():
+        return
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"MultiWorkerMirroredStrategy: TF_CONFIG={text!r} is not valid JSON ({e}). Fix it, "
+                         "e.g. '{\"cluster\": {\"worker\": [\"host0:port\"]}, \"task\": {\"type\": "
+                         "\"worker\", \"index\": 0}}', or unset it.") from None
+    cluster = config.get("cluster", {}) if isinstance(config, dict) else None
+    task = config.get("task", {}) if isinstance(config, dict) else None
+    if (not isinstance(cluster, dict) or not isinstance(task, dict)
+            or not all(isinstance(a, list) and all(isinstance(x, str) for x in a) for a in cluster.values())):
+        raise ValueError(f"MultiWorkerMirroredStrategy: TF_CONFIG={text!r} is not TF's layout, "
+                         "{\"cluster\": {\"worker\": [\"host:port\", ...]}, \"task\": {\"type\": \"worker\", "
+                         "\"index\": i}}. Fix it or unset it.")
+    if sum(len(addresses) for addresses in cluster.values()) <= 1:
+        return
+    # TF numbers the chief (if any) first, then the workers: that order gives torchrun's ranks.
+    workers = [("chief", i, a) for i, a in enumerate(cluster.get("chief", []))]
+    workers += [("worker", i, a) for i, a in enumerate(cluster.get("worker", []))]
+    me = (task.get("type"), task.get("index"))
+    rank = next((r for r, (kind, i, _) in enumerate(workers) if (kind, i) == me), None)
+    tasks = ", ".join(f"{kind}: {len(addresses)}" for kind, addresses in cluster.items())
+    if rank is None or not workers:
+        how = "launch each worker with torchrun"
+    else:
+        host, _, port = workers[0][2].rpartition(":")
+        how = (f"for this task that is `torchrun --nnodes={len(workers)} --node_rank={rank} --nproc_per_node=1 "
+               f"--master_addr={host or workers[0][2]} --master_port={port or 29500} script.py`, or "
+               f"RANK={rank} WORLD_SIZE={len(workers)} MASTER_ADDR={host or workers[0][2]} "
+               f"MASTER_PORT={port or 29500} with LOCAL_RANK=0")
+    raise ValueError(
+        f"MultiWorkerMirroredStrategy: TF_CONFIG describes a cluster of several tasks ({tasks}; this task: "
+        f"{me[0]} {me[1]}), but RANK is not set. mirrored joins workers launched by torchrun, which sets RANK, "
+        "WORLD_SIZE, MASTER_ADDR and MASTER_PORT; it does not read TF_CONFIG. Translate: rank = the task's "
+        "position among chief then workers (its index when there is no chief), world size = the number of "
+        f"workers, master = the chief's (or worker 0's) address; {how}. Unset TF_CONFIG to train as a "
+        "single worker.")
 
 
 def _local_device(devices: Sequence[str | torch.device] | str | torch.device | None, local_rank: int) -> Device:
@@ -399,6 +446,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             _check_launch(launch)
             rank, world = launch.rank, launch.world_size
         else:
+            _check_tf_config(os.environ.get("TF_CONFIG"))  # RANK set: torchrun's launch wins over it
             rank, world = 0, 1
         local_rank = launch.local_rank if launch.local_rank is not None else rank % max(1, len(visible_gpus()))
         device = _local_device(devices, local_rank)
