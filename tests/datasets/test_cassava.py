@@ -235,3 +235,56 @@ def test_versions_are_chosen_by_name(fixtures_dir):
     assert info.version == "0.1.0" and len(ds) == 10
     with pytest.raises(FileNotFoundError, match="Prepared versions there: 0.1.0"):
         mr.datasets.load("cassava:0.2.0", data_dir=data_dir)
+
+
+def test_leftover_version_dir_without_info_is_refused_before_downloading(tmp_path):
+    """Regression (review): a `cassava/0.1.0/` without dataset_info.json made every call download
+    and prepare everything, then fail with `OSError: [Errno 39] Directory not empty`."""
+    data, _ = _archive()
+    leftover = tmp_path / "cassava" / "0.1.0"
+    leftover.mkdir(parents=True)
+    (leftover / "cassava-train.tfrecord-00000-of-00001").write_bytes(b"old")
+    served = _Served(data)
+    with _serving(served) as url:
+        with pytest.raises(FileExistsError) as raised:
+            mr.datasets.load("cassava", data_dir=tmp_path, download=True, download_config=_config(url, data))
+        message = str(raised.value)
+        assert str(leftover) in message and "no dataset_info.json" in message and "rm -r" in message
+        assert served.ranges == []  # refused before any request
+        assert os.listdir(leftover) == ["cassava-train.tfrecord-00000-of-00001"]  # the user's files stay
+        with pytest.raises(FileExistsError, match="no dataset_info.json"):
+            cassava.prepare(str(tmp_path / "archive.zip"), str(tmp_path / "cassava"))
+
+        (leftover / "cassava-train.tfrecord-00000-of-00001").unlink()  # an empty one is no loss: replaced
+        ds = mr.datasets.load("cassava", split="test", data_dir=tmp_path, download=True,
+                              download_config=_config(url, data))
+    assert len(ds) == 5 and (leftover / "dataset_info.json").is_file() and served.ranges == [None]
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("retries", -1, "whole number >= 0"),
+    ("retries", 1.5, "whole number >= 0"),
+    ("size_bytes", 0, "whole number > 0"),
+    ("size_bytes", True, "whole number > 0"),
+    ("timeout_s", 0, "seconds > 0"),
+    ("timeout_s", "60", "seconds > 0"),
+    ("retry_wait_s", -1.0, "seconds >= 0"),
+    ("sha256", "abc", "64 hex digits"),
+    ("sha256", "g" * 64, "64 hex digits"),
+    ("url", "ftp://example.org/cassavaleafdata.zip", "http:// or https://"),
+    ("url", "cassavaleafdata.zip", "http:// or https://"),
+])
+def test_download_config_validates_its_fields(field, value, words, tmp_path):
+    """Regression (review): retries=-1 made no request and failed with FileNotFoundError on the
+    .part file; each bad field is now a ValueError naming it."""
+    with pytest.raises(ValueError, match=rf"DownloadConfig\({field}={value!r}\): .*{words}"):
+        cassava.DownloadConfig(**{field: value})
+    with pytest.raises(ValueError, match=rf"DownloadConfig\({field}={value!r}\)"):
+        mr.datasets.load("cassava", data_dir=tmp_path, download=True, download_config={field: value})
+    assert not (tmp_path / "downloads").exists()
+
+
+def test_download_config_accepts_valid_values():
+    config = cassava.DownloadConfig(url="http://127.0.0.1:1/x.zip", size_bytes=1, sha256="A" * 64, retries=0,
+                                    retry_wait_s=0, timeout_s=0.5)
+    assert config.retries == 0 and cassava.DownloadConfig().size_bytes == 1_354_096_203

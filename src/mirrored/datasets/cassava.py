@@ -12,7 +12,8 @@ file system and zip-slip cannot happen; names with absolute or '..' parts are re
 download whose size or sha256 is wrong is deleted (resuming it could not fix it) and the error
 gives both values. Preparing happens in a hidden temporary directory renamed into place at the end,
 under a lock file, so an interrupted prepare never leaves a directory that looks complete and two
-processes sharing a data_dir prepare once.
+processes sharing a data_dir prepare once. A `0.1.0/` that exists without dataset_info.json (copied
+in part) is refused before anything is downloaded, and never deleted: it may hold the user's files.
 """
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ import hashlib
 import logging
 import os
 import posixpath
+import re
 import shutil
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 import zipfile
@@ -80,10 +83,41 @@ class DownloadConfig:
     timeout_s: float = 60.0  # for the connection and for each read
     progress: bool = True  # a tqdm bar on stderr
 
+    def __post_init__(self) -> None:
+        # Checked here, not where used: retries=-1 would skip every request and fail on a missing
+        # .part file, a bad sha256 only after the whole download.
+        url = urllib.parse.urlsplit(self.url) if isinstance(self.url, str) else None
+        if url is None or url.scheme not in ("http", "https") or not url.netloc:
+            raise ValueError(f"DownloadConfig(url={self.url!r}): give an http:// or https:// url of the "
+                             "archive (the official one, a mirror's, or a local server's).")
+        if not _is_int(self.size_bytes) or self.size_bytes <= 0:
+            raise ValueError(f"DownloadConfig(size_bytes={self.size_bytes!r}): give the archive's size in bytes, "
+                             "a whole number > 0 (the real archive's is 1354096203).")
+        if not isinstance(self.sha256, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", self.sha256):
+            raise ValueError(f"DownloadConfig(sha256={self.sha256!r}): give the archive's sha256 as 64 hex "
+                             "digits, as `sha256sum cassavaleafdata.zip` prints it.")
+        if not _is_int(self.retries) or self.retries < 0:
+            raise ValueError(f"DownloadConfig(retries={self.retries!r}): give how many times a dropped download "
+                             "is resumed, a whole number >= 0 (0: fail at the first error).")
+        if not _is_number(self.retry_wait_s) or self.retry_wait_s < 0:
+            raise ValueError(f"DownloadConfig(retry_wait_s={self.retry_wait_s!r}): give seconds >= 0 to wait "
+                             "before the first retry (doubled after each).")
+        if not _is_number(self.timeout_s) or not self.timeout_s > 0:
+            raise ValueError(f"DownloadConfig(timeout_s={self.timeout_s!r}): give seconds > 0 to wait for the "
+                             "connection and for each read.")
+
     @classmethod
     def of(cls, value: DownloadConfig | Mapping[str, Any] | None) -> DownloadConfig:
         """`value` as a DownloadConfig: None gives the defaults, a dict sets the fields it names."""
         return config_of(cls, value, "download_config")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 class _Progress(tqdm):
@@ -219,6 +253,7 @@ def _info(splits: SplitDict, download_size: int) -> DatasetInfo:
 def prepare(archive_path: str, dataset_dir: str) -> str:
     """Writes `<dataset_dir>/0.1.0/` from the archive, atomically; returns that directory."""
     final = os.path.join(dataset_dir, VERSION)
+    _check_no_leftover(final)
     tmp = os.path.join(dataset_dir, f".{VERSION}.incomplete-{uuid.uuid4().hex[:12]}")
     os.makedirs(tmp)
     try:
@@ -246,6 +281,26 @@ def prepare(archive_path: str, dataset_dir: str) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _check_no_leftover(final: str) -> None:
+    """Raises where `final` exists but is not a prepared dataset (no dataset_info.json: half-copied,
+    or left by another tool): the prepared directory could not be renamed onto it. An empty one is
+    removed, as nothing is lost; anything else may be the user's, so it is never deleted here."""
+    if not os.path.lexists(final) or os.path.isfile(os.path.join(final, "dataset_info.json")):
+        return
+    if os.path.isdir(final) and not os.path.islink(final):
+        entries = sorted(os.listdir(final))
+        if not entries:
+            os.rmdir(final)
+            return
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        held = f"holds {shown} but no dataset_info.json"
+    else:
+        held = "is not a directory"
+    raise FileExistsError(f"cassava: {final} {held}, so it is not a prepared dataset (a half-copied one, or "
+                          "left by another tool), and the prepared dataset cannot be put there. Delete or move "
+                          f"it (e.g. `rm -r {final}`), then download and prepare again; it was left untouched.")
 
 
 @contextlib.contextmanager
@@ -276,6 +331,7 @@ def download_and_prepare(data_dir: str, download_config: DownloadConfig | Mappin
         for name in os.listdir(dataset_dir):
             if name.startswith(f".{VERSION}.incomplete-"):  # left by an interrupted prepare; we hold the lock
                 shutil.rmtree(os.path.join(dataset_dir, name), ignore_errors=True)
+        _check_no_leftover(os.path.join(dataset_dir, VERSION))  # before the download, not after it
         downloads = os.path.join(data_dir, "downloads")
         os.makedirs(downloads, exist_ok=True)
         archive = os.path.join(downloads, posixpath.basename(config.url.split("?")[0]) or "cassavaleafdata.zip")
