@@ -61,11 +61,70 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
     (["train", "--dataset", "folder:/no/such/dir"], "is not a folder"),
     (["train", "--image-size", "64"], "use 32"),
     (["evaluate", "/no/such/model.safetensors"], "no checkpoint"),
+    (["train", "--devices", "cpu:0,bogus:1"], "--devices cpu:0,bogus:1: MirroredStrategy(devices=['cpu:0', "
+                                              "'bogus:1']): cannot parse device 'bogus:1'"),
+    (["train", "--devices", ","], "--devices ',': names no device"),
 ])
 def test_bad_settings_are_one_line_errors(argv, message, tmp_path, capsys):
     assert cli.main([*argv, *(["--out", str(tmp_path)] if argv[0] == "train" else [])]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("failure", ["refused", "disk full"])
+def test_failed_download_is_a_one_line_error(failure, tmp_path, monkeypatch, capsys):
+    """Regression (review): a download that fails (no network, a full disk) ended in a traceback,
+    exit status 1. "refused": the real download, from a closed port on 127.0.0.1 (no network used)."""
+    import socket
+
+    from mirrored.datasets import cassava
+
+    if failure == "refused":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]  # closed again: connecting is refused
+        config = cassava.DownloadConfig(url=f"http://127.0.0.1:{port}/cassavaleafdata.zip", retries=0,
+                                        progress=False, timeout_s=10.0)
+        monkeypatch.setattr(cassava.DownloadConfig, "of", classmethod(lambda cls, value: config))
+        words = f"download http://127.0.0.1:{port}/cassavaleafdata.zip"
+    else:
+        def full(config, path):
+            raise OSError(28, "No space left on device", path)
+
+        monkeypatch.setattr(cassava, "download", full)
+        words = "No space left on device"
+    argv = ["train", "--dataset", "cassava", "--download", "--data-dir", str(tmp_path), "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mirrored train: error: ") and words in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_evaluate_defaults_to_the_test_split_training_used(tmp_path, capsys):
+    """Regression (review): `evaluate` of a model trained on folder:PATH failed with "unknown split
+    'test'": training tests on train[80%:] there, and evaluate now defaults to the same split."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c, name in enumerate(("dark", "light")):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for i in range(10):
+            pixels = rng.integers(0, 100, (8, 8, 3)) + 150 * c
+            Image.fromarray(pixels.astype(np.uint8)).save(tmp_path / "images" / name / f"{i}.png")
+    out = tmp_path / "run"
+    dataset = f"folder:{tmp_path / 'images'}"
+    assert cli.main(["train", "--dataset", dataset, "--model", "resnet_cifar", "--image-size", "32",
+                     "--epochs", "1", "--batch-size", "4", "--verbose", "0", "--out", str(out)]) == 0
+    capsys.readouterr()
+    saved = json.loads((out / "run.json").read_text())
+    assert saved["dataset"] == dataset
+    assert cli.main(["evaluate", str(out / "model.safetensors")]) == 0
+    printed = capsys.readouterr().out
+    assert f"accuracy: {saved['test']['accuracy']:.4f}" in printed and f"loss: {saved['test']['loss']:.4f}" in printed
+    assert cli.main(["evaluate", str(out / "model.safetensors"), "--split", "train[:80%]"]) == 0
+    assert cli.main(["evaluate", str(out / "model.safetensors"), "--split", "test"]) == 2
+    assert "unknown split 'test'" in capsys.readouterr().err
 
 
 def test_cassava_without_data_says_where_it_looked(tmp_path, capsys):

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("checkpoint")
     evaluate.add_argument("--dataset", default=None, help="default: the dataset the checkpoint was trained on")
     evaluate.add_argument("--data-dir", default=None)
-    evaluate.add_argument("--split", default="test")
+    evaluate.add_argument("--split", default=None, help="default: the test split training used (test, or "
+                          "train[80%%:] for folder:PATH)")
     evaluate.add_argument("--batch-size", type=_positive_int, default=None)
     evaluate.add_argument("--replicas", type=_positive_int, default=None)
     return parser
@@ -93,8 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _strategy(args: argparse.Namespace) -> Any:
     import mirrored as mr
 
-    if getattr(args, "devices", None):
-        return mr.MirroredStrategy(devices=[d.strip() for d in args.devices.split(",") if d.strip()])
+    if getattr(args, "devices", None) is not None:
+        devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+        if not devices:
+            raise CliError(f"--devices {args.devices!r}: names no device. Give a comma-separated list, e.g. "
+                           "cuda:0,cuda:1 or cpu:0,cpu:1, or drop --devices to use every GPU.")
+        try:
+            return mr.MirroredStrategy(devices=devices)
+        except ValueError as e:  # an unknown or unavailable device: the message lists what is visible
+            raise CliError(f"--devices {args.devices}: {e}") from None
     gpus = mr.distribute.devices.visible_gpus()
     if args.replicas is not None:
         pool = gpus if gpus else [f"cpu:{i}" for i in range(args.replicas)]
@@ -110,7 +118,7 @@ def _load(name: str, split: str, data_dir: str | None, image_size: int, download
     """(dataset of (image float32 HWC in [0, 1], label), info) for --dataset."""
     try:
         return _load_unchecked(name, split, data_dir, image_size, download, shuffle_files)
-    except (FileNotFoundError, ValueError) as e:  # missing or malformed data: the message says what to do
+    except (OSError, ValueError) as e:  # missing or malformed data, a failed download: the message says what to do
         raise CliError(str(e)) from None
 
 
@@ -249,10 +257,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     saved = json.loads(run_info.read_text()) if run_info.exists() else {}
     dataset = args.dataset or saved.get("dataset", "digits")
     image_size = saved.get("image_size", 32)
+    split = args.split or _splits(dataset)[2]  # what `train` tested on: folder:PATH has no "test" split
     strategy = _strategy(argparse.Namespace(devices=None, replicas=args.replicas))
     with strategy.scope():
         model = mr.Model.load(path)
-    test, _ = _load(dataset, args.split, args.data_dir, image_size, False)
+    test, _ = _load(dataset, split, args.data_dir, image_size, False)
     batch = args.batch_size or 32 * strategy.num_replicas_in_sync
     results = model.evaluate(test.batch(batch), return_dict=True, verbose=0)
     print(" - ".join(f"{k}: {v:.4f}" for k, v in results.items()))
