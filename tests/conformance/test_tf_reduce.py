@@ -119,10 +119,12 @@ def test_reductions_accept_string_ops():
 
 
 def test_reduce_mean_of_mirrored_returns_the_value():
-    """MirroredExtended._reduce_to: MEAN of a Mirrored value is the value itself (no arithmetic)."""
+    """MirroredExtended._reduce_to: MEAN of a Mirrored value is the value itself (no arithmetic: 0.1
+    summed three times and divided would not be 0.1); here a copy of it, which the caller may modify."""
     s = strategy_of(3)
     m = md.Mirrored([torch.tensor(0.1)] * 3)
-    assert s.reduce(md.ReduceOp.MEAN, m) is m.values[0]
+    got = s.reduce(md.ReduceOp.MEAN, m)
+    assert got.item() == m.values[0].item() and got is not m.values[0]
 
 
 def test_reduce_in_replica_context_raises():
@@ -250,6 +252,30 @@ def test_mixed_integer_and_float_mean_all_reduce():
     for r in range(3):
         assert mixed["i"].values[r].dtype == torch.float64 and mixed["i"].values[r].item() == 1.0
         assert torch.equal(mixed["f"].values[r], plain.values[r])
+    weights = [torch.tensor([1.0, 2.0], requires_grad=True) for _ in range(3)]
+
+    def differentiated():  # the float leaves under autograd: d mean / d w_r = 1/3 from every replica's sum
+        r = replica_id()
+        out = md.get_replica_context().all_reduce("mean", {"w": weights[r], "i": torch.tensor(r)})
+        out["w"].sum().backward()
+
+    s.run(differentiated)
+    for w in weights:
+        torch.testing.assert_close(w.grad, torch.ones(2), rtol=1e-6, atol=1e-7)
+
+
+def test_one_replica_reduces_nothing_and_keeps_integers():
+    """Measured on TF 2.21 with one replica: MEAN of int32 7 (strategy.reduce, ctx.all_reduce, a
+    cross-device op) is int32 7 - nothing is reduced; with an axis it is a float64 mean."""
+    s = strategy_of(1)
+    seven = s.run(lambda: torch.tensor(7, dtype=torch.int32))
+    assert s.reduce("mean", seven).dtype == torch.int32 and s.reduce("mean", seven).item() == 7
+    got = s.run(lambda: md.get_replica_context().all_reduce("mean", torch.tensor(7, dtype=torch.int32)))
+    assert got.dtype == torch.int32 and got.item() == 7
+    out = md.ReductionToOneDevice().reduce("mean", md.PerReplica([torch.tensor([1, -4], dtype=torch.int32)]))
+    assert out.values[0].dtype == torch.int32 and out.values[0].tolist() == [1, -4]
+    vector = s.run(lambda: torch.tensor([1, 2, 4], dtype=torch.int32))
+    assert s.reduce("mean", vector, axis=0).dtype == torch.float64 and s.reduce("mean", vector, axis=0).item() == 7 / 3
 
 
 def test_dicts_flatten_by_sorted_key_as_tf_nest_does():
@@ -285,3 +311,7 @@ def test_results_never_alias_the_inputs():
         parts = md.PerReplica(inputs)
         total = s.reduce("sum", parts if n > 1 else md.PerReplica([inputs[0]]))
         assert all(total is not x for x in inputs) and total.data_ptr() not in {x.data_ptr() for x in inputs}
+        for op, value in (("mean", inputs[0]), ("mean", md.Mirrored(inputs))):  # plain and mirrored values
+            assert s.reduce(op, value).data_ptr() != inputs[0].data_ptr()
+        if n == 1:
+            assert s.reduce("sum", inputs[0]).data_ptr() != inputs[0].data_ptr()

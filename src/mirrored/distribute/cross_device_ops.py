@@ -34,11 +34,12 @@ def as_reduce_op(op: ReduceOp | str, where: str) -> ReduceOp:
     raise ValueError(f"{where}: unknown reduce op {op!r}. Use mr.ReduceOp.SUM or mr.ReduceOp.MEAN.")
 
 
-def mean_of_sum(total: Tensor, n: int | Tensor) -> Tensor:
-    """MEAN from a SUM the caller owns: floats are divided in place; integers are true-divided into
-    a new float64 tensor, as TF 2.21 returns their mean (7 over 3 replicas is 2.333..., not 2)."""
+def mean_of_sum(total: Tensor, n: int | Tensor, in_place: bool = True) -> Tensor:
+    """MEAN from a SUM the caller owns: floats are divided (in place unless told not to: an autograd
+    Function's output must not be); integers are true-divided into a new float64 tensor, as TF 2.21
+    returns their mean over replicas (7 over 3 is 2.333..., not 2)."""
     if total.is_floating_point() or total.is_complex():
-        return total.div_(n)
+        return total.div_(n) if in_place else total / n
     return total.double().div_(n)
 
 
@@ -85,7 +86,9 @@ class CrossDeviceOps:
         summed = self._sum_packed(per_replica) if n > 1 else [[t.clone() for t in per_replica[0]]]
         out = []
         for j, (_, dest) in enumerate(value_destination_pairs):
-            reduced = [mean_of_sum(summed[r][j], n) if op is ReduceOp.MEAN else summed[r][j] for r in range(n)]
+            # One value: nothing is reduced, and TF keeps its dtype (an integer stays one).
+            reduced = [mean_of_sum(summed[r][j], n) if op is ReduceOp.MEAN and n > 1 else summed[r][j]
+                       for r in range(n)]
             out.append(self._to_destinations(reduced, dest))
         return out
 

@@ -206,13 +206,13 @@ class Strategy:
         op = as_reduce_op(reduce_op, "ReplicaContext.all_reduce")
         device = torch_device(self._devices[ctx._replica_id])
         leaves = [_as_tensor(v, device) for v in flatten(value)]
-        if op is ReduceOp.MEAN and not all(t.is_floating_point() or t.is_complex() for t in leaves):
-            # As TF 2.21: an integer mean is a float64 (7 over 3 replicas is 2.333..., not 2). Floats
-            # get the same bits as from a MEAN all-reduce: the sum, divided once.
-            n = ctx.num_replicas_in_sync
+        n = ctx.num_replicas_in_sync
+        if op is ReduceOp.MEAN and n > 1 and not all(t.is_floating_point() or t.is_complex() for t in leaves):
+            # As TF 2.21: an integer mean over replicas is a float64 (7 over 3 is 2.333..., not 2); on one
+            # replica TF reduces nothing and the dtype stays. Floats get the same bits as from a MEAN
+            # all-reduce: the sum, divided once.
             summed = flatten(self._replica_all_reduce(ctx, ReduceOp.SUM, leaves, same_shapes))
-            return pack_sequence_as(value, [t / n if t.is_floating_point() or t.is_complex() else t.double() / n
-                                            for t in summed])
+            return pack_sequence_as(value, [mean_of_sum(t, n, in_place=False) for t in summed])
         if not self._has_peers(ctx):  # a new tensor all the same, as with peers (the caller may modify it)
             return pack_sequence_as(value, [t.clone() for t in leaves])
         if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
@@ -316,7 +316,7 @@ class Strategy:
             return mean_of_sum(total, count)
         if not distributed:
             if n == 1 or op is ReduceOp.MEAN:
-                return value
+                return value.clone() if isinstance(value, Tensor) else value
             if isinstance(value, (int, float)) and value == 0:
                 return value
             raise ValueError(
@@ -325,11 +325,12 @@ class Strategy:
                 "too). Pass the PerReplica that strategy.run returned, or use ReduceOp.MEAN for a value that is "
                 "the same on every replica.")
         if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
-            return value.values[0]
+            first = value.values[0]
+            return first.clone() if isinstance(first, Tensor) else first
         if op is ReduceOp.MEAN and _is_mirrored_variable(value):  # identical copies: no rounding, as in TF
             return value.values[0].detach().clone()
         total = self._sum_to_first(value)
-        return mean_of_sum(total, n) if op is ReduceOp.MEAN else total
+        return mean_of_sum(total, n) if op is ReduceOp.MEAN and n > 1 else total  # one replica: TF keeps the dtype
 
     def _sum_to_first(self, value: Any) -> Tensor:
         """The sum of the per-replica parts on the first replica's device: a new tensor, even of one part."""
