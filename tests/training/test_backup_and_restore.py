@@ -72,8 +72,10 @@ class _Crash(Exception):
     pass
 
 
-def _fit_in_process(backup, crash_at_batch=None, steps_per_epoch=None, schedule=False):
-    """Model.fit of a small net on 2 CPU replicas; raises _Crash after `crash_at_batch` batches."""
+def _fit_in_process(backup, crash_at_batch=None, steps_per_epoch=None, schedule=False, endless=None,
+                    save_freq=2):
+    """Model.fit of a small net on 2 CPU replicas; raises _Crash after `crash_at_batch` batches. The
+    data repeats endlessly with steps_per_epoch (unless endless=False), else it is 10 batches."""
     import torch
 
     import mirrored as mr
@@ -82,7 +84,7 @@ def _fit_in_process(backup, crash_at_batch=None, steps_per_epoch=None, schedule=
     x = torch.arange(60, dtype=torch.float32).reshape(20, 3) / 60
     y = torch.arange(20) % 2
     ds = mr.data.Dataset.from_tensor_slices((x, y)).shuffle(20, seed=1)
-    ds = (ds.repeat() if steps_per_epoch else ds).batch(2)  # seeded; endless for steps_per_epoch, else 10 batches
+    ds = (ds.repeat() if (steps_per_epoch if endless is None else endless) else ds).batch(2)
     strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     with strategy.scope():
         model = mr.Model(torch.nn.Linear(3, 2))
@@ -99,7 +101,7 @@ def _fit_in_process(backup, crash_at_batch=None, steps_per_epoch=None, schedule=
             if Crash.seen == crash_at_batch:
                 raise _Crash()
 
-    callbacks = [mr.callbacks.BackupAndRestore(str(backup), save_freq=2), Crash()]
+    callbacks = [mr.callbacks.BackupAndRestore(str(backup), save_freq=save_freq), Crash()]
     if schedule:
         callbacks.insert(0, mr.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5))
     try:
@@ -117,6 +119,20 @@ def test_steps_per_epoch_resumes_exactly_mid_pass(tmp_path):
     assert _fit_in_process(tmp_path / "backup", crash_at_batch=8, steps_per_epoch=3)[0] is None  # epoch 2, step 2
     got, rates = _fit_in_process(tmp_path / "backup", steps_per_epoch=3)
     assert len(rates) == 4 and (got == want).all()  # backed up after batch 8 of 12
+
+
+def test_steps_per_epoch_resumes_exactly_after_a_pass_ran_out(tmp_path):
+    """10 batches, 4 steps per epoch: epoch 2 ends after the pass ran out (2 batches), epoch 3 starts
+    a new one. Backed up at that boundary (after batch 10), the resumed run must start the new pass,
+    not replay the finished one (review finding: it trained 0 batches in the next epoch)."""
+    want, want_rates = _fit_in_process(tmp_path / "plain", steps_per_epoch=4, endless=False)
+    assert len(want_rates) == 4 + 4 + 2 + 4  # epochs of 4, 4, 2 (the pass ran out) and 4 batches
+    for save_freq in (2, "epoch"):  # backed up mid-pass (after batch 10) or at epoch 2's end
+        backup = tmp_path / f"backup-{save_freq}"
+        assert _fit_in_process(backup, crash_at_batch=11, steps_per_epoch=4, endless=False,
+                               save_freq=save_freq)[0] is None
+        got, rates = _fit_in_process(backup, steps_per_epoch=4, endless=False, save_freq=save_freq)
+        assert len(rates) == 4 and (got == want).all(), save_freq
 
 
 def test_a_learning_rate_a_callback_changed_is_resumed(tmp_path):

@@ -200,10 +200,11 @@ def _variant(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["sequence", "ignore_class", "sum", "regularized"])
-@pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.parametrize("replicas", [1, 3, 4])
 def test_fit_reduces_the_loss_as_keras_does_on_one_device(kind, replicas):
-    """Sequence outputs, ignore_class, reduction="sum" and a module's regularization_loss(): on 1 or 3
-    replicas (batches of 8, 8, 6: parts 3/3/2 and 2/2/2), fit takes the steps of one device
+    """Sequence outputs, ignore_class, reduction="sum" and a module's regularization_loss(): on 1, 3 or
+    4 replicas (batches of 8, 8, 6: parts 3/3/2 and 2/2/2, or 2/2/2/2 and 2/2/2/0, where the empty part
+    still adds its share of the penalty's gradient), fit takes the steps of one device
     minimising the loss as Keras reduces it, and reports Keras's loss: each step's loss,
     regularization included, weighted by its batch size. (Review findings: the first three took
     steps 4x, 1.5x and 1/8x too large or small; the last reported the loss without the penalty.)"""

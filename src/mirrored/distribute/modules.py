@@ -186,8 +186,8 @@ class MirroredOptimizer:
             w = torch.tensor(float(weight), dtype=torch.float64, device=floats[0].device)
             sent = [b * w.to(b.dtype) for b in floats] + [b if first else torch.zeros_like(b) for b in ints] + [w]
             summed = self._strategy._replica_all_reduce(ctx, ReduceOp.SUM, sent, same_shapes=True)
-            total = summed[-1]
-            averaged = [t.div_(total.to(t.dtype)) if total > 0 else b for t, b in zip(summed[:len(floats)], floats)]
+            total = summed[-1]  # > 0: a step has examples (torch.where keeps a device sync out of the step)
+            averaged = [torch.where(total > 0, t / total.to(t.dtype), b) for t, b in zip(summed[:len(floats)], floats)]
         with torch.no_grad():
             for b, value in zip(floats + ints, averaged + summed[len(floats):len(floats) + len(ints)]):
                 b.copy_(value)

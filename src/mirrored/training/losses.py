@@ -430,8 +430,14 @@ class SparseCategoricalCrossentropy(Loss):
     def _denominator(self, y_true: Any, losses: Tensor) -> int | Tensor:
         if self.ignore_class is None:
             return max(losses.numel(), 1)
-        labels = torch.as_tensor(y_true, device=losses.device).reshape(losses.shape)
-        return (labels != self.ignore_class).sum().clamp(min=1)
+        return self.kept(y_true).clamp(min=1)
+
+    def kept(self, y_true: Any) -> Tensor:
+        """How many labels of `y_true` are not ignore_class (0 for an empty batch): what Keras's mean
+        divides by, and what Model.fit sums over the replicas."""
+        labels = torch.as_tensor(y_true)
+        return (labels != self.ignore_class).sum() if self.ignore_class is not None else \
+            torch.tensor(labels.numel(), device=labels.device)
 
     def __repr__(self) -> str:
         return (f"SparseCategoricalCrossentropy(from_logits={self.from_logits}, ignore_class={self.ignore_class}, "

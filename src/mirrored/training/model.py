@@ -120,9 +120,12 @@ class _Continuing:
         return self._it
 
     def ran_out(self) -> None:
-        self._it = None
+        self._it, self.pass_state, self.drawn = None, None, 0
 
     def position(self) -> dict[str, Any]:
+        """Where the next batch comes from; after a pass ran out, the start of the next one."""
+        if self._it is None:
+            return {"state": self._dataset.get_state() if self._dataset is not None else None, "drawn": 0}
         return {"state": self.pass_state, "drawn": self.drawn}
 
     def seek(self, position: dict[str, Any]) -> None:
@@ -287,9 +290,7 @@ class Model:
         if self._loss.reduction == "sum":
             denominator: Any = 1
         elif ignore is not None:  # Keras divides by the labels kept, over the whole global batch
-            labels = torch.as_tensor(y)
-            kept = (labels != ignore).sum() if rows else torch.zeros((), dtype=torch.int64, device=labels.device)
-            denominator = ctx.all_reduce(md.ReduceOp.SUM, kept).clamp(min=1)
+            denominator = ctx.all_reduce(md.ReduceOp.SUM, self._loss.kept(y)).clamp(min=1)
         else:  # every loss value of the global batch: rows times the values per row (a sequence's steps)
             denominator = count * (math.prod(per_example.shape[1:]) if per_example is not None else 1)
         share = per_example.sum() / denominator if per_example is not None else None
@@ -302,7 +303,8 @@ class Model:
         rows = _rows(logits) if logits is not None else 0
         if not rows:
             return
-        self._loss_tracker.total.assign_add(share.detach().float() * count + float(regularization) * rows)
+        penalty = regularization.detach().float() if isinstance(regularization, Tensor) else regularization
+        self._loss_tracker.total.assign_add(share.detach().float() * count + penalty * rows)  # no device sync
         self._loss_tracker.count.assign_add(rows)
         for m in self._metrics:
             m.update_state(y, logits.detach(), sw)
@@ -315,10 +317,12 @@ class Model:
         for (x, y, sw), count in zip(batches, global_counts):
             # An empty part (a short last batch) still joins the gradient all-reduce.
             share, logits, sw = self._step_loss(ctx, net, x, y, sw, count)
-            if share is not None:
-                regularization = self._regularization(net)
-                loss = share + regularization / ctx.num_replicas_in_sync  # the replicas' gradients are summed
+            regularization = self._regularization(net)
+            # Every replica adds its 1 / replicas of the penalty, an empty part too: the gradients are summed.
+            loss = regularization / ctx.num_replicas_in_sync + (share if share is not None else 0.0)
+            if isinstance(loss, Tensor) and loss.requires_grad:
                 (scaler.scale(loss) if scaler else loss).backward()
+            if share is not None:
                 with torch.no_grad():
                     self._track(y, logits, share, sw, count, regularization)
             opt.reduce_gradients()
@@ -423,7 +427,7 @@ class Model:
             verbose: Any = "auto", callbacks: Sequence[Any] | None = None, validation_data: Any = None,
             shuffle: bool = True, sample_weight: Any = None, initial_epoch: int = 0,
             steps_per_epoch: int | None = None, validation_steps: int | None = None,
-            validation_freq: int = 1) -> Any:
+            validation_freq: int | Sequence[int] = 1) -> Any:
         """Trains for `epochs` epochs over a dataset of GLOBAL batches (or arrays with batch_size)."""
         self._require_compiled("fit")
         _check_validation_freq(validation_freq)
@@ -452,8 +456,9 @@ class Model:
         start_epoch, skip = initial_epoch, 0
         if self._resume_at is not None:
             start_epoch, skip = self._resume_at
-            if isinstance(source, _Continuing) and self._pending_position is not None:
-                source.seek(self._pending_position)
+            if isinstance(source, _Continuing):
+                # (A backup without a position, from before positions were saved: a new pass, less `skip`.)
+                source.seek(self._pending_position or {"state": None, "drawn": skip})
                 self._pending_data_state = None  # the position holds the pass's own state
         self._pending_position = None
         for m in self._net.replicas:
