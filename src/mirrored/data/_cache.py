@@ -247,6 +247,7 @@ def read_cache(path: str, namedtuples: dict[tuple, type]) -> Iterator[Any]:
 
 class Cache(Node):
     kind = "cache"
+    passes_elements = True
 
     def __init__(self, input: Node, filename: str):
         super().__init__(input)

@@ -36,6 +36,10 @@ class Node:
     """One source or transformation. Subclasses set `kind` and implement `iterate`."""
 
     kind = "node"
+    # What unbatch's cardinality may rely on: this node yields its input's elements unchanged (or
+    # some of them), or every element it yields has exactly the shapes of spec() (not a probed guess).
+    passes_elements = False
+    exact_spec = False
 
     def __init__(self, *inputs: Node):
         self.inputs = inputs
@@ -128,6 +132,7 @@ class Map(Node):
 
 class Filter(Node):
     kind = "filter"
+    passes_elements = True
 
     def __init__(self, input: Node, predicate: Callable[..., Any]):
         super().__init__(input)
@@ -157,6 +162,7 @@ class Shuffle(Node):
     (seed, k) - the DistributedSampler `seed + epoch` scheme - so get_state/set_state can resume."""
 
     kind = "shuffle"
+    passes_elements = True
 
     def __init__(self, input: Node, buffer_size: int, seed: int, reshuffle: bool):
         super().__init__(input)
@@ -242,24 +248,35 @@ class Unbatch(Node):
             close_iterator(upstream)
 
     def cardinality(self) -> int:
-        """n batches of a known, common dim 0 (k: after batch(k, drop_remainder=True), or tensors of
-        k rows) give n * k rows, as in TF; else unknown. (Reads the input's element_spec, which
-        may run a map function once on a first element, as element_spec does.)"""
+        """n batches whose dim 0 is known to be k in every element (batch(k, drop_remainder=True),
+        or tensors of k rows) give n * k rows, as in TF; else unknown. A shape seen on a probed first
+        element (after a map, say) is no promise for the others, so it does not count."""
         n = self.inputs[0].cardinality()
         if n in (0, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY):
             return n
-        dims = {None if spec.shape is None or not spec.shape else spec.shape[0]
-                for spec in _structure.flatten(self.inputs[0].spec())[0]}
-        if len(dims) != 1 or None in dims:
-            return UNKNOWN_CARDINALITY
-        return n * dims.pop()
+        k = _fixed_rows(self.inputs[0])
+        return UNKNOWN_CARDINALITY if k is None else n * k
 
     def _compute_spec(self) -> Any:
         return _structure.map_leaves(_structure.unbatched_spec, self.inputs[0].spec())
 
 
+def _fixed_rows(node: Node) -> int | None:
+    """The dim 0 every element of `node` has in all its leaves, where the pipeline guarantees it."""
+    while node.passes_elements:
+        node = node.inputs[0]
+    if isinstance(node, Batch):
+        return node.batch_size if node.drop_remainder else None
+    if not node.exact_spec:
+        return None
+    dims = {None if spec.shape is None or not spec.shape else spec.shape[0]
+            for spec in _structure.flatten(node.spec())[0]}
+    return dims.pop() if len(dims) == 1 and None not in dims else None
+
+
 class Prefetch(Node):
     kind = "prefetch"
+    passes_elements = True
 
     def __init__(self, input: Node, buffer_size: int):
         super().__init__(input)
@@ -278,6 +295,7 @@ class Prefetch(Node):
 
 class Repeat(Node):
     kind = "repeat"
+    passes_elements = True
 
     def __init__(self, input: Node, count: int | None):
         super().__init__(input)
@@ -313,6 +331,7 @@ class Repeat(Node):
 
 class Take(Node):
     kind = "take"
+    passes_elements = True
 
     def __init__(self, input: Node, count: int):
         super().__init__(input)
@@ -339,6 +358,7 @@ class Take(Node):
 
 class Skip(Node):
     kind = "skip"
+    passes_elements = True
 
     def __init__(self, input: Node, count: int):
         super().__init__(input)
@@ -366,6 +386,7 @@ class Skip(Node):
 
 class Shard(Node):
     kind = "shard"
+    passes_elements = True
 
     def __init__(self, input: Node, num_shards: int, index: int):
         super().__init__(input)

@@ -19,6 +19,7 @@ _SLICE_CHUNK = 1024  # slices made per torch call: amortises the call, bounds th
 
 class TensorSlices(Node):
     kind = "from_tensor_slices"
+    exact_spec = True  # every element is a slice (or the whole) of tensors it holds
 
     def __init__(self, columns: list[Any], tree: Any, length: int):
         super().__init__()
@@ -52,6 +53,7 @@ class TensorSlices(Node):
 
 class Tensors(Node):
     kind = "from_tensors"
+    exact_spec = True  # every element is a slice (or the whole) of tensors it holds
 
     def __init__(self, value: Any):
         super().__init__()
