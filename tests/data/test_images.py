@@ -433,6 +433,34 @@ def test_convert_image_dtype_follows_tf():
         convert_image_dtype(everything, torch.bool)
 
 
+def test_convert_image_dtype_precision_and_saturation():
+    """Measured on TF 2.21 (saturate=True): float64 is scaled in float64 (1/255.5 - 1e-12 is 0, not
+    float32's 1), and a negative signed integer becomes 0 in an unsigned type (not 254 or 255)."""
+    just_below = torch.tensor([1 / 255.5 - 1e-12, 2 / 255.5 - 1e-12], dtype=torch.float64)
+    assert convert_image_dtype(just_below, torch.uint8).tolist() == [0, 1]
+    assert convert_image_dtype(torch.tensor([-1, -128, 5], dtype=torch.int8), torch.uint8).tolist() == [0, 0, 10]
+    assert convert_image_dtype(torch.tensor([-1, 32767], dtype=torch.int16), torch.uint8).tolist() == [0, 255]
+
+
+def test_sixteen_bit_color_png_to_gray_keeps_pillows_conversion():
+    """libpng's rgb_to_gray runs on 16-bit values before the drop to 8 bits, which Pillow does first:
+    TF's exact weights are applied to 8-bit PNGs only; a 16-bit one is gray by Pillow, as before."""
+    import struct
+    import zlib
+
+    rgb16 = (np.arange(8 * 8 * 3, dtype=np.uint16).reshape(8, 8, 3) * 331).astype(">u2")
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    rows = b"".join(b"\x00" + row.tobytes() for row in rgb16)  # filter type 0 on each row
+    data = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 8, 8, 16, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    assert data[24] == 16  # a 16-bit PNG (IHDR's bit depth)
+    want = np.asarray(Image.open(io.BytesIO(data)).convert("L"))
+    assert np.array_equal(decode_image(data, 1).numpy()[..., 0], want)
+
+
 def test_layout_views():
     image = torch.from_numpy(rng_image(4, 5, 3))
     chw = to_chw(image)
@@ -458,6 +486,10 @@ def test_normalize_matches_numpy():
         normalize(torch.zeros(2, 2, 3), [0.5, 0.5], std)
     with pytest.raises(ValueError, match="std contains 0"):
         normalize(torch.zeros(2, 2, 3), mean, [1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="axis=5 is not an axis of the image"):
+        normalize(torch.zeros(2, 2, 3), mean, std, axis=5)
+    with pytest.raises(ValueError, match="quality=90.5; use an integer"):
+        encode_jpeg(torch.zeros(2, 2, 3, dtype=torch.uint8), quality=90.5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def decode_image(data: bytes, channels: int = 3, *, name: str = "") -> torch.Ten
         return torch.from_numpy(array)
     try:
         with Image.open(io.BytesIO(data)) as image:
-            if channels == 1 and image.format == "PNG" and image.mode in _PNG_COLOR_MODES:
+            if channels == 1 and image.format == "PNG" and image.mode in _PNG_COLOR_MODES and data[24:25] != b"\x10":
                 array = _png_gray(np.asarray(image.convert("RGB")))
             else:
                 image = _to_mode(image, channels)
@@ -118,7 +118,9 @@ _PNG_COLOR_MODES = ("RGB", "RGBA", "P", "PA", "RGBa")
 def _png_gray(rgb: np.ndarray) -> np.ndarray:
     """Gray from 8-bit RGB as libpng's png_set_rgb_to_gray(0.299, 0.587) computes it for TF's
     decode_png(channels=1): 15-bit fixed-point weights 9797, 19234, 3737, truncated, and gray pixels
-    kept as they are (Pillow's convert("L") rounds instead: 1 level off on about half the pixels)."""
+    kept as they are (Pillow's convert("L") rounds instead: 1 level off on about half the pixels).
+    Not for 16-bit PNGs (bit depth, IHDR byte 24, is 16): libpng converts those before dropping to
+    8 bits, and Pillow hands over only the 8-bit values, so they keep Pillow's conversion."""
     r, g, b = (rgb[..., i].astype(np.uint32) for i in range(3))
     gray = ((9797 * r + 19234 * g + 3737 * b) >> 15).astype(np.uint8)
     return np.where((r == g) & (g == b), rgb[..., 0], gray)
@@ -148,8 +150,8 @@ def _to_mode(image: Image.Image, channels: int) -> Image.Image:
 
 def encode_jpeg(image: ImageLike, quality: int = 95) -> bytes:
     """Encodes a uint8 HWC image with 1 or 3 channels as JPEG, like tf.io.encode_jpeg."""
-    if not 1 <= quality <= 100:
-        raise ValueError(f"encode_jpeg: quality={quality}; use 1..100 (95 keeps fine detail).")
+    if isinstance(quality, bool) or not isinstance(quality, (int, np.integer)) or not 1 <= quality <= 100:
+        raise ValueError(f"encode_jpeg: quality={quality!r}; use an integer 1..100 (95 keeps fine detail).")
     array = _encodable(image, "encode_jpeg", (1, 3))
     out = io.BytesIO()
     Image.fromarray(array).save(out, format="JPEG", quality=quality)
@@ -215,8 +217,10 @@ def convert_image_dtype(image: torch.Tensor, dtype: torch.dtype = torch.float32)
     """tf.image.convert_image_dtype: integers map their full range onto [0, 1] floats and back.
 
     uint8 -> float32 is x * (1/255); float -> uint8 is x * 255.5 truncated, saturating outside
-    [0, 1] (TF with saturate=True); integer -> integer shifts by the ratio of their ranges;
-    float -> float only casts.
+    [0, 1]; integer -> integer scales by the ratio of their ranges, a negative value going to 0 in
+    an unsigned type: always TF's saturate=True (TF's default wraps instead). float -> float only
+    casts. The scaling runs in the input's float dtype, as TF's, except that float16 and bfloat16
+    are scaled in float32 (TF rounds 16.998 in half precision to 17; this truncates it to 16).
     """
     if isinstance(image, np.ndarray):
         image = torch.from_numpy(image)
@@ -235,13 +239,15 @@ def convert_image_dtype(image: torch.Tensor, dtype: torch.dtype = torch.float32)
         return image.to(dtype) * scale
     out_info = torch.iinfo(dtype)
     if image.dtype.is_floating_point:
-        # In float64 where float32 cannot hold max + 0.5 (int32, int64); TF uses the input dtype.
-        work = image.double() if out_info.bits > 16 else image.float()
+        # In the input's dtype, as TF, and in float64 where float32 cannot hold max + 0.5 (int32, int64).
+        work = image.double() if out_info.bits > 16 or image.dtype == torch.float64 else image.float()
         scaled = work * (out_info.max + 0.5)
         # 2**63 - 1 rounds up to 2**63 in float64, which would overflow int64 on the cast.
         high = out_info.max if out_info.bits < 64 else math.nextafter(2.0**63, 0)
         return scaled.clamp(out_info.min, high).to(dtype)
     in_max, out_max = torch.iinfo(image.dtype).max, out_info.max
+    if out_info.min == 0 and torch.iinfo(image.dtype).min < 0:
+        image = image.clamp(min=0)  # saturate: -1 in int8 is 0 in uint8, not 254 (TF's saturate=True)
     if in_max > out_max:
         return torch.div(image, (in_max + 1) // (out_max + 1), rounding_mode="floor").to(dtype)
     return image.to(dtype) * ((out_max + 1) // (in_max + 1))
@@ -260,6 +266,9 @@ def normalize(image: torch.Tensor, mean: Sequence[float] | torch.Tensor,
             f"normalize: the image is {image.dtype}; normalize a float image. Call "
             f"convert_image_dtype(image) first for statistics in [0, 1] units, or image.float() "
             f"for statistics in 0..255 units.")
+    if not -image.dim() <= axis < image.dim():
+        raise ValueError(f"normalize: axis={axis} is not an axis of the image (shape {tuple(image.shape)}); "
+                         "use -1 for HWC/NHWC, or 0 / 1 for CHW / NCHW.")
     channels = image.shape[axis]
     mean_t = torch.as_tensor(mean, dtype=image.dtype, device=image.device).reshape(-1)
     std_t = torch.as_tensor(std, dtype=image.dtype, device=image.device).reshape(-1)
@@ -308,7 +317,6 @@ def resize(images: ImageLike, size: Sequence[int], method: str = "bilinear",
             return fast
     nchw = batch.permute(0, 3, 1, 2)  # a channels_last view: interpolate works on it in place
     size = (height, width)
-    downsampling = height < in_h or width < in_w
     if method == "nearest":
         # nearest-exact is floor((i + 0.5) * scale), TF's nearest with half-pixel centers.
         out = F.interpolate(nchw, size=size, mode="nearest-exact")
