@@ -456,3 +456,34 @@ def test_replicas_accumulate_their_own_copies_and_results_sum(classification):
     assert all(v.item() == 0 for var in acc.variables for v in var.values)
     del strategy, acc, auc, mean
 
+
+
+def test_thresholds_compare_in_float32_as_keras_does():
+    """Measured on Keras 3.15: a float32 prediction equal to the threshold (0.3f is 0.30000001...) is
+    not above it, because Keras compares in float32; in float64 it would be."""
+    p, t = torch.tensor([0.3, 0.3, 0.7, 0.2]), torch.tensor([1.0, 0.0, 1.0, 0.0])
+    for metric, want in ((Precision(thresholds=0.3), 1.0), (Recall(thresholds=0.3), 0.5),
+                         (BinaryAccuracy(threshold=0.3), 0.75)):
+        metric.update_state(t, p)
+        approx(metric.result(), want)
+    auc, precision = AUC(num_thresholds=11), Precision(thresholds=0.3)
+    for m in (auc, precision):
+        m.update_state(torch.tensor([1.0, 0.0]), torch.tensor([0.3, 0.35]))
+    approx(auc.result(), 0.0)  # Keras: 0.0 (0.3 falls in the bucket below 0.3, with the negative above it)
+    approx(precision.result(), 0.0)
+
+
+def test_mean_counts_samples_not_values():
+    """Keras 3's Mean averages each sample's values first: [[1, 2, 3], [4, 5, 6]] then [[10]] is
+    (2 + 5 + 10) / 3 = 5.667, not 31 / 7; and sequence accuracy weighs batches by samples."""
+    m = Mean()
+    m.update_state(torch.tensor([[1.0, 2, 3], [4, 5, 6]]))
+    m.update_state(torch.tensor([[10.0]]))
+    approx(m.result(), 17 / 3)
+    m = Mean()
+    m.update_state(torch.tensor([[1.0, 2, 3], [4, 5, 6]]), sample_weight=torch.tensor([1.0, 0.0]))
+    approx(m.result(), 2.0)  # Keras: 2.0
+    acc = BinaryAccuracy()
+    acc.update_state(torch.tensor([[1.0, 0, 1, 0]]), torch.tensor([[0.9, 0.9, 0.9, 0.9]]))
+    acc.update_state(torch.tensor([[1.0]]), torch.tensor([[0.9]]))
+    approx(acc.result(), 0.75)  # Keras: 0.75 (one sample at 0.5, one at 1.0), not 3 of 5 values

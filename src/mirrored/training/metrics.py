@@ -111,7 +111,9 @@ def _values_and_weights(values: Any, sample_weight: Any, what: str) -> tuple[Ten
 
 
 class Mean(Metric):
-    """The (weighted) mean of all values seen: sum(w * v) / sum(w)."""
+    """The (weighted) mean over samples: each sample's values (a sequence's steps, a multi-label row)
+    are averaged first, then sum(w * sample) / sum(w), as Keras 3's reduce_to_samplewise_values does:
+    a sample counts once however many values it has, so batches of different lengths weigh by samples."""
 
     def __init__(self, name: str = "mean"):
         super().__init__(name)
@@ -119,16 +121,37 @@ class Mean(Metric):
         self.count = self.add_state("count")
 
     def update_state(self, values: Any, sample_weight: Any = None) -> None:
-        values, weights = _values_and_weights(values, sample_weight, self.name)
-        if weights is None:
-            self.total.assign_add(values.sum())
-            self.count.assign_add(values.numel())
-        else:
-            self.total.assign_add((values * weights).sum())
-            self.count.assign_add(weights.sum())
+        values = torch.as_tensor(values).detach().to(_STATE_DTYPE)
+        if sample_weight is None:
+            samples = values.mean(dim=tuple(range(1, values.dim()))) if values.dim() > 1 else values
+            self.total.assign_add(samples.sum())
+            self.count.assign_add(samples.shape[0] if samples.dim() else 1)
+            return
+        weights = torch.as_tensor(sample_weight, device=values.device).detach().to(_STATE_DTYPE)
+        values, weights = _same_rank(values, weights)
+        if values.dim() > weights.dim():  # values beyond the weights' dims are averaged first
+            values = values.mean(dim=tuple(range(weights.dim(), values.dim())))
+        weights = _broadcast_sample_weight(weights, values, self.name)
+        values = values * weights
+        if weights.dim() > 1:
+            weights = weights.mean(dim=tuple(range(1, weights.dim())))
+        if values.dim() > 1:
+            values = values.mean(dim=tuple(range(1, values.dim())))
+        self.total.assign_add(values.sum())
+        self.count.assign_add(weights.sum())
 
     def result(self) -> Tensor:
         return _divide_no_nan(self.total.read_value(), self.count.read_value()).to(_RESULT_DTYPE)
+
+
+def _same_rank(values: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """Keras's squeeze_or_expand_to_same_rank: a trailing axis of 1 on the one of higher rank is
+    dropped, or, where the other is 1-D, a matching axis of 1 is added to that one."""
+    if values.dim() == weights.dim() + 1 and values.shape[-1] == 1:
+        return (values, weights.unsqueeze(-1)) if weights.dim() == 1 else (values.squeeze(-1), weights)
+    if weights.dim() == values.dim() + 1 and weights.shape[-1] == 1:
+        return (values.unsqueeze(-1), weights) if values.dim() == 1 else (values, weights.squeeze(-1))
+    return values, weights
 
 
 class Sum(Metric):
@@ -221,7 +244,9 @@ def categorical_accuracy(y_true: Any, y_pred: Any) -> Tensor:
 
 
 def _probabilities(y_pred: Tensor, from_logits: bool) -> Tensor:
-    y_pred = y_pred.to(_STATE_DTYPE)  # float64: sigmoid saturates to exactly 1.0 only past logit ~37
+    """float32, as Keras compares predictions with thresholds: a float32 0.3 is not above the threshold
+    0.3 there, where in float64 it is (0.3f is 0.30000001...)."""
+    y_pred = y_pred.float()
     return torch.sigmoid(y_pred) if from_logits else y_pred
 
 
@@ -327,7 +352,7 @@ class _Binary(Metric):
         probs = _probabilities(y_pred, self.from_logits).reshape(-1)
         positive = (y_true != 0).reshape(-1)
         if sample_weight is None:
-            weights = torch.ones_like(probs)
+            weights = torch.ones_like(probs, dtype=_STATE_DTYPE)  # counts summed exactly
         else:
             weights = _broadcast_sample_weight(torch.as_tensor(sample_weight).detach(), y_pred.to(_STATE_DTYPE),
                                                self.name).reshape(-1)
@@ -409,27 +434,22 @@ class AUC(_Binary):
         self.curve = curve.upper()
         self.summation_method = summation_method
         inner = [i / (num_thresholds - 1) for i in range(1, num_thresholds - 1)]
-        self.thresholds = torch.tensor([-_AUC_EPSILON, *inner, 1 + _AUC_EPSILON], dtype=_STATE_DTYPE)
-        self._thresholds_on: dict[torch.device, Tensor] = {}  # one copy per replica device
+        self.thresholds = torch.tensor([-_AUC_EPSILON, *inner, 1 + _AUC_EPSILON], dtype=torch.float32)
         shape = (num_thresholds,)
         self.true_positives = self.add_state("true_positives", shape)
         self.false_positives = self.add_state("false_positives", shape)
         self.true_negatives = self.add_state("true_negatives", shape)
         self.false_negatives = self.add_state("false_negatives", shape)
 
-    def _thresholds(self, device: torch.device) -> Tensor:
-        if device not in self._thresholds_on:
-            self._thresholds_on[device] = self.thresholds.to(device)
-        return self._thresholds_on[device]
-
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         probs, positive, weights = self._flat_inputs(y_true, y_pred, sample_weight)
-        thresholds = self._thresholds(probs.device)
         # above[i] = how many thresholds prediction i exceeds, so it counts as positive at thresholds
         # 0 .. above[i] - 1. A histogram of `above` and a suffix sum give every threshold's count in
-        # O(examples + thresholds) instead of comparing every prediction with every threshold.
-        above = torch.searchsorted(thresholds, probs.contiguous(), right=False)
-        above = torch.where(probs.isnan(), 0, above)  # NaN > t is false: a NaN counts as negative
+        # O(examples + thresholds) instead of comparing every prediction with every threshold. With the
+        # thresholds evenly spaced, it is Keras's bucket, computed as Keras does in float32:
+        # ceil(p * (n - 1)) for p clipped to [0, 1], at least 1 (every p is above -1e-7).
+        above = torch.ceil(probs.clamp(0, 1) * (self.num_thresholds - 1)).clamp(min=1)
+        above = torch.where(probs.isnan(), 0, above).long()  # NaN > t is false: a NaN counts as negative
         n = self.num_thresholds
         pos_w = weights * positive
         neg_w = weights * ~positive
