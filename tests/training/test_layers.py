@@ -164,6 +164,38 @@ def test_statistics_stay_precise_for_a_large_mean():
     torch.testing.assert_close(mnet.replicas[0].running_mean.double(), exact.running_mean, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_trains_like_a_float32_batchnorm(dtype):
+    """A model converted with .half() / .bfloat16() holds half-precision weight and bias, which the
+    float32 statistics' kernels refused (review finding: "mixed dtype (CPU)"). Output and gradients
+    come back in the model's dtype and match a float32 BatchNorm on the whole batch to its precision."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4, 5, generator=g)
+    ref = torch.nn.BatchNorm1d(4)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5, generator=g)
+        ref.bias.uniform_(-0.5, 0.5, generator=g)
+    want = ref(x.to(dtype).float())
+    want.sum().backward()
+    strategy = _strategy(2)
+    with strategy.scope():
+        mnet = strategy.mirror(convert_sync_batchnorm(copy.deepcopy(ref)).to(dtype))
+    ds = strategy.experimental_distribute_dataset(mr.data.Dataset.from_tensor_slices(x.to(dtype)).batch(6))
+
+    def step(xb):
+        out = mnet(xb)
+        out.float().sum().backward()
+        return out.detach()
+
+    got = strategy.gather(strategy.run(step, args=(next(iter(ds)),)), 0)
+    assert got.dtype == dtype
+    tol = dict(rtol=2e-2, atol=2e-2)  # 8 (bf16) or 11 (fp16) bits of mantissa
+    torch.testing.assert_close(got.float(), want, **tol)
+    grads = [m.weight.grad for m in mnet.replicas]
+    assert grads[0].dtype == dtype
+    torch.testing.assert_close((grads[0] + grads[1]).float(), ref.weight.grad, **tol)
+
+
 def test_a_single_value_per_channel_is_refused_on_every_replica_without_hanging():
     strategy = _strategy(2)
     with strategy.scope():

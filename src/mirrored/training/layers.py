@@ -121,8 +121,11 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
                              "at least 2 (as torch.nn.BatchNorm). Use a larger batch.")
         if self.track_running_stats and self.running_mean is not None:
             self._update_running_stats(mean, var, total)
-        out = _SyncBatchNormFn.apply(x, self.weight, self.bias, mean.to(x.dtype), var.to(x.dtype), self.eps,
-                                     total, ctx)
+        # The affine parameters in x's dtype too (a .half() model holds fp16 ones; the kernels take one
+        # dtype): their gradients come back through the cast in the parameters' own dtype.
+        weight = self.weight if self.weight is None or self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
+        out = _SyncBatchNormFn.apply(x, weight, bias, mean.to(x.dtype), var.to(x.dtype), self.eps, total, ctx)
         return out.to(input.dtype)
 
     @torch.no_grad()
