@@ -487,3 +487,10 @@ def test_mean_counts_samples_not_values():
     acc.update_state(torch.tensor([[1.0, 0, 1, 0]]), torch.tensor([[0.9, 0.9, 0.9, 0.9]]))
     acc.update_state(torch.tensor([[1.0]]), torch.tensor([[0.9]]))
     approx(acc.result(), 0.75)  # Keras: 0.75 (one sample at 0.5, one at 1.0), not 3 of 5 values
+
+
+def test_accuracy_skips_nan_scores_as_tf_argmax_does():
+    """Measured on Keras 3.15: SparseCategoricalAccuracy of [[0.1, nan, 0.5]] with label 2 is 1.0."""
+    m = SparseCategoricalAccuracy()
+    m.update_state(torch.tensor([2, 1]), torch.tensor([[0.1, float("nan"), 0.5], [0.9, 0.2, 0.1]]))
+    approx(m.result(), 0.5)

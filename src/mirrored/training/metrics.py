@@ -227,7 +227,7 @@ def sparse_categorical_accuracy(y_true: Any, y_pred: Any) -> Tensor:
     """1.0 where the class with the highest score (first on ties) equals the integer label."""
     y_true, y_pred = _tensors(y_true, y_pred)
     y_true = _class_ids("sparse_categorical_accuracy", y_true, y_pred)
-    predicted = y_pred.argmax(dim=-1)
+    predicted = _argmax(y_pred)
     if y_true.is_floating_point():  # Keras compares float labels as floats: 2.0 hits, 1.7 never does
         return (predicted.to(y_true.dtype) == y_true).to(_STATE_DTYPE)
     return (predicted == y_true).to(_STATE_DTYPE)
@@ -240,7 +240,15 @@ def categorical_accuracy(y_true: Any, y_pred: Any) -> Tensor:
         raise ValueError(f"categorical_accuracy: y_true has shape {tuple(y_true.shape)} but y_pred has shape "
                          f"{tuple(y_pred.shape)}; one-hot labels must match (integer labels need "
                          "sparse_categorical_accuracy).")
-    return (y_true.argmax(dim=-1) == y_pred.argmax(dim=-1)).to(_STATE_DTYPE)
+    return (y_true.argmax(dim=-1) == _argmax(y_pred)).to(_STATE_DTYPE)
+
+
+def _argmax(y_pred: Tensor) -> Tensor:
+    """The class of the highest score, NaN scores skipped as TF's argmax skips them (torch's picks a
+    NaN): Keras counts [0.1, nan, 0.5] with label 2 as a hit."""
+    if y_pred.is_floating_point():
+        y_pred = torch.where(y_pred.isnan(), float("-inf"), y_pred)
+    return y_pred.argmax(dim=-1)
 
 
 def _probabilities(y_pred: Tensor, from_logits: bool) -> Tensor:
