@@ -198,8 +198,10 @@ def test_mirrored_read_in_cross_replica_and_replica_context():
         assert v.read_value().tolist() == [1.0, 2.0]
         assert torch.add(v, 1).tolist() == [2.0, 3.0]
         assert (v * 2).tolist() == [2.0, 4.0]
-    out = s.run(lambda: v.read_value().data_ptr())
-    assert s.experimental_local_results(out) == tuple(t.data_ptr() for t in v.values)
+    with torch.no_grad():
+        v.values[1].add_(10)  # (out of sync on purpose, to see which copy each replica reads)
+    out = s.run(lambda: v.read_value())
+    assert [t.tolist() for t in s.experimental_local_results(out)] == [[1.0, 2.0], [11.0, 12.0]]
 
 
 def test_reduce_mean_of_mirrored_variable_is_exact():

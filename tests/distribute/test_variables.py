@@ -56,7 +56,7 @@ def test_torch_ops_in_replica_context_use_the_replicas_copy_and_carry_gradients(
     def fn():
         (v * v).sum().backward()
         mine = v.values[replica_id()]
-        return mine.grad.clone(), v.read_value() is mine, v.device
+        return mine.grad.clone(), torch.equal(v.read_value(), mine), v.device
 
     grads, is_mine, devices = s.run(fn)
     assert [g.tolist() for g in grads.values] == [[2.0, 4.0], [2.0, 4.0]]
@@ -158,4 +158,30 @@ def test_variable_values_live_on_their_devices():
     with s.scope():
         v = md.Variable(torch.ones(2))
     assert len({t.data_ptr() for t in v.values}) == 3  # separate storage per replica
-    assert s.run(lambda: v.values[replica_id()] is v.read_value()) is True
+    with torch.no_grad():
+        for r, t in enumerate(v.values):
+            t.fill_(r)  # tell the copies apart: each replica reads its own
+    assert s.run(lambda: v.read_value().tolist() == [float(replica_id())] * 2) is True
+
+
+def test_a_read_is_a_snapshot_as_in_tf():
+    """Measured on TF 2.21: values read before an assign keep the old value (read_value, value(),
+    numpy(), indexing), in and out of run; and modifying a read leaves the copies in sync. (Review
+    finding: reads shared the variable's storage, so they changed with it, and an in-place change
+    of a read altered one copy.)"""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(torch.tensor([1.0, 2.0]), trainable=False)
+    reads = [v.read_value(), v.value(), v.numpy(), v[0]]
+    with s.scope():
+        v.assign(torch.tensor([5.0, 6.0]))
+    assert [r.tolist() for r in reads] == [[1.0, 2.0], [1.0, 2.0], [1.0, 2.0], 1.0]
+
+    def fn():
+        before = v.read_value()
+        v.assign(torch.tensor([7.0, 8.0]))
+        return before
+
+    assert [t.tolist() for t in s.experimental_local_results(s.run(fn))] == [[5.0, 6.0]] * 2
+    v.read_value().add_(1)
+    s.check_in_sync(v)

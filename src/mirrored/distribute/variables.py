@@ -128,8 +128,10 @@ class Variable:
 
     # ---- reads -------------------------------------------------------------------------------
     def read_value(self) -> Tensor:
-        """The value: this replica's copy in replica context; see subclasses for cross-replica reads."""
-        return self._local()
+        """The value now: this replica's copy in replica context (see subclasses for cross-replica
+        reads), as a new tensor, so that a later write does not change it (as in TF, where a read is a
+        snapshot) and modifying it does not change one copy behind the others' back. Differentiable."""
+        return self._local().clone()
 
     def value(self) -> Tensor:
         return self.read_value()
@@ -294,10 +296,10 @@ class SyncOnReadVariable(Variable):
     def read_value(self) -> Tensor:
         rid = self._replica_id()
         if rid is not None:
-            return self._values[rid]
+            return self._values[rid].clone()  # a snapshot, as Variable.read_value
         agg = self._aggregation
         if agg is VariableAggregation.ONLY_FIRST_REPLICA or self._strategy.num_replicas_in_sync == 1:
-            return self._values[0]
+            return self._values[0].clone()
         if agg is VariableAggregation.NONE:
             raise ValueError(
                 f"SyncOnReadVariable {self._name!r} has aggregation NONE, so it cannot be read in cross-replica "
