@@ -177,17 +177,22 @@ class MirroredOptimizer:
         if not floats and not ints:  # (the same on every replica: no meeting at all)
             return
         first = ctx.replica_id_in_sync_group == 0
-        # Every copy of the module has the same buffers, so the strategy may skip its shape check.
+        # Averaged in float64: for float32 (or half) copies that are equal, the sum of n of them (weighted
+        # by whole numbers) and its division are exact there, so a buffer that no step changed (a
+        # constant, a frozen statistic) stays bit for bit itself; in its own dtype, (x + x + x) / 3 is
+        # not always x, and such buffers drifted by an ulp here and there. Every copy of the module has
+        # the same buffers, so the strategy may skip its shape check.
+        ints_sent = [b if first else torch.zeros_like(b) for b in ints]
         if weight is None or not floats:
-            sent = floats + [b if first else torch.zeros_like(b) for b in ints]
-            summed = self._strategy._replica_all_reduce(ctx, ReduceOp.SUM, sent, same_shapes=True)
+            summed = self._strategy._replica_all_reduce(ctx, ReduceOp.SUM, [b.double() for b in floats] + ints_sent,
+                                                        same_shapes=True)
             averaged = [t.div_(ctx.num_replicas_in_sync) for t in summed[:len(floats)]]
         else:
             w = torch.tensor(float(weight), dtype=torch.float64, device=floats[0].device)
-            sent = [b * w.to(b.dtype) for b in floats] + [b if first else torch.zeros_like(b) for b in ints] + [w]
+            sent = [b.double() * w for b in floats] + ints_sent + [w]
             summed = self._strategy._replica_all_reduce(ctx, ReduceOp.SUM, sent, same_shapes=True)
             total = summed[-1]  # > 0: a step has examples (torch.where keeps a device sync out of the step)
-            averaged = [torch.where(total > 0, t / total.to(t.dtype), b) for t, b in zip(summed[:len(floats)], floats)]
+            averaged = [torch.where(total > 0, t / total, b.double()) for t, b in zip(summed[:len(floats)], floats)]
         with torch.no_grad():
             for b, value in zip(floats + ints, averaged + summed[len(floats):len(floats) + len(ints)]):
                 b.copy_(value)
