@@ -444,3 +444,56 @@ def test_a_buffer_no_step_changes_stays_bit_for_bit_on_three_replicas():
         s.run(step, args=(i % 2 == 0,))
     for copy in mnet.replicas:
         assert torch.equal(copy.table, want)
+
+
+def test_module_changes_outside_run_reach_every_copy():
+    """Review findings: mnet.double(), mnet.to(dtype), mnet.fc.requires_grad_(False), mnet[0] and
+    register_buffer changed replica 0's copy only (and .double() returned the bare module), so the
+    copies fell out of sync or a frozen layer still trained on the other replicas."""
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)))
+    assert mnet.double() is mnet and {p.dtype for m in mnet.replicas for p in m.parameters()} == {torch.float64}
+    mnet.to(torch.float32)
+    assert {p.dtype for m in mnet.replicas for p in m.parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match="copies live on their replicas' devices"):
+        mnet.to("cpu")
+    assert isinstance(mnet[0], md.MirroredModule) and len(mnet) == 3 and len(list(mnet)) == 3
+    mnet[0].requires_grad_(False)
+    assert [m[0].weight.requires_grad for m in mnet.replicas] == [False, False]
+    mnet.register_buffer("scale", torch.ones(2))
+    assert all(torch.equal(m.scale, torch.ones(2)) for m in mnet.replicas)
+    assert mnet.replicas[0].scale.data_ptr() != mnet.replicas[1].scale.data_ptr()
+    opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+    before = [m[0].weight.clone() for m in mnet.replicas]
+
+    def step():
+        mnet(torch.ones(2, 3)).sum().backward()
+        opt.step()
+
+    s.run(step)
+    assert all(torch.equal(m[0].weight, b) for m, b in zip(mnet.replicas, before))  # frozen everywhere
+    s.check_in_sync([mnet, opt])
+    assert s.run(lambda: mnet[0] is mnet.replicas[replica_id()][0]) is True  # in run: the replica's own
+
+
+def test_optimizer_hyperparameters_set_outside_run_reach_every_replica():
+    """Review finding: opt.param_groups[0]["lr"] = 0.01 changed replica 0's optimizer only, and the
+    next step put the copies out of sync."""
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(nn.Linear(3, 1))
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+    for group in opt.param_groups:
+        group["lr"] = 0.01
+    assert [o.param_groups[0]["lr"] for o in opt.replicas] == [0.01, 0.01]
+    with pytest.raises(ValueError, match="cannot be set"):
+        opt.param_groups[0]["params"] = []
+
+    def step():
+        mnet(torch.ones(2, 3)).sum().backward()
+        opt.step()
+        return opt.param_groups[0]["lr"]
+
+    assert s.run(step) == 0.01
+    s.check_in_sync([mnet, opt])

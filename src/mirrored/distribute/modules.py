@@ -11,7 +11,7 @@ context.py, devices.py, values.py and variables.py; the strategy does the reduct
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +33,13 @@ def _replica_id(strategy: Strategy) -> int:
 
 
 class MirroredModule:
-    """One copy of a module per replica; attribute access and calls go to the current replica's copy."""
+    """One copy of a module per replica; attribute access and calls go to the current replica's copy.
+
+    In cross-replica context (outside strategy.run) what changes a module reaches every copy: train/
+    eval, apply, load_state_dict, requires_grad_, zero_grad, dtype casts (to(dtype), double, float,
+    half, bfloat16, type) and register_buffer/register_parameter/add_module; a submodule (mnet.fc,
+    mnet[0], iterating) is itself mirrored, so mnet.fc.requires_grad_(False) freezes it everywhere.
+    Other attributes read replica 0's copy: change tensors through every copy (mnet.replicas)."""
 
     def __init__(self, strategy: Strategy, module: nn.Module):
         if not isinstance(module, nn.Module):
@@ -45,6 +51,18 @@ class MirroredModule:
         copies = [first] + [copy.deepcopy(first).to(torch_device(d)) for d in devices[1:]]
         object.__setattr__(self, "_strategy", strategy)
         object.__setattr__(self, "replicas", tuple(copies))
+
+    @classmethod
+    def _of(cls, strategy: Strategy, copies: Any) -> MirroredModule:
+        """The mirror of existing copies (one per replica, e.g. a submodule of each): nothing copied."""
+        view = object.__new__(cls)
+        object.__setattr__(view, "_strategy", strategy)
+        object.__setattr__(view, "replicas", tuple(copies))
+        return view
+
+    def _cross_replica(self) -> bool:
+        ctx = context.get_replica_context()
+        return ctx is None or ctx.strategy is not self._strategy
 
     @property
     def values(self) -> tuple[nn.Module, ...]:
@@ -59,7 +77,72 @@ class MirroredModule:
         return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.module, name)
+        value = getattr(self.module, name)
+        if isinstance(value, nn.Module) and self._cross_replica():
+            return MirroredModule._of(self._strategy, [getattr(m, name) for m in self.replicas])
+        return value
+
+    def __getitem__(self, index: Any) -> Any:
+        if not self._cross_replica():
+            return self.module[index]
+        return MirroredModule._of(self._strategy, [m[index] for m in self.replicas])
+
+    def __len__(self) -> int:
+        return len(self.replicas[0])
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self._cross_replica():
+            return iter(self.module)
+        return (MirroredModule._of(self._strategy, parts) for parts in zip(*self.replicas))
+
+    # Casts and new state reach every copy; each copy stays on its replica's device.
+    def to(self, *args: Any, **kwargs: Any) -> MirroredModule:
+        """Casts every copy (to(torch.float64)); a device would move every copy onto that one device,
+        which is refused: the copies live on their replicas' devices."""
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            raise ValueError(f"MirroredModule.to({device}): the copies live on their replicas' devices "
+                             f"({', '.join(self._strategy.extended.worker_devices)}); moving them all to one "
+                             "would break the mirroring. Change the dtype only, e.g. mnet.to(torch.float64).")
+        for m in self.replicas:
+            m.to(dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
+        return self
+
+    def double(self) -> MirroredModule:
+        return self.to(torch.float64)
+
+    def float(self) -> MirroredModule:
+        return self.to(torch.float32)
+
+    def half(self) -> MirroredModule:
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> MirroredModule:
+        return self.to(torch.bfloat16)
+
+    def type(self, dst_type: Any) -> MirroredModule:
+        for m in self.replicas:
+            m.type(dst_type)
+        return self
+
+    def register_buffer(self, name: str, tensor: Tensor | None, persistent: bool = True) -> None:
+        for m, device in zip(self.replicas, self._devices()):
+            m.register_buffer(name, None if tensor is None else tensor.detach().to(device, copy=True), persistent)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        """Adds the parameter to every copy (an optimizer made before does not know it, as in torch)."""
+        for m, device in zip(self.replicas, self._devices()):
+            m.register_parameter(name, None if param is None else
+                                 nn.Parameter(param.detach().to(device, copy=True), param.requires_grad))
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        for m, device in zip(self.replicas, self._devices()):
+            m.add_module(name, None if module is None else copy.deepcopy(module).to(device))
+
+    register_module = add_module
+
+    def _devices(self) -> list[torch.device]:
+        return [torch_device(d) for d in self._strategy.extended.worker_devices]
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"cannot set {name!r} on a MirroredModule: set it on every copy "
@@ -127,8 +210,14 @@ class MirroredOptimizer:
         return self.replicas[_replica_id(self._strategy)]
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+    def param_groups(self) -> list[Any]:
+        """Inside strategy.run, the replica's own optimizer's groups; outside it, groups whose
+        hyperparameters are written to every replica's optimizer (g["lr"] = 0.01 changes them all)."""
+        ctx = context.get_replica_context()
+        if ctx is not None and ctx.strategy is self._strategy:
+            return self.optimizer.param_groups
+        return [_MirroredGroup([opt.param_groups[i] for opt in self.replicas])
+                for i in range(len(self.replicas[0].param_groups))]
 
     def _params(self, rid: int) -> list[Tensor]:
         return [p for g in self.replicas[rid].param_groups for p in g["params"]]
@@ -216,6 +305,36 @@ class MirroredOptimizer:
 
     def __repr__(self) -> str:
         return f"MirroredOptimizer({len(self.replicas)} replicas of {type(self.replicas[0]).__name__})"
+
+
+class _MirroredGroup(MutableMapping):
+    """One param group of every replica's optimizer: reads replica 0's, writes all of them."""
+
+    def __init__(self, groups: list[dict[str, Any]]):
+        self._groups = groups
+
+    def __getitem__(self, key: str) -> Any:
+        return self._groups[0][key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise ValueError("MirroredOptimizer.param_groups[i]['params'] cannot be set: each replica's group "
+                             "holds its own copy's parameters. Make a new mirror_optimizer instead.")
+        for group in self._groups:
+            group[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        for group in self._groups:
+            del group[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._groups[0])
+
+    def __len__(self) -> int:
+        return len(self._groups[0])
+
+    def __repr__(self) -> str:
+        return f"MirroredGroup({ {k: v for k, v in self._groups[0].items() if k != 'params'} })"
 
 
 def _to_device(state: Any, device: torch.device) -> Any:
