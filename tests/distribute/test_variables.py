@@ -185,3 +185,17 @@ def test_a_read_is_a_snapshot_as_in_tf():
     assert [t.tolist() for t in s.experimental_local_results(s.run(fn))] == [[5.0, 6.0]] * 2
     v.read_value().add_(1)
     s.check_in_sync(v)
+
+
+def test_per_replica_values_where_one_value_belongs_are_clear_errors():
+    """Review findings: a PerReplica assigned in cross-replica context failed inside torch ("must be real
+    number") - TF writes each copy its own value, so they diverge - and a PerReplica of the wrong
+    length passed to run failed with an IndexError in a replica."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(1.0)
+        with pytest.raises(ValueError, match=r"assign\(PerReplica\) in cross-replica context"):
+            v.assign(md.PerReplica([3.0, 4.0]))
+    assert [t.item() for t in v.values] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="PerReplica of 1 values, but this strategy runs 2 replicas"):
+        s.run(lambda x: x, args=(md.PerReplica([1.0]),))

@@ -133,7 +133,12 @@ class Strategy:
             raise RuntimeError("strategy.run was called inside strategy.run (from replica "
                                f"{frame.replica_context.replica_id_in_sync_group}'s function). Call the inner "
                                "function directly: it already runs on every replica.")
-        if frame is not None and any(f.strategy is self and f.replica_context is not None for f in context._stack()):
+        if self._is_default:  # its scope holds its replica context too: a run is told apart by _inline_runs
+            if getattr(_inline_runs, "depth", 0):
+                raise RuntimeError("strategy.run was called inside strategy.run of the default strategy (TF "
+                                   "refuses this too). Call the inner function directly.")
+        elif frame is not None and any(f.strategy is self and f.replica_context is not None
+                                       for f in context._stack()):
             raise RuntimeError("strategy.run was called inside a merge_call function, while the replicas wait in "
                                "that merge_call; this is not supported. Return what you need from merge_fn and "
                                "call run() after the current step.")
@@ -143,10 +148,21 @@ class Strategy:
                                "strategies is not supported (as in tf.distribute). Leave the other strategy's "
                                "scope first.")
         args, kwargs = tuple(args), dict(kwargs or {})
+        local = len(self._devices)
+        for leaf in flatten((args, kwargs)):
+            if isinstance(leaf, DistributedValues) and len(leaf.values) != local:
+                raise ValueError(f"strategy.run: an argument is a {type(leaf).__name__} of {len(leaf.values)} values, "
+                                 f"but this strategy runs {local} replica{'s' if local > 1 else ''} here. Pass what "
+                                 "this strategy made (its distributed dataset, run results, "
+                                 "experimental_distribute_values_from_function).")
         if self._pool is None:
             ctx = ReplicaContext(self, 0) if not self._is_default else self._default_replica_context
-            with context.push(self, ctx):
-                return fn(*select_replica(0, args), **select_replica(0, kwargs))
+            _inline_runs.depth = getattr(_inline_runs, "depth", 0) + 1
+            try:
+                with context.push(self, ctx):
+                    return fn(*select_replica(0, args), **select_replica(0, kwargs))
+            finally:
+                _inline_runs.depth -= 1
         step = replicas.Rendezvous(self._devices, self._timeout_s)
 
         def task(replica_id: int) -> Any:
@@ -431,6 +447,9 @@ def _is_mirrored_variable(value: Any) -> bool:
     from mirrored.distribute.variables import MirroredVariable
 
     return isinstance(value, MirroredVariable)
+
+
+_inline_runs = threading.local()  # per thread: how deep in an inline (one-replica) run we are
 
 
 def _is_distributed(value: Any) -> bool:

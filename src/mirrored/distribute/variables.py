@@ -61,7 +61,7 @@ class Variable:
             return super().__new__(cls)
         sync = _as_enum(synchronization, VariableSynchronization, "synchronization")
         strategy = context.get_strategy()
-        if strategy._is_default:
+        if not strategy._mirrors_variables:  # the default and one-device strategies: plain, as TF's
             return super().__new__(cls)
         if context.get_replica_context() is not None:
             raise RuntimeError(
@@ -248,6 +248,11 @@ class MirroredVariable(Variable):
     def _update(self, value: Any, op: str) -> Variable:
         rid = self._replica_id()
         if rid is None:
+            if isinstance(value, DistributedValues):  # TF writes each copy its own value: they diverge
+                raise ValueError(
+                    f"MirroredVariable {self._name!r}.{op}({type(value).__name__}) in cross-replica context: one "
+                    "value per replica would make the copies differ. Pass one value for every copy, or write "
+                    "inside strategy.run, where the variable's aggregation combines the replicas' values.")
             for t in self._values:
                 _write(t, value, op)
             return self
