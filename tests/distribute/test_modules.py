@@ -497,3 +497,20 @@ def test_optimizer_hyperparameters_set_outside_run_reach_every_replica():
 
     assert s.run(step) == 0.01
     s.check_in_sync([mnet, opt])
+
+
+def test_check_in_sync_names_entries_and_dtypes_that_differ():
+    """Review findings: copies with different entries gave a bare KeyError, and different dtypes were
+    reported as "different values (max abs difference 0)"."""
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(nn.Linear(2, 1))
+    mnet.replicas[1].register_buffer("extra", torch.ones(1))
+    with pytest.raises(md.OutOfSyncError, match=r"replica 0 alone has none, replica 1 alone has \['extra'\]"):
+        s.check_in_sync(mnet)
+    with s.scope():
+        other = s.mirror(nn.Linear(2, 1))
+    other.replicas[1].double()
+    with pytest.raises(md.OutOfSyncError, match=r"weight: .*\(shape \(1, 2\) torch.float32 against \(1, 2\) "
+                                                r"torch.float64\)"):
+        s.check_in_sync(other)

@@ -347,17 +347,33 @@ def _to_device(state: Any, device: torch.device) -> Any:
     return state
 
 
+def _same_keys(states: list[dict], what: str) -> None:
+    """Raises OutOfSyncError naming the keys one copy has and replica 0's has not, or the reverse."""
+    from mirrored.distribute.strategy import OutOfSyncError
+
+    first = set(states[0])
+    for r, state in enumerate(states[1:], start=1):
+        if set(state) != first:
+            only_0, only_r = sorted(map(str, first - set(state))), sorted(map(str, set(state) - first))
+            raise OutOfSyncError(f"{what} differs in its entries: replica 0 alone has {only_0 or 'none'}, replica "
+                                 f"{r} alone has {only_r or 'none'}; a change reached some copies only (make it "
+                                 "through the mirrored module, or on every copy).")
+
+
 def named_copies(obj: Any) -> Iterator[tuple[str, list[Tensor]]]:
     """(name, one tensor per replica) for every tensor of a mirrored module, optimizer or variable."""
     from mirrored.distribute.variables import SyncOnReadVariable, Variable
 
     if isinstance(obj, MirroredModule):
         states = [m.state_dict(keep_vars=True) for m in obj.replicas]
+        _same_keys(states, "the module's state_dict")
         for name in states[0]:
             yield name, [s[name] for s in states]
     elif isinstance(obj, MirroredOptimizer):
         states = [opt.state_dict()["state"] for opt in obj.replicas]
+        _same_keys(states, "the optimizer's state (parameters with state)")
         for index in states[0]:
+            _same_keys([s[index] for s in states], f"the optimizer's state of parameter {index}")
             for key, value in states[0][index].items():
                 if isinstance(value, Tensor):
                     yield f"optimizer state[{index}][{key!r}]", [s[index][key] for s in states]

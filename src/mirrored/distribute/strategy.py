@@ -411,9 +411,12 @@ class Strategy:
             for r, t in enumerate(copies[1:], start=1):
                 other = t.detach().cpu()
                 if ref.shape != other.shape or ref.dtype != other.dtype or not _bitwise_equal(ref, other):
-                    diff = "" if ref.shape != other.shape else (
-                        f" (max abs difference {(ref.double() - other.double()).abs().max().item():.3g})"
-                        if ref.is_floating_point() else "")
+                    if ref.shape != other.shape or ref.dtype != other.dtype:
+                        diff = (f" (shape {tuple(ref.shape)} {ref.dtype} against {tuple(other.shape)} "
+                                f"{other.dtype})")
+                    else:
+                        diff = (f" (max abs difference {(ref.double() - other.double()).abs().max().item():.3g})"
+                                if ref.is_floating_point() else "")
                     raise OutOfSyncError(f"{name}: replica 0 and replica {r} ({self._devices[r]}) hold different "
                                          f"values{diff}; the copies must be bitwise identical after every step.")
 
