@@ -882,3 +882,14 @@ def test_public_names_have_docstrings_and_typed_signatures():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         repr(EarlyStopping()), repr(ModelCheckpoint("x")), repr(CSVLogger("x"))
+
+
+def test_model_checkpoint_refuses_a_directory_path_at_once(tmp_path):
+    """A directory (TF's SavedModel habit) failed only at the first save, after an epoch, naming a
+    temporary file the user never made, and left the directory behind (review finding)."""
+    for path in (str(tmp_path / "ckdir") + os.sep, str(tmp_path)):
+        with pytest.raises(ValueError, match="that is a directory; a checkpoint is one safetensors file"):
+            ModelCheckpoint(path)
+        with pytest.raises(ValueError, match="that is a directory"):
+            save_checkpoint(path, {"w": torch.zeros(1)}, {})
+    assert not (tmp_path / "ckdir").exists()

@@ -9,7 +9,7 @@ optimizer.learning_rate, save, save_weights, get_weights, set_weights) and the r
 batch size, for the progress bar's throughput; it is not a metric. Messages a callback prints
 because its `verbose` asks for them go to stdout like the progress bar (as in Keras); everything
 else goes through logging and warnings. The base class and shared helpers are in _callback.py,
-ProgbarLogger in _progbar.py, TensorBoard in _tensorboard.py. Uses numpy.
+ProgbarLogger in _progbar.py, TensorBoard in _tensorboard.py. Uses numpy, and checkpoint.py for paths.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from mirrored.training import checkpoint
 from mirrored.training._callback import (
     NOT_METRICS, Callback, Logs, StepCounter, check_mode, check_save_freq, improved, monitor_value,
     optimizer_of, resolve_mode, say)
@@ -186,6 +187,7 @@ class ModelCheckpoint(Callback):
         check_mode("ModelCheckpoint", mode)
         check_save_freq("ModelCheckpoint", save_freq)
         self.filepath = os.fspath(filepath)
+        checkpoint.check_file_path(self.filepath, "ModelCheckpoint")  # now, not after the first epoch
         self.monitor = monitor
         self.verbose = verbose
         self.save_best_only = save_best_only

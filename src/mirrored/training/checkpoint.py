@@ -41,6 +41,13 @@ _TUPLE_TAG = "__tuple__"
 # Files
 
 
+def check_file_path(path: str, where: str) -> None:
+    """Refuses a path that names a directory (a TF SavedModel habit): a checkpoint is one file."""
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise ValueError(f"{where}({path!r}): that is a directory; a checkpoint is one safetensors file. Give "
+                         f"a file name, e.g. {os.path.join(path, 'model.safetensors')!r}.")
+
+
 def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, Tensor],
                     metadata: Mapping[str, Any]) -> None:
     """Writes `tensors` and JSON `metadata` to one safetensors file at `path`, atomically.
@@ -50,6 +57,7 @@ def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, Tensor],
     so on any failure `path` keeps its previous content and no temporary file is left behind.
     """
     path = os.fspath(path)
+    check_file_path(path, "save_checkpoint")
     flat = _cpu_tensors(path, tensors)
     try:
         header = {_METADATA_KEY: json.dumps(dict(metadata)), "format": "pt"}

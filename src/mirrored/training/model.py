@@ -523,27 +523,34 @@ class Model:
         """Loss and metrics over a dataset: a list [loss, *metrics], or a dict with return_dict=True."""
         self._require_compiled("evaluate")
         dataset = self._as_dataset(x, y, batch_size, sample_weight, False, "evaluate")
-        cbs = callbacks_lib.CallbackList(callbacks, add_history=False, add_progbar=False, model=self,
-                                         verbose=0 if verbose == "auto" else verbose, epochs=1, steps=steps)
+        verbose = 1 if verbose == "auto" else verbose  # Keras: a progress bar unless verbose=0
+        cbs = callbacks_lib.CallbackList(callbacks, add_history=False, add_progbar=verbose != 0, model=self,
+                                         verbose=verbose, epochs=1,
+                                         steps=steps if steps is not None else _len_or_none(dataset))
         logs = self._evaluate(dataset, steps, cbs)
         return logs if return_dict else (list(logs.values()) if len(logs) > 1 else next(iter(logs.values())))
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto", steps: int | None = None,
                 callbacks: Sequence[Any] | None = None) -> np.ndarray:
-        """Model outputs for every input row, in input order (the uneven last batch included)."""
-        del verbose, callbacks
+        """Model outputs for every input row, in input order (the uneven last batch included); the
+        callbacks' predict hooks see each batch's outputs (logs["outputs"]), as in Keras."""
         strategy = self.distribute_strategy
         if isinstance(x, (np.ndarray, Tensor)):
             dataset = self._as_dataset(x, None, batch_size, None, False, "predict")
         else:
             dataset = self._as_dataset(x, None, None, None, False, "predict")
+        verbose = 1 if verbose == "auto" else verbose
+        cbs = callbacks_lib.CallbackList(callbacks, add_progbar=verbose != 0, model=self, verbose=verbose, epochs=1,
+                                         steps=steps if steps is not None else _len_or_none(dataset))
         for m in self._net.replicas:
             m.eval()
         outputs = []
         self._predict_like = None
+        cbs.on_predict_begin()
         for i, batch in enumerate(strategy.experimental_distribute_dataset(dataset)):
             if steps is not None and i >= steps:
                 break
+            cbs.on_predict_batch_begin(i)
             bx, _, _ = _unpack(batch)
             result = strategy.run(self._predict_replica, args=(bx,))
             first = next((p for p in strategy.experimental_local_results(result) if len(p)), None)
@@ -551,6 +558,8 @@ class Model:
                 self._predict_like = (first.shape[1:], first.dtype)
             # Every replica's rows in batch order: on a multi-worker strategy, every worker's.
             outputs.append(strategy.gather(result, axis=0).detach().cpu().numpy())
+            cbs.on_predict_batch_end(i, {"outputs": outputs[-1]})
+        cbs.on_predict_end()
         if not outputs:
             raise ValueError("Model.predict: the dataset yielded no batches.")
         return np.concatenate(outputs, axis=0)
@@ -654,12 +663,17 @@ class Model:
         if compile and cfg and isinstance(cfg.get("loss"), str):
             opt_cfg = dict(cfg["optimizer"])
             name = opt_cfg.pop("name")
-            opt = optimizers.get(name.lower()) if name.lower() in ("sgd", "adam", "adamw", "rmsprop") else None
-            if opt is not None:
-                opt = optimizers.Optimizer(opt._torch_cls, opt_cfg.pop("learning_rate"), name, **opt_cfg)
-                model.compile(optimizer=opt, loss=cfg["loss"], metrics=[m for m in cfg["metrics"] if isinstance(m, str)],
-                              precision=cfg.get("precision"))
-                model._load_optimizer(tensors, meta)
+            # Ours by name, or a torch.optim class by its name (compile takes those too); never a pickle.
+            torch_cls = (optimizers.get(name.lower())._torch_cls if name.lower() in ("sgd", "adam", "adamw", "rmsprop")
+                         else getattr(torch.optim, name, None))
+            if not (isinstance(torch_cls, type) and issubclass(torch_cls, torch.optim.Optimizer)):
+                raise ValueError(f"Model.load({str(path)!r}): the model was compiled with the optimizer {name!r}, "
+                                 "which load cannot rebuild (not one of mirrored's or torch.optim's). Load with "
+                                 "compile=False and compile(...) again; the weights load either way.")
+            opt = optimizers.Optimizer(torch_cls, opt_cfg.pop("learning_rate"), name, **opt_cfg)
+            model.compile(optimizer=opt, loss=cfg["loss"], metrics=[m for m in cfg["metrics"] if isinstance(m, str)],
+                          precision=cfg.get("precision"))
+            model._load_optimizer(tensors, meta)
         return model
 
     # ---- interrupted runs (BackupAndRestore) --------------------------------------------------------
