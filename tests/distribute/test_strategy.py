@@ -184,3 +184,18 @@ def test_values_from_function_on_one_replica_is_plain():
     s = strategy_of(1)
     assert s.experimental_distribute_values_from_function(lambda ctx: ctx.replica_id_in_sync_group) == 0
     assert repr(md.ValueContext(1, 2)) == "ValueContext(replica_id_in_sync_group=1, num_replicas_in_sync=2)"
+
+
+def test_values_from_function_places_nested_tensors_too(monkeypatch):
+    """A bare tensor went to its replica's device but tensors inside a dict or tuple stayed where the
+    function made them (review finding). Replica 1's device is mapped to "meta" here to see it on CPU."""
+    from mirrored.distribute import strategy as strategy_module
+
+    real = strategy_module.torch_device
+    monkeypatch.setattr(strategy_module, "torch_device", lambda d: torch.device("meta") if d == "cpu:1" else real(d))
+    s = md.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    values = s.experimental_distribute_values_from_function(
+        lambda ctx: {"a": torch.ones(1), "b": (torch.zeros(2), 3)})
+    assert [t.device.type for t in values["a"].values] == ["cpu", "meta"]
+    assert [t.device.type for t in values["b"][0].values] == ["cpu", "meta"]
+    assert values["b"][1].values == (3, 3)

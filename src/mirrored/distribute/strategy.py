@@ -24,7 +24,7 @@ from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, 
                                                 mean_of_sum, shape_mismatch, shapes_of)
 from mirrored.distribute.devices import Device, intra_op_threads, resolve_devices, torch_device
 from mirrored.distribute.values import (DistributedValues, Mirrored, Nested, PerReplica, ReduceOp, flatten,
-                                        pack_sequence_as, regroup, select_replica)
+                                        map_structure, pack_sequence_as, regroup, select_replica)
 
 logger = logging.getLogger(__name__)
 
@@ -385,7 +385,8 @@ class Strategy:
         results = []
         for i, device in enumerate(self._devices):
             v = value_fn(ValueContext(self._first_replica_id + i, n))
-            results.append(v.to(torch_device(device)) if isinstance(v, Tensor) else v)
+            target = torch_device(device)  # every tensor on its replica's device, nested or not
+            results.append(map_structure(lambda t, target=target: t.to(target) if isinstance(t, Tensor) else t, v))
         # TF wraps every leaf, even where all replicas returned the same object (a constant).
         return results[0] if n == 1 else regroup(results, always_wrap=True)
 
