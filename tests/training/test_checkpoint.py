@@ -268,6 +268,9 @@ def test_truncated_checkpoint_is_refused(tmp_path):
     path.write_bytes(data[:len(data) - 50])
     with pytest.raises(ValueError, match=r"c\.safetensors"):
         load_checkpoint(path)
+    path.write_bytes(data[:40])  # cut inside the header: a damaged checkpoint, not a foreign file
+    with pytest.raises(ValueError, match=r"c\.safetensors.*truncated or damaged: its safetensors header claims"):
+        load_checkpoint(path)
 
 
 def test_foreign_safetensors_file_needs_load_state_dict(tmp_path):
@@ -480,3 +483,19 @@ def test_cuda_tensors_are_saved_from_and_loaded_to_the_device(tmp_path):
     got, _ = load_checkpoint(tmp_path / "c", device="cuda:0")
     assert got["w"].device.type == "cuda" and torch.equal(got["w"], weight)
     assert torch.equal(got["w_t"], weight.t())
+
+
+def test_checkpoint_files_get_the_usual_permissions(tmp_path):
+    """safetensors creates its files 0600; a checkpoint gets what a new file gets under the umask, and a
+    replaced one keeps its permissions (review finding: always 0600, a surprise for shared setups)."""
+    path = tmp_path / "c.safetensors"
+    old_umask = os.umask(0o022)
+    try:
+        save_checkpoint(path, {"w": torch.zeros(2)}, {})
+        assert path.stat().st_mode & 0o777 == 0o644
+        os.chmod(path, 0o640)
+        save_checkpoint(path, {"w": torch.ones(2)}, {})
+        assert path.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old_umask)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]

@@ -69,7 +69,9 @@ def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, Tensor],
     os.makedirs(directory, exist_ok=True)
     tmp_path = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
     try:
+        mode = _new_file_mode(path, tmp_path)
         safetensors.torch.save_file(flat, tmp_path, metadata=header)
+        os.chmod(tmp_path, mode)  # safetensors makes its files 0600 whatever the umask
         _fsync_file(tmp_path)
         os.replace(tmp_path, path)
     except BaseException:
@@ -79,6 +81,19 @@ def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, Tensor],
             pass
         raise
     _fsync_directory(directory)  # makes the rename itself survive a crash
+
+
+def _new_file_mode(path: str, tmp_path: str) -> int:
+    """The permissions `path` should end with: those of the file it replaces, else what a new file
+    gets under the umask (learned by creating `tmp_path`, which save_file then overwrites)."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except FileNotFoundError:
+        fd = os.open(tmp_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        try:
+            return os.fstat(fd).st_mode & 0o777
+        finally:
+            os.close(fd)
 
 
 def _cpu_tensors(path: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -204,6 +219,10 @@ def _check_safetensors_header(path: str, where: str) -> None:
                    "unpickling can run arbitrary code")
     elif len(start) < 9:
         problem = f"it is only {size} bytes long"
+    elif start[8:9] == b"{" and header_bytes <= _MAX_HEADER_BYTES:
+        raise ValueError(f"{where}({path!r}): the checkpoint is truncated or damaged: its safetensors header "
+                         f"claims {header_bytes} bytes but the file holds {size - 8} after the size field. "
+                         "Use another copy (a backup, an earlier checkpoint) or train again.")
     else:
         problem = "its first bytes are not a safetensors header"
     raise ValueError(f"{where}({path!r}): not a safetensors checkpoint: {problem}. Load it "
