@@ -386,6 +386,16 @@ def test_terminate_on_nan(loss, stops, caplog):
     assert ("batch 4" in caplog.text) is stops
 
 
+def test_terminate_on_nan_can_raise_as_keras_3():
+    """Keras 3.15's raise_error=True raises RuntimeError instead of stopping (so backups survive)."""
+    cb = TerminateOnNaN(raise_error=True)
+    model = _begin(cb)
+    cb.on_train_batch_end(0, {"loss": 0.3})
+    with pytest.raises(RuntimeError, match="loss is nan at batch 1"):
+        cb.on_train_batch_end(1, {"loss": float("nan")})
+    assert model.stop_training is False
+
+
 def test_history_records_each_epoch_and_sets_model_history():
     history = History()
     model = _begin(history)

@@ -530,11 +530,19 @@ def _accepts_two_args(fn: Callable[..., Any]) -> bool:
 
 
 class TerminateOnNaN(Callback):
-    """Stops fit() after a training step whose loss is NaN or infinite."""
+    """Stops fit() after a training step whose loss is NaN or infinite. With raise_error=True (Keras
+    3's option) it raises RuntimeError at once instead, so no callback's on_train_end runs: a
+    BackupAndRestore backup is kept rather than deleted as after a finished fit."""
+
+    def __init__(self, raise_error: bool = False):
+        super().__init__()
+        self.raise_error = raise_error
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         loss = (logs or {}).get("loss")
         if loss is not None and not math.isfinite(float(loss)):
+            if self.raise_error:
+                raise RuntimeError(f"TerminateOnNaN: the loss is {float(loss)} at batch {batch}.")
             logger.warning("TerminateOnNaN: batch %d: the loss is %s; stopping training.",
                            batch, float(loss))
             self.model.stop_training = True
