@@ -457,7 +457,7 @@ def test_module_changes_outside_run_reach_every_copy():
     mnet.to(torch.float32)
     assert {p.dtype for m in mnet.replicas for p in m.parameters()} == {torch.float32}
     with pytest.raises(ValueError, match="copies live on their replicas' devices"):
-        mnet.to("cpu")
+        mnet.to("meta")  # would move every copy to one device
     assert isinstance(mnet[0], md.MirroredModule) and len(mnet) == 3 and len(list(mnet)) == 3
     mnet[0].requires_grad_(False)
     assert [m[0].weight.requires_grad for m in mnet.replicas] == [False, False]
@@ -514,3 +514,33 @@ def test_check_in_sync_names_entries_and_dtypes_that_differ():
     with pytest.raises(md.OutOfSyncError, match=r"weight: .*\(shape \(1, 2\) torch.float32 against \(1, 2\) "
                                                 r"torch.float64\)"):
         s.check_in_sync(other)
+
+
+def test_mirrored_containers_behave_like_the_module():
+    """Review of the fan-out: bool(mnet) asked len() (TypeError for a Linear), iterating a ModuleDict
+    mirrored its keys, and a ParameterList item came back wrapped; cpu() moved replica 0 alone."""
+    s = strategy_of(2)
+    with s.scope():
+        linear = s.mirror(nn.Linear(2, 1))
+        table = s.mirror(nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.ReLU()}))
+        params = s.mirror(nn.ParameterList([nn.Parameter(torch.ones(2))]))
+    assert bool(linear) and bool(s.mirror(nn.Sequential()))
+    assert list(table) == ["a", "b"] and "a" in table and isinstance(table["a"], md.MirroredModule)
+    assert isinstance(params[0], nn.Parameter) and torch.equal(params[0] * 2, torch.full((2,), 2.0))
+    assert linear.cpu() is linear and linear.to("cpu") is linear  # every copy is there already: no move
+    one = md.MirroredStrategy(devices=["cpu:0"])
+    with one.scope():
+        assert one.mirror(nn.Linear(2, 1)).to("cpu", torch.float64).weight.dtype == torch.float64
+
+
+def test_new_state_is_refused_across_workers():
+    """On a multi-worker strategy each worker would register its own value (mirror() broadcasts rank
+    0's state; register_* does not), so they are refused there."""
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(nn.Linear(2, 1))
+    s._world_size = 2  # as a worker of a MultiWorkerMirroredStrategy
+    for call in (lambda: mnet.register_buffer("b", torch.ones(1)), lambda: mnet.add_module("m", nn.ReLU()),
+                 lambda: mnet.register_parameter("p", nn.Parameter(torch.ones(1)))):
+        with pytest.raises(ValueError, match="on a multi-worker strategy: each worker would add its own"):
+            call()

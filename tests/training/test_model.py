@@ -243,3 +243,23 @@ def test_compile_refuses_a_loss_without_reduction():
         model = mr.Model(_net())
         with pytest.raises(ValueError, match="reduction='none' leaves one loss per example"):
             model.compile(loss=mr.losses.SparseCategoricalCrossentropy(reduction="none"))
+
+
+def test_a_loss_of_ones_own_with_ignore_class_trains():
+    """Any loss may carry ignore_class; fit counts the kept labels through the base Loss (a subclass
+    of ours crashed on a method only SparseCategoricalCrossentropy had)."""
+
+    class Masked(mr.losses.Loss):
+        def __init__(self):
+            super().__init__("masked")
+            self.ignore_class = 2
+
+        def _per_example(self, y_true, y_pred):
+            return F.cross_entropy(y_pred, y_true.clamp(max=1), reduction="none") * (y_true != 2)
+
+    x, y = _data()
+    with mr.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+        model = mr.Model(_net())
+    model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1), loss=Masked())
+    history = model.fit(mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH), epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])

@@ -267,6 +267,9 @@ def _fixed_rows(node: Node) -> int | None:
         node = node.inputs[0]
     if isinstance(node, Batch):
         return node.batch_size if node.drop_remainder else None
+    if node.kind in ("zip", "concatenate"):  # rows fixed in every input, and the same: fixed here too
+        rows = {_fixed_rows(i) for i in node.inputs}
+        return rows.pop() if len(rows) == 1 and None not in rows else None
     if not node.exact_spec:
         return None
     dims = {None if spec.shape is None or not spec.shape else spec.shape[0]

@@ -83,30 +83,45 @@ class MirroredModule:
         return value
 
     def __getitem__(self, index: Any) -> Any:
-        if not self._cross_replica():
-            return self.module[index]
-        return MirroredModule._of(self._strategy, [m[index] for m in self.replicas])
+        item = self.module[index]
+        if isinstance(item, nn.Module) and self._cross_replica():
+            return MirroredModule._of(self._strategy, [m[index] for m in self.replicas])
+        return item
 
     def __len__(self) -> int:
-        return len(self.replicas[0])
+        return len(self.module)
+
+    def __bool__(self) -> bool:  # a module is true, whatever its len (which Python would ask otherwise)
+        return True
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.module
 
     def __iter__(self) -> Iterator[Any]:
         if not self._cross_replica():
             return iter(self.module)
-        return (MirroredModule._of(self._strategy, parts) for parts in zip(*self.replicas))
+        return (MirroredModule._of(self._strategy, parts) if isinstance(parts[0], nn.Module) else parts[0]
+                for parts in zip(*self.replicas))
 
     # Casts and new state reach every copy; each copy stays on its replica's device.
     def to(self, *args: Any, **kwargs: Any) -> MirroredModule:
         """Casts every copy (to(torch.float64)); a device would move every copy onto that one device,
         which is refused: the copies live on their replicas' devices."""
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
+        if device is not None and any(d != torch.device(device) for d in self._devices()):
             raise ValueError(f"MirroredModule.to({device}): the copies live on their replicas' devices "
                              f"({', '.join(self._strategy.extended.worker_devices)}); moving them all to one "
                              "would break the mirroring. Change the dtype only, e.g. mnet.to(torch.float64).")
         for m in self.replicas:
             m.to(dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
         return self
+
+    def cpu(self) -> MirroredModule:
+        return self.to("cpu")  # a no-op where every copy is on the CPU already; refused otherwise
+
+    def cuda(self, device: Any = None) -> MirroredModule:
+        return self.to("cuda" if device is None else torch.device("cuda", device) if isinstance(device, int)
+                       else device)
 
     def double(self) -> MirroredModule:
         return self.to(torch.float64)
@@ -125,17 +140,27 @@ class MirroredModule:
             m.type(dst_type)
         return self
 
+    def _one_process(self, what: str) -> None:
+        """New state copied within this process only: workers of a multi-worker strategy would each add
+        their own (mirror() broadcasts rank 0's state; this does not)."""
+        if getattr(self._strategy, "_world_size", 1) > 1:
+            raise ValueError(f"MirroredModule.{what} on a multi-worker strategy: each worker would add its own "
+                             "value. Add it to the module before strategy.mirror(), which broadcasts rank 0's.")
+
     def register_buffer(self, name: str, tensor: Tensor | None, persistent: bool = True) -> None:
+        self._one_process("register_buffer")
         for m, device in zip(self.replicas, self._devices()):
             m.register_buffer(name, None if tensor is None else tensor.detach().to(device, copy=True), persistent)
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
         """Adds the parameter to every copy (an optimizer made before does not know it, as in torch)."""
+        self._one_process("register_parameter")
         for m, device in zip(self.replicas, self._devices()):
             m.register_parameter(name, None if param is None else
                                  nn.Parameter(param.detach().to(device, copy=True), param.requires_grad))
 
     def add_module(self, name: str, module: nn.Module | None) -> None:
+        self._one_process("add_module")
         for m, device in zip(self.replicas, self._devices()):
             m.add_module(name, None if module is None else copy.deepcopy(module).to(device))
 

@@ -403,6 +403,14 @@ class Loss:
         """The count "sum_over_batch_size" divides by; at least 1, so an empty batch gives 0."""
         return max(losses.numel(), 1)
 
+    def kept(self, y_true: Any) -> Tensor:
+        """How many labels of `y_true` count: those that are not the loss's `ignore_class` (any loss
+        may have one), all of them without. What Keras's mean divides by, and what Model.fit sums
+        over the replicas; 0 for an empty batch."""
+        labels = torch.as_tensor(y_true)
+        ignore = getattr(self, "ignore_class", None)
+        return (labels != ignore).sum() if ignore is not None else torch.tensor(labels.numel(), device=labels.device)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, reduction={self.reduction!r})"
 
@@ -431,13 +439,6 @@ class SparseCategoricalCrossentropy(Loss):
         if self.ignore_class is None:
             return max(losses.numel(), 1)
         return self.kept(y_true).clamp(min=1)
-
-    def kept(self, y_true: Any) -> Tensor:
-        """How many labels of `y_true` are not ignore_class (0 for an empty batch): what Keras's mean
-        divides by, and what Model.fit sums over the replicas."""
-        labels = torch.as_tensor(y_true)
-        return (labels != self.ignore_class).sum() if self.ignore_class is not None else \
-            torch.tensor(labels.numel(), device=labels.device)
 
     def __repr__(self) -> str:
         return (f"SparseCategoricalCrossentropy(from_logits={self.from_logits}, ignore_class={self.ignore_class}, "

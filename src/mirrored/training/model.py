@@ -458,7 +458,7 @@ class Model:
             start_epoch, skip = self._resume_at
             if isinstance(source, _Continuing):
                 # (A backup without a position, from before positions were saved: a new pass, less `skip`.)
-                source.seek(self._pending_position or {"state": None, "drawn": skip})
+                source.seek(self._pending_position or {"state": self._pending_data_state, "drawn": skip})
                 self._pending_data_state = None  # the position holds the pass's own state
         self._pending_position = None
         for m in self._net.replicas:
