@@ -108,7 +108,9 @@ class MirroredModule:
         """Casts every copy (to(torch.float64)); a device would move every copy onto that one device,
         which is refused: the copies live on their replicas' devices."""
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None and any(d != torch.device(device) for d in self._devices()):
+        target = None if device is None else torch.device(device)  # "cuda" (no index) means where they are
+        if target is not None and any(d.type != target.type or target.index not in (None, d.index)
+                                      for d in self._devices()):
             raise ValueError(f"MirroredModule.to({device}): the copies live on their replicas' devices "
                              f"({', '.join(self._strategy.extended.worker_devices)}); moving them all to one "
                              "would break the mirroring. Change the dtype only, e.g. mnet.to(torch.float64).")
