@@ -119,8 +119,15 @@ class _Continuing:
             self._it = iter(self._iterable)
         return self._it
 
-    def ran_out(self) -> None:
-        self._it, self.pass_state, self.drawn = None, None, 0
+    def draw(self) -> Any:
+        """The next batch of the current pass, counted; _END once it ran out (the next draw starts a
+        new pass)."""
+        batch = next(self.iterator(), _END)
+        if batch is _END:
+            self._it, self.pass_state, self.drawn = None, None, 0
+        else:
+            self.drawn += 1
+        return batch
 
     def position(self) -> dict[str, Any]:
         """Where the next batch comes from; after a pass ran out, the start of the next one."""
@@ -133,12 +140,9 @@ class _Continuing:
         if self._dataset is not None and position["state"] is not None:
             self._dataset.set_state(position["state"])
         self._it = None
-        it = self.iterator()
         for _ in range(position["drawn"]):
-            if next(it, _END) is _END:
-                self.ran_out()
+            if self.draw() is _END:
                 return
-            self.drawn += 1
 
 
 class Model:
@@ -398,20 +402,16 @@ class Model:
         """Groups of `steps_per_execution` (x, y, sw) distributed batches with their global sizes
         (the distributed iterator's: on a multi-worker strategy the local parts are not all of it)."""
         continuing = isinstance(dist, _Continuing)
-        it = dist.iterator() if continuing else iter(dist)
+        it = dist.iterator() if continuing else iter(dist)  # (the one a continuing draw() reads in this pass)
         group: list[tuple[Any, int]] = []
         # Stops after `steps` batches without drawing one more (which a continuing iterator would lose).
         # Resumed mid-epoch, a fresh pass draws the `skip` batches already trained on again; a continuing
         # iterator was put back where it was (_Continuing.seek), so it starts at step `skip`.
         first = skip if continuing else 0
         for i in itertools.count(first) if steps is None else range(first, steps):
-            batch = next(it, _END)
+            batch = dist.draw() if continuing else next(it, _END)
             if batch is _END:
-                if continuing:
-                    dist.ran_out()
                 break
-            if continuing:
-                dist.drawn += 1
             if i < skip:
                 continue
             x, y, sw = _unpack(batch)
@@ -663,9 +663,9 @@ class Model:
         if compile and cfg and isinstance(cfg.get("loss"), str):
             opt_cfg = dict(cfg["optimizer"])
             name = opt_cfg.pop("name")
-            # Ours by name, or a torch.optim class by its name (compile takes those too); never a pickle.
-            torch_cls = (optimizers.get(name.lower())._torch_cls if name.lower() in ("sgd", "adam", "adamw", "rmsprop")
-                         else getattr(torch.optim, name, None))
+            # A torch.optim class by its name: ours are named after theirs (SGD, Adam, AdamW, RMSprop), and
+            # compile takes torch.optim classes too; never a pickle.
+            torch_cls = getattr(torch.optim, name, None)
             if not (isinstance(torch_cls, type) and issubclass(torch_cls, torch.optim.Optimizer)):
                 raise ValueError(f"Model.load({str(path)!r}): the model was compiled with the optimizer {name!r}, "
                                  "which load cannot rebuild (not one of mirrored's or torch.optim's). Load with "
