@@ -298,20 +298,19 @@ class MirroredOptimizer:
         # constant, a frozen statistic) stays bit for bit itself; in its own dtype, (x + x + x) / 3 is
         # not always x, and such buffers drifted by an ulp here and there. Every copy of the module has
         # the same buffers, so the strategy may skip its shape check.
-        ints_sent = [b if first else torch.zeros_like(b) for b in ints]
-        if weight is None or not floats:
-            summed = self._strategy._replica_all_reduce(ctx, ReduceOp.SUM, [b.double() for b in floats] + ints_sent,
-                                                        same_shapes=True)
-            averaged = [t.div_(ctx.num_replicas_in_sync) for t in summed[:len(floats)]]
-        else:
-            w = torch.tensor(float(weight), dtype=torch.float64, device=floats[0].device)
-            sent = [b.double() * w for b in floats] + ints_sent + [w]
-            summed = self._strategy._replica_all_reduce(ctx, ReduceOp.SUM, sent, same_shapes=True)
-            total = summed[-1]  # > 0: a step has examples (torch.where keeps a device sync out of the step)
-            averaged = [torch.where(total > 0, t / total, b.double()) for t, b in zip(summed[:len(floats)], floats)]
+        # Without a weight every replica weighs 1: the same sum, divided by the replica count.
+        w = 1.0 if weight is None else float(weight)
+        sent = [b if first else torch.zeros_like(b) for b in ints] + [b.double() * w for b in floats]
+        if floats:
+            sent.append(torch.tensor(w, dtype=torch.float64, device=floats[0].device))
+        summed = self._strategy._replica_all_reduce(ctx, ReduceOp.SUM, sent, same_shapes=True)
         with torch.no_grad():
-            for b, value in zip(floats + ints, averaged + summed[len(floats):len(floats) + len(ints)]):
+            for b, value in zip(ints, summed):
                 b.copy_(value)
+            if floats:
+                total = summed[-1]  # > 0: a step has examples (torch.where keeps a device sync out of the step)
+                for b, value in zip(floats, summed[len(ints):]):
+                    b.copy_(torch.where(total > 0, value / total, b.double()))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the current replica's gradients (every replica's outside strategy.run)."""
