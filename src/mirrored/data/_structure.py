@@ -59,8 +59,6 @@ def _shapes_compatible(want: tuple | None, got: tuple | None) -> bool:
 # ---------------------------------------------------------------------------------------- trees
 
 
-
-
 def flatten(x: Any) -> tuple[list[Any], Tree]:
     """The leaves of `x` depth first, and its tree."""
     leaves: list[Any] = []

@@ -68,7 +68,8 @@ def decode_image(data: bytes, channels: int = 3, *, name: str = "") -> torch.Ten
         return torch.from_numpy(array)
     try:
         with Image.open(io.BytesIO(data)) as image:
-            if channels == 1 and image.format == "PNG" and image.mode in _PNG_COLOR_MODES and data[24:25] != b"\x10":
+            eight_bit = data[24:25] != b"\x10"  # a PNG's IHDR bit depth (see _png_gray)
+            if channels == 1 and image.format == "PNG" and image.mode in _PNG_COLOR_MODES and eight_bit:
                 array = _png_gray(np.asarray(image.convert("RGB")))
             else:
                 image = _to_mode(image, channels)
@@ -298,9 +299,10 @@ def resize(images: ImageLike, size: Sequence[int], method: str = "bilinear",
     taps get no weight and the rest are renormalized (TF's behavior at the borders). `antialias`
     widens the bilinear/bicubic kernel when downsampling; "area" averages by covered area and
     "nearest" ignores antialias, both as in TF. Plain bicubic reads the kernel from TF's table of
-    1024 steps per pixel, so it gives TF's values bit for bit. Plain bilinear on a CPU tensor runs in OpenCV, which
-    places samples in float64 where TF uses float32: up to ~5e-5 of the value range closer to exact.
-    The first such call sets OpenCV to one thread (cv2.setNumThreads(1), for the whole process).
+    1024 steps per pixel, so it gives TF's values bit for bit. Plain bilinear on a CPU tensor runs
+    in OpenCV, which places samples in float64 where TF uses float32: up to ~5e-5 of the value range
+    closer to exact. The first such call sets OpenCV to one thread (cv2.setNumThreads(1), for the
+    whole process).
     """
     images = _as_image(images, "resize")
     if method not in _RESIZE_METHODS:

@@ -91,9 +91,9 @@ class Variable:
                 and not (value.is_floating_point() or value.is_complex())):
             # As TF 2.21 refuses it at creation: the mean of integer copies has no integer value.
             raise ValueError(
-                f"Variable(name={name!r}): aggregation=MEAN on a {value.dtype} variable in {type(self._strategy).__name__}'s "
-                "scope: the mean of integer copies is not an integer (TF refuses this too). Use aggregation=SUM "
-                "or ONLY_FIRST_REPLICA, or a floating-point dtype.")
+                f"Variable(name={name!r}): aggregation=MEAN on a {value.dtype} variable in "
+                f"{type(self._strategy).__name__}'s scope: the mean of integer copies is not an integer (TF "
+                "refuses this too). Use aggregation=SUM or ONLY_FIRST_REPLICA, or a floating-point dtype.")
         requires_grad = self._trainable and (value.is_floating_point() or value.is_complex())
         copies = []
         for device in self._strategy.extended.worker_devices:
