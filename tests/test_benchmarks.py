@@ -23,7 +23,8 @@ def test_allreduce_benchmark_prints_ratios_and_run_overhead():
     out = _run("allreduce.py", "--quick", "--sizes", "0.25", "--repeats", "1")
     for replicas in (1, 2, 4):
         assert re.search(rf"run, {replicas} replicas?\s+[0-9.]+\s+[0-9]+", out), out
-    rows = re.findall(r"^\s+2 (1 tensor|161 \(ResNet-50\))\s+0\.25\s+[0-9.]+\s+[0-9]+/[0-9]+(\s+[0-9.]+){4}", out, re.M)
+    # (a busy machine can make a net time negative: only the row's presence is checked)
+    rows = re.findall(r"^\s+2 (1 tensor|161 \(ResNet-50\))\s+0\.25\s+[0-9.]+\s+[0-9]+/[0-9]+(\s+-?[0-9.]+){4}", out, re.M)
     assert [r[0] for r in rows] == ["1 tensor", "161 (ResNet-50)"], out
     assert re.search(r"reduce_gradients within 2x of the floor in \d of 2 rows", out), out
 
