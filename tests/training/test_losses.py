@@ -144,7 +144,7 @@ def test_label_out_of_range_names_the_replica():
     labels = torch.zeros(16, dtype=torch.long)
     labels[15] = 5
     with in_replica(1, 2), pytest.raises(ValueError) as err:
-        SparseCategoricalCrossentropy()(labels, logits)
+        SparseCategoricalCrossentropy(reduction="sum")(labels, logits)
     assert str(err.value) == (
         "sparse_categorical_crossentropy: label 5 (example 15 of replica 1's batch) is outside [0, 5) for logits "
         "of shape (16, 5). Labels are class ids 0..4: check the dataset's num_classes and the model's num_classes=."

@@ -272,7 +272,11 @@ class MirroredOptimizer:
             raise RuntimeError("MirroredOptimizer.step() was called outside strategy.run (cross-replica context), "
                                "where it would update replica 0's copy only. Call it inside strategy.run(step_fn): "
                                "each replica all-reduces its gradients, then updates.")
-        self.reduce_gradients()
+        # An optimizer built by an mr.optimizers recipe with gradient accumulation keeps a step's gradients
+        # local until its update step: then one all-reduce sends the sum of all of them.
+        accumulate = getattr(self.optimizer, "accumulate_gradients", None)
+        if accumulate is None or accumulate():
+            self.reduce_gradients()
         result = self.optimizer.step()
         self.sync_buffers()
         return result
