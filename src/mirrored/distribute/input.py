@@ -190,6 +190,42 @@ class DistributedIterator:
     def get_next(self) -> Any:
         return next(self)
 
+    # ---- resuming (mr.train.Checkpoint, Model.fit's BackupAndRestore) --------------------------------
+    def get_state(self) -> dict[str, Any]:
+        """Where this iterator is, as JSON: the dataset's get_state() from before this pass began (None for
+        a dataset without one) and the batches handed out since. Take it between steps."""
+        _, pass_state = getattr(self, "_resume", (None, None))
+        return {"dataset": pass_state, "drawn": self._step}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continues where get_state() was taken, on an iterator of the same dataset (in another process
+        too): restores the dataset's state, starts the pass again and reads past the batches already
+        handed out. A dataset without get_state()/set_state() is re-read from its start."""
+        if getattr(self, "_resume", None) is None:
+            raise TypeError("DistributedIterator.set_state: only an iterator of strategy.experimental_distribute_"
+                            "dataset(...) can be restored.")
+        if not isinstance(state, dict) or not isinstance(state.get("drawn"), int) or state["drawn"] < 0:
+            raise ValueError(f"DistributedIterator.set_state: expected the dict get_state() returned, got "
+                             f"{state!r:.200}.")
+        dataset, _ = self._resume
+        if state.get("dataset") is not None:
+            if not hasattr(dataset, "set_state"):
+                raise ValueError(f"DistributedIterator.set_state: the state holds a dataset state, but this "
+                                 f"iterator's dataset ({type(dataset).__name__}) has no set_state(); restore into an "
+                                 "iterator of the same dataset.")
+            dataset.set_state(state["dataset"])
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+        self._resume = (dataset, state.get("dataset"))
+        self._source, self._ahead = iter(dataset), []
+        for i in range(state["drawn"]):
+            if next(self._source, _END) is _END:
+                raise ValueError(f"DistributedIterator.set_state: the state is {state['drawn']} batches into the "
+                                 f"pass, but the dataset ran out after {i}; restore into an iterator of the same "
+                                 "dataset.")
+        self._step = state["drawn"]
+
 
 _END = object()
 
@@ -209,7 +245,11 @@ class DistributedDataset:
         self._options = options
 
     def __iter__(self) -> DistributedIterator:
-        return DistributedIterator(self._strategy, iter(self._dataset), self._options)
+        # The dataset's state before iter() starts a pass is where DistributedIterator.get_state() resumes.
+        pass_state = self._dataset.get_state() if hasattr(self._dataset, "get_state") else None
+        it = DistributedIterator(self._strategy, iter(self._dataset), self._options)
+        it._resume = (self._dataset, pass_state)
+        return it
 
     def __len__(self) -> int:
         return len(self._dataset)  # type: ignore[arg-type]
