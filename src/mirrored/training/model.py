@@ -180,15 +180,15 @@ class Model:
             raise ValueError(f"compile(steps_per_execution={steps_per_execution!r}): give an integer >= 1.")
         if precision not in (None, "fp32", "bf16", "fp16"):
             raise ValueError(f"compile(precision={precision!r}): use None/\"fp32\", \"bf16\" or \"fp16\".")
+        if precision == "fp16" and getattr(optimizers.get(optimizer), "gradient_accumulation_steps", None):
+            raise ValueError("compile(precision=\"fp16\") with gradient_accumulation_steps: the loss scale may skip "
+                             "the update that k steps of gradients build up to. Use precision=\"bf16\", or no "
+                             "gradient accumulation.")
         devices = self.distribute_strategy.extended.worker_devices
         if precision == "fp16" and not all(d.startswith("cuda") for d in devices):
             raise ValueError("compile(precision=\"fp16\") needs CUDA devices (fp16 with loss scaling); on CPU use "
                              "precision=\"bf16\".")
         strategy = self.distribute_strategy
-        if precision == "fp16" and getattr(optimizers.get(optimizer), "gradient_accumulation_steps", None):
-            raise ValueError("compile(precision=\"fp16\") with gradient_accumulation_steps: the loss scale may skip "
-                             "the update that k steps of gradients build up to. Use precision=\"bf16\", or no "
-                             "gradient accumulation.")
         with strategy.scope():
             self.optimizer = optimizers.get(optimizer)
             self._mopt = strategy.mirror_optimizer(lambda params: self.optimizer.build(params), self._net)
@@ -541,7 +541,9 @@ class Model:
         meta: dict[str, Any] = {"format": _FORMAT, "replicas": self.distribute_strategy.num_replicas_in_sync,
                                 "model_config": getattr(self.module, "_mirrored_config", None)}
         if with_optimizer and self._mopt is not None:
-            opt_tensors, opt_meta = checkpoint.optimizer_state_to_flat(self._mopt.state_dict())
+            # (each replica's accumulated gradients too: they are its own)
+            state = optimizers.replicas_state_dict(self._mopt.replicas)
+            opt_tensors, opt_meta = checkpoint.optimizer_state_to_flat(state)
             tensors.update(opt_tensors)
             meta["optimizer"] = opt_meta
             meta["compile"] = self._compile_config
@@ -562,7 +564,8 @@ class Model:
 
     def _load_optimizer(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
         if self._mopt is not None and "optimizer" in meta:
-            self._mopt.load_state_dict(checkpoint.optimizer_state_from_flat(tensors, meta["optimizer"]))
+            optimizers.load_replicas_state_dict(self._mopt.replicas,
+                                                checkpoint.optimizer_state_from_flat(tensors, meta["optimizer"]))
             groups = self._mopt.replicas[0].param_groups
             if groups and self.optimizer is not None and self.optimizer._schedule is None:
                 # The saved rate, which a callback may have changed (LearningRateScheduler, ReduceLROnPlateau),

@@ -16,18 +16,21 @@ built optimizer's `step()`, which runs after the gradients are all-reduced:
   `ema_overwrite_frequency` steps and by `finalize_variable_values()` (fit does it at its end).
 
 The step count (`iterations`), the accumulated gradients and the averages are in the torch
-optimizer's `state_dict()` (under "keras"), so checkpoints restore them. `learning_rate` reads the
-current rate and, without a schedule, sets it (callbacks such as ReduceLROnPlateau). get() takes a
-name, an Optimizer, a config, a torch optimizer class or instance. Hyperparameter defaults are
-Keras 3's. get_config()/from_config() and serialize()/deserialize() round-trip through JSON.
+optimizer's `state_dict()` (under "keras"), so checkpoints restore them; the accumulated gradients
+are each replica's own, so replicas_state_dict() saves every replica's and
+load_replicas_state_dict() gives them back (their sum to replica 0 under another replica count).
+`learning_rate` reads the current rate and, without a schedule, sets it (callbacks such as
+ReduceLROnPlateau). get() takes a name, an Optimizer, a config, a torch optimizer class or instance.
+Hyperparameter defaults are Keras 3's. get_config()/from_config() and serialize()/deserialize() round-trip through JSON.
 Uses torch, schedules.py and _config.py.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +39,8 @@ from torch import Tensor
 from mirrored.training import _config, schedules
 from mirrored.training.schedules import LearningRateSchedule
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "RMSprop", "deserialize", "get", "schedules", "serialize"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "RMSprop", "deserialize", "get", "load_replicas_state_dict",
+           "replicas_state_dict", "schedules", "serialize"]
 
 _STATE_KEY = "keras"  # the key of our state in a built optimizer's state_dict()
 
@@ -451,9 +455,49 @@ class _KerasSteps:
         super().load_state_dict(state_dict)  # type: ignore[misc]
         params = self._params()
         self._micro_steps = int(extra.get("iterations", 0))
-        self._accumulators = _like_params(extra.get("accumulators"), params, "accumulators")
+        accumulators = extra.get("accumulators")
+        if accumulators is None and extra.get("replica_accumulators"):  # every replica's: this one takes the sum
+            accumulators = _summed(extra["replica_accumulators"])
+        self._accumulators = _like_params(accumulators, params, "accumulators")
         self._averages = _like_params(extra.get("averages"), params, "averages")
         self._ready = None
+
+
+def replicas_state_dict(replicas: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+    """The state_dict of the replicas' optimizers: replica 0's (every replica holds the same), with the
+    gradients that each replica has accumulated towards its next update, which are its own."""
+    state = replicas[0].state_dict()
+    extra = state.get(_STATE_KEY)
+    if extra is not None and any(getattr(opt, "_accumulators", None) for opt in replicas):
+        state[_STATE_KEY] = {**extra, "accumulators": None, "replica_accumulators": [
+            None if opt._accumulators is None else list(opt._accumulators) for opt in replicas]}
+    return state
+
+
+def load_replicas_state_dict(replicas: Sequence[torch.optim.Optimizer], state: Mapping[str, Any]) -> None:
+    """Loads replicas_state_dict()'s state into each replica's optimizer (a copy each). Accumulated
+    gradients go back to their replicas; under another replica count replica 0 takes their sum, which
+    the next all-reduce adds up the same. A plain torch optimizer takes the torch part only."""
+    extra = state.get(_STATE_KEY)
+    saved = (extra or {}).get("replica_accumulators")
+    for r, opt in enumerate(replicas):
+        own = copy.deepcopy({k: v for k, v in state.items() if k != _STATE_KEY})
+        if extra is not None and hasattr(opt, "accumulate_gradients"):
+            own[_STATE_KEY] = {k: v for k, v in extra.items() if k != "replica_accumulators"}
+            if saved is not None:
+                same_count = len(saved) == len(replicas)
+                own[_STATE_KEY]["accumulators"] = saved[r] if same_count else _summed(saved) if r == 0 else None
+        opt.load_state_dict(own)
+
+
+def _summed(per_replica: list[list[Tensor | None] | None]) -> list[Tensor | None] | None:
+    lists = [acc for acc in per_replica if acc is not None]
+    if not lists:
+        return None
+    total: list[Tensor | None] = [None] * len(lists[0])
+    for acc in lists:
+        total = [t if a is None else a.clone() if t is None else t + a for t, a in zip(total, acc)]
+    return total
 
 
 def _like_params(values: Any, params: list[Tensor], what: str) -> list[Any] | None:

@@ -35,9 +35,8 @@ from torch import Tensor, nn
 
 import mirrored.distribute as md
 from mirrored._files import fsync_directory
-from mirrored.training import checkpoint
+from mirrored.training import checkpoint, optimizers
 from mirrored.training.metrics import Metric
-from mirrored.training.optimizers import Optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +91,7 @@ class _Module:
 
 
 def _optimizers_of(obj: Any, path: str) -> list[torch.optim.Optimizer]:
+    """The torch optimizers behind `obj`, one per replica (a plain torch optimizer alone)."""
     if isinstance(obj, torch.optim.Optimizer):
         return [obj]
     if isinstance(obj, md.MirroredOptimizer):
@@ -104,14 +104,15 @@ def _optimizers_of(obj: Any, path: str) -> list[torch.optim.Optimizer]:
 
 
 class _Optim:
-    """A torch optimizer's state_dict (replica 0's), with mr.optimizers' step count, accumulators and
-    moving averages; restored into every replica's optimizer (the latter part into ours only)."""
+    """A torch optimizer's state_dict (replica 0's), with mr.optimizers' step count, moving averages and
+    every replica's accumulated gradients; restored into every replica's optimizer (a plain torch
+    optimizer takes the torch part)."""
 
     kind = "optimizer"
 
     @staticmethod
     def save(obj: Any, path: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        state = obj.state_dict() if isinstance(obj, md.MirroredOptimizer) else _optimizers_of(obj, path)[-1].state_dict()
+        state = optimizers.replicas_state_dict(_optimizers_of(obj, path))
         tensors, meta = checkpoint.optimizer_state_to_flat(state, prefix=path)
         return tensors, {"kind": "optimizer", "state": meta}
 
@@ -119,21 +120,11 @@ class _Optim:
     def restore(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> _Mismatch:
         state = checkpoint.optimizer_state_from_flat(tensors, meta["state"])
         try:
-            if isinstance(obj, md.MirroredOptimizer):
-                obj.load_state_dict(_for(obj.replicas[0], state))
-            else:
-                for opt in _optimizers_of(obj, path):
-                    opt.load_state_dict(_for(opt, state))
+            optimizers.load_replicas_state_dict(_optimizers_of(obj, path), state)
         except (ValueError, KeyError) as e:
             raise ValueError(f"Checkpoint.restore: {path}: the saved optimizer state does not fit this optimizer "
                              f"({e}). Restore into an optimizer over the same parameters.") from e
         return _Mismatch()
-
-
-def _for(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """The state a plain torch optimizer takes: without mr.optimizers' own part, which only ours read."""
-    return state if hasattr(opt, "accumulate_gradients") else {k: v for k, v in state.items()
-                                                               if k in ("state", "param_groups")}
 
 
 class _Variable:
@@ -240,7 +231,7 @@ class _Mismatch:
 def _kind(obj: Any) -> Any:
     if isinstance(obj, (md.MirroredModule, nn.Module)):
         return _Module
-    if isinstance(obj, (md.MirroredOptimizer, torch.optim.Optimizer, Optimizer)):
+    if isinstance(obj, (md.MirroredOptimizer, torch.optim.Optimizer, optimizers.Optimizer)):
         return _Optim
     if isinstance(obj, (md.Variable, Tensor)):
         return _Variable
@@ -385,8 +376,11 @@ class Checkpoint:
             setattr(self, name, value)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name.startswith("_") or name == "save_counter":
-            raise AttributeError(f"Checkpoint: {name!r} is reserved; name the trackable otherwise.")
+        if name.startswith("_"):  # our own state, not a trackable
+            object.__setattr__(self, name, value)
+            return
+        if name == "save_counter":
+            raise AttributeError("Checkpoint: 'save_counter' is reserved; name the trackable otherwise.")
         _check_name(name, "the trackable")
         list(_entries(name, value))  # refuses what cannot be saved, now rather than at the first save
         self._trackables[name] = value
@@ -395,8 +389,8 @@ class Checkpoint:
         try:
             return self._trackables[name]
         except KeyError:
-            raise AttributeError(f"Checkpoint has no trackable {name!r} (it has {', '.join(self._trackables) or 'none'})"
-                                 ) from None
+            names = ", ".join(self._trackables) or "none"
+            raise AttributeError(f"Checkpoint has no trackable {name!r} (it has {names}).") from None
 
     @property
     def save_counter(self) -> int:
