@@ -118,11 +118,10 @@ def test_run_returning_the_same_object_returns_it():
 
 def test_run_results_of_different_lengths():
     """mirrored_strategy_test.testRunRegroupError: lists of different lengths per replica make TF's
-    regroup fail an assert. We keep them: the whole lists become one PerReplica (nothing is lost, and
-    an assert is not an error a user should meet)."""
+    regroup fail (an assert there). We raise a ValueError naming both structures (issue 17)."""
     s = strategy_of(2)
-    out = s.run(lambda: list(range(replica_id())))
-    assert isinstance(out, md.PerReplica) and out.values == ([], [0])
+    with pytest.raises(ValueError, match=r"replica 0 returned list\(\) but replica 1 returned list\(int\)"):
+        s.run(lambda: list(range(replica_id())))
 
 
 def test_one_replica_run_returns_plain_values():

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mirrored.distribute import buckets, context, replicas
+from mirrored.distribute import buckets, context, replicas, rollback
 from mirrored.distribute.context import ReplicaContext
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, as_reduce_op, default_for,
                                                 mean_of_sum, shape_mismatch, shapes_of)
@@ -156,18 +156,14 @@ class Strategy:
                                  "this strategy made (its distributed dataset, run results, "
                                  "experimental_distribute_values_from_function).")
         if self._pool is None:
-            ctx = ReplicaContext(self, 0) if not self._is_default else self._default_replica_context
-            _inline_runs.depth = getattr(_inline_runs, "depth", 0) + 1
-            try:
-                with context.push(self, ctx):
-                    return fn(*select_replica(0, args), **select_replica(0, kwargs))
-            finally:
-                _inline_runs.depth -= 1
+            return self._run_inline(fn, args, kwargs)
         step = replicas.Rendezvous(self._devices, self._timeout_s)
+        journals = [rollback.StepJournal() for _ in self._devices]
 
         def task(replica_id: int) -> Any:
             ctx = ReplicaContext(self, replica_id)
             ctx._step = step
+            ctx._journal = journals[replica_id]
             try:
                 with context.push(self, ctx):
                     result = fn(*select_replica(replica_id, args), **select_replica(replica_id, kwargs))
@@ -178,10 +174,48 @@ class Strategy:
             step.finish(replica_id)
             return result
 
-        results, errors = self._pool.run(task, grace_s=self._timeout_s)
-        if errors or step.error is not None:
-            raise self._step_error(errors, step)
-        return regroup(results)
+        outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
+        if outcome.errors or step.error is not None:
+            self._roll_back(journals, outcome.finished)
+            if outcome.interrupted is not None:
+                raise outcome.interrupted
+            raise self._step_error(outcome.errors, step)
+        if outcome.interrupted is not None:  # the step finished on every replica first: it stays applied
+            raise outcome.interrupted
+        try:
+            return regroup(outcome.results, where="strategy.run")
+        except ValueError:  # the replicas returned different structures: the step failed as a whole
+            self._roll_back(journals, outcome.finished)
+            raise
+
+    def _run_inline(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """One replica on the caller's thread (the default and one-device strategies, one device)."""
+        ctx = ReplicaContext(self, 0) if not self._is_default else self._default_replica_context
+        journal = rollback.StepJournal()
+        ctx._journal = journal
+        _inline_runs.depth = getattr(_inline_runs, "depth", 0) + 1
+        try:
+            with context.push(self, ctx):
+                return fn(*select_replica(0, args), **select_replica(0, kwargs))
+        except BaseException:
+            journal.rollback()
+            raise
+        finally:
+            _inline_runs.depth -= 1
+            ctx._journal = None
+
+    def _roll_back(self, journals: list[rollback.StepJournal], finished: list[bool]) -> None:
+        """A failed step leaves no trace: every replica's gradients, buffers and metrics go back to what
+        they were before the step (or, past a committed update, before what followed it). Runs once
+        the replicas are quiescent; a replica still busy after the grace period cannot be rolled back."""
+        stuck = [i for i, done in enumerate(finished) if not done]
+        for journal, done in zip(journals, finished):
+            if done:
+                journal.rollback()
+        if stuck:
+            logger.warning("replica %s did not finish the failed step in time; what it changed was not rolled "
+                           "back, so the replicas may differ: check with strategy.check_in_sync(...) or restore "
+                           "a checkpoint.", ", ".join(f"{i} ({self._devices[i]})" for i in stuck))
 
     def _step_error(self, errors: dict[int, BaseException], step: replicas.Rendezvous) -> BaseException:
         """The exception a failed step raises: the first replica's own error, named by replica."""

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from mirrored.distribute import context
 from mirrored.distribute.devices import torch_device
+from mirrored.distribute.rollback import journal_of
 from mirrored.distribute.values import DistributedValues, PerReplica, ReduceOp, map_structure
 
 if TYPE_CHECKING:
@@ -258,6 +259,7 @@ class MirroredVariable(Variable):
             return self
         agg = self._aggregation
         if agg is VariableAggregation.NONE:
+            _note_write(self._values[rid])
             _write(self._values[rid], value, op)
             return self
         ctx = context.get_replica_context()
@@ -318,6 +320,7 @@ class SyncOnReadVariable(Variable):
     def _update(self, value: Any, op: str) -> Variable:
         rid = self._replica_id()
         if rid is not None:
+            _note_write(self._values[rid])
             _write(self._values[rid], value, op)
             return self
         n = self._strategy.num_replicas_in_sync
@@ -335,6 +338,13 @@ class SyncOnReadVariable(Variable):
         for t in self._values:
             _write(t, value, op)
         return self
+
+
+def _note_write(copy_: Tensor) -> None:
+    """A copy written by its replica inside strategy.run goes back to its value if the step fails."""
+    journal = journal_of(context.get_replica_context())
+    if journal is not None:
+        journal.before_write(copy_)
 
 
 def _split_total(total: Tensor, n: int) -> list[Tensor]:

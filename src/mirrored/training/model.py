@@ -31,6 +31,7 @@ from mirrored.training.layers import has_sync_batchnorm
 logger = logging.getLogger(__name__)
 
 _FORMAT = "mirrored.Model/1"
+INFINITE = -1  # mr.data's INFINITE_CARDINALITY
 
 
 def _device_of(module: nn.Module) -> str:
@@ -315,9 +316,12 @@ class Model:
 
     def _train_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
         ctx = md.get_replica_context()
-        net = self._net.module  # this replica's copy (on a multi-worker strategy, the process's one)
+        # Called through the mirror, which notes this replica's gradients and buffers first: a failed
+        # step puts them back (issue 17), so the next step does not add a failed step's gradients in.
+        net = self._net
         opt = self._mopt
-        scaler = self._scalers[[m is net for m in self._net.replicas].index(True)] if self._scalers else None
+        own = self._net.module  # this replica's copy (on a multi-worker strategy, the process's one)
+        scaler = self._scalers[[m is own for m in self._net.replicas].index(True)] if self._scalers else None
         for (x, y, sw), count in zip(batches, global_counts):
             # An empty part (a short last batch) still joins the gradient all-reduce.
             share, logits, sw = self._step_loss(ctx, net, x, y, sw, count)
@@ -336,7 +340,7 @@ class Model:
             else:
                 opt.optimizer.step()
             opt.optimizer.zero_grad(set_to_none=True)
-            opt.sync_buffers(weight=_rows(x))  # an empty part did not update BatchNorm's statistics
+            opt.finish_step(weight=_rows(x))  # an empty part did not update BatchNorm's statistics
 
     @staticmethod
     def _regularization(net: nn.Module) -> Tensor | float:
@@ -410,6 +414,11 @@ class Model:
         first = skip if continuing else 0
         for i in itertools.count(first) if steps is None else range(first, steps):
             batch = dist.draw() if continuing else next(it, _END)
+            if batch is _END and continuing and i == first == 0:
+                # The previous epoch took the pass's last batch; this epoch starts the next pass (an
+                # empty dataset yields nothing here either).
+                batch = dist.draw()
+                it = dist.iterator()  # the new pass's: it knows each batch's global size
             if batch is _END:
                 break
             if i < skip:
@@ -446,6 +455,9 @@ class Model:
         # with steps_per_epoch sees all the data); without it, every epoch is a fresh full pass.
         source = _Continuing(dist, dataset) if steps_per_epoch is not None else dist
         self._fit_source = source
+        _check_ends(dataset, steps_per_epoch, "fit", "steps_per_epoch")
+        if val is not None:
+            _check_ends(val, validation_steps, "fit(validation_data)", "validation_steps")
         steps = steps_per_epoch if steps_per_epoch is not None else _len_or_none(dataset)
         verbose = 1 if verbose == "auto" else verbose
         cbs = callbacks_lib.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=self,
@@ -484,6 +496,8 @@ class Model:
                 cbs.on_train_batch_end(step - 1, {**logs, "num_examples": sum(n for _, n in group)})
                 if self.stop_training:
                     break
+            if step == 0 and steps != 0:  # (a resumed epoch may have nothing left to do)
+                raise _no_batches("fit", dataset, f"epoch {epoch + 1}")
             skip = 0
             epoch_logs = dict(logs) if logs else self._logs()
             # As Keras: validation runs (through the fit callbacks' test hooks) even in the epoch that
@@ -506,12 +520,15 @@ class Model:
         self.reset_metrics()
         if cbs is not None:
             cbs.on_test_begin()
+        i = -1
         for i, group in enumerate(self._batches(strategy.experimental_distribute_dataset(dataset), steps)):
             if cbs is not None:
                 cbs.on_test_batch_begin(i)
             strategy.run(self._test_replica, args=([b for b, _ in group], [n for _, n in group]))
             if cbs is not None:
                 cbs.on_test_batch_end(i, self._logs())
+        if i < 0 and steps != 0:
+            raise _no_batches("evaluate", dataset, "its pass")
         logs = self._logs()
         if cbs is not None:
             cbs.on_test_end(logs)
@@ -523,6 +540,7 @@ class Model:
         """Loss and metrics over a dataset: a list [loss, *metrics], or a dict with return_dict=True."""
         self._require_compiled("evaluate")
         dataset = self._as_dataset(x, y, batch_size, sample_weight, False, "evaluate")
+        _check_ends(dataset, steps, "evaluate", "steps")
         verbose = 1 if verbose == "auto" else verbose  # Keras: a progress bar unless verbose=0
         cbs = callbacks_lib.CallbackList(callbacks, add_history=False, add_progbar=verbose != 0, model=self,
                                          verbose=verbose, epochs=1,
@@ -539,6 +557,7 @@ class Model:
             dataset = self._as_dataset(x, None, batch_size, None, False, "predict")
         else:
             dataset = self._as_dataset(x, None, None, None, False, "predict")
+        _check_ends(dataset, steps, "predict", "steps")
         verbose = 1 if verbose == "auto" else verbose
         cbs = callbacks_lib.CallbackList(callbacks, add_progbar=verbose != 0, model=self, verbose=verbose, epochs=1,
                                          steps=steps if steps is not None else _len_or_none(dataset))
@@ -727,6 +746,27 @@ class Model:
 def _rows(x: Any) -> int:
     leaf = md.values.flatten(x)[0]
     return len(leaf)
+
+
+def _check_ends(dataset: Any, steps: int | None, where: str, steps_arg: str) -> None:
+    """Refuses, before anything runs, a dataset that cannot end a pass (infinite, with no `steps_arg`)
+    or that has nothing in it. Keras 3 trains forever on the first and only warns on the second."""
+    cardinality = getattr(dataset, "cardinality", None)
+    n = int(cardinality()) if callable(cardinality) else _len_or_none(dataset)
+    if n == INFINITE and steps is None:
+        raise ValueError(f"Model.{where}: the dataset repeats forever ({dataset!r}) and {steps_arg} is not set, so "
+                         f"the first pass would never end. Pass {steps_arg}=N (the batches per pass), or drop the "
+                         ".repeat().")
+    if n == 0:
+        raise ValueError(f"Model.{where}: the dataset yields no batches ({dataset!r}). Check the source (an empty "
+                         "file list or split, a filter that drops everything, a batch with drop_remainder=True "
+                         "larger than the data).")
+
+
+def _no_batches(where: str, dataset: Any, what: str) -> ValueError:
+    return ValueError(f"Model.{where}: the dataset yielded no batches in {what} ({dataset!r}). Check the source (an "
+                      "empty file list or split, a filter that drops everything, a batch with drop_remainder=True "
+                      "larger than the data).")
 
 
 def _len_or_none(dataset: Any) -> int | None:
