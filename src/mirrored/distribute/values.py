@@ -88,6 +88,11 @@ def sorted_keys(d: dict) -> list[Any]:
         return sorted(d, key=lambda k: (type(k).__name__, repr(k)))
 
 
+def is_nested(x: Any) -> bool:
+    """Whether `x` is a structure the nest helpers walk into (tuple, list, dict, namedtuple), not a leaf."""
+    return _children(x) is not None
+
+
 def _children(x: Any) -> list[Any] | None:
     if isinstance(x, dict):
         return [x[k] for k in sorted_keys(x)]
