@@ -212,17 +212,19 @@ def _escape(text: str) -> str:
 
 
 def write_reference(directory: Path, docstring_to_rst: Any) -> list[str]:
-    """Writes the reference pages into `directory` (emptied first); returns the files written."""
+    """Writes the reference pages into `directory` and removes pages of names that are gone; returns
+    the files. A page whose text did not change is left alone, so Sphinx does not read it again."""
     directory.mkdir(parents=True, exist_ok=True)
-    for old in directory.glob("*.rst"):
-        old.unlink()
     pages = namespaces()
-    written = []
-    for page in pages:
-        (directory / page_filename(page)).write_text(render(page, docstring_to_rst))
-        written.append(page_filename(page))
-    (directory / "index.rst").write_text(render_index(pages))
-    return written + ["index.rst"]
+    texts = {page_filename(page): render(page, docstring_to_rst) for page in pages}
+    texts["index.rst"] = render_index(pages)
+    for stale in set(p.name for p in directory.glob("*.rst")) - set(texts):
+        (directory / stale).unlink()
+    for name, text in texts.items():
+        path = directory / name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+    return list(texts)
 
 
 def dedent_docstring(doc: str) -> list[str]:

@@ -208,7 +208,7 @@ def test_generated_benchmark_commands_parse():
 
 # ---- cross-references and the architecture page -----------------------------------------------------
 
-_ROLE = re.compile(r"\{py:(?:class|func|meth|attr|mod|obj|data|exc)\}`~?([\w.]+)`")
+_ROLE = re.compile(r"\{py:(?:class|func|meth|attr|mod|obj|data|exc)\}`(?:[^`<]*<)?~?([\w.]+)>?`")
 
 
 def _resolve(path: str) -> object:
