@@ -173,7 +173,7 @@ class Strategy:
         # last reference stops its replica threads at once instead of at the next cyclic GC.
         return StrategyExtended(self)
 
-    def scope(self) -> _Scope:
+    def scope(self) -> AbstractContextManager[Strategy]:
         """Variables, mirrored modules and metrics created in this block are mirrored on every replica.
         The object may be entered again, and nested in itself."""
         return _Scope(self)
