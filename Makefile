@@ -24,3 +24,14 @@ test-all: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
+
+# The documentation site (docs/) into build/docs; warnings are errors, as in CI.
+.PHONY: docs
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(VENV)/bin/python -m pip install -q -e '.[test,docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/python -m sphinx -W --keep-going -q -b html docs build/docs

@@ -232,3 +232,28 @@ def test_one_device_strategy_context():
         assert md.in_cross_replica_context() and md.get_replica_context() is None
     assert_default_state()
     assert torch.equal(s.reduce("SUM", torch.ones(2)), torch.ones(2))
+
+
+def test_one_scope_object_is_reentrant_and_nests_in_itself():
+    """distribute_lib._CurrentDistributionContext, measured on TF 2.21: the object strategy.scope()
+    returns can be entered again after it exits, and nested in itself; each exit restores what was
+    current before its own entry."""
+    s = strategy_of(2)
+    scope = s.scope()
+    for _ in range(2):
+        with scope as entered:
+            assert entered is s and md.get_strategy() is s and md.in_cross_replica_context()
+        assert_default_state()
+    with scope:
+        with scope:
+            assert md.get_strategy() is s
+        assert md.get_strategy() is s and md.in_cross_replica_context()
+    assert_default_state()
+    with pytest.raises(KeyError), scope:  # an error inside still pops the entry
+        raise KeyError("x")
+    assert_default_state()
+    default = md.get_strategy()
+    default_scope = default.scope()
+    for _ in range(2):
+        with default_scope:
+            assert md.get_strategy() is default

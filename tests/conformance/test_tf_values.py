@@ -118,11 +118,10 @@ def test_run_returning_the_same_object_returns_it():
 
 def test_run_results_of_different_lengths():
     """mirrored_strategy_test.testRunRegroupError: lists of different lengths per replica make TF's
-    regroup fail an assert. We keep them: the whole lists become one PerReplica (nothing is lost, and
-    an assert is not an error a user should meet)."""
+    regroup fail (an assert there). We raise a ValueError naming both structures (issue 17)."""
     s = strategy_of(2)
-    out = s.run(lambda: list(range(replica_id())))
-    assert isinstance(out, md.PerReplica) and out.values == ([], [0])
+    with pytest.raises(ValueError, match=r"replica 0 returned list\(\) but replica 1 returned list\(int\)"):
+        s.run(lambda: list(range(replica_id())))
 
 
 def test_one_replica_run_returns_plain_values():
@@ -138,3 +137,34 @@ def test_distributed_values_truth_value_is_ambiguous():
     with pytest.raises(TypeError, match="ambiguous"):
         bool(md.PerReplica((True, False)))
     assert "PerReplica" in repr(md.PerReplica((1, 2)))
+
+
+def test_experimental_local_results_of_a_nest_is_one_structure_per_replica():
+    """StrategyExtendedV2._local_results (measured on TF 2.21, 2 replicas): for a nest (dict, tuple,
+    namedtuple, list) holding PerReplica values, one structure per replica, each PerReplica replaced
+    by that replica's value and plain leaves repeated; a mirrored variable in it gives its copy."""
+    s = strategy_of(2)
+    Pair = collections.namedtuple("Pair", "x y")
+    with s.scope():
+        v = md.Variable(1.0)
+    out = s.run(lambda: {"id": torch.tensor(replica_id()), "pair": Pair(torch.tensor(10 * replica_id()), "tag")})
+    first, second = s.experimental_local_results(out)
+    assert first["id"].item() == 0 and second["id"].item() == 1
+    assert isinstance(first["pair"], Pair) and first["pair"].y == "tag" == second["pair"].y
+    assert first["pair"].x.item() == 0 and second["pair"].x.item() == 10
+    a, b = s.experimental_local_results((v, [out["id"]]))
+    assert a[0] is v.values[0] and b[0] is v.values[1] and b[1][0].item() == 1
+    assert strategy_of(1).experimental_local_results({"k": 1}) == ({"k": 1},)
+
+
+def test_experimental_local_results_of_mirrored_modules_and_optimizers():
+    """As for a MirroredVariable (its copies), experimental_local_results of a mirrored module or
+    optimizer gives the per-replica copies, so `first, second = ...(mnet)` unpacks them."""
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(torch.nn.Linear(2, 1))
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+    first, second = s.experimental_local_results(mnet)
+    assert first is mnet.replicas[0] and second is mnet.replicas[1] and first is not second
+    assert s.experimental_local_results(opt) == opt.replicas and len(opt.replicas) == 2
+    assert s.experimental_local_results({"net": mnet})[1]["net"] is mnet.replicas[1]

@@ -3,10 +3,16 @@
 Sources (tensorflow/python/distribute/): mirrored_strategy_test.py (MirroredVariableUpdateTest,
 SyncOnReadVariableAssignTest), strategy_test_lib.py (_test_global_step_update), mirrored_variable_test.py,
 values_util.py (on_write_assign / on_read_assign_cross_replica / on_read_assign_add_cross_replica),
-values.py (_on_write_update_replica, SyncOnReadVariable._get_cross_replica). TF 2.x semantics:
-aggregation NONE in replica context updates only the calling replica's copy.
+values.py (_on_write_update_replica, SyncOnReadVariable._get_cross_replica), values_test.py
+(DistributedVariableTest: testAssignSignature, testDeepCopy, testStrategyExtendedUpdate,
+testSaveNonDistributed), values_v2_test.py (testDenseUpdate, testOperatorOverride), distribute_lib.py
+(StrategyExtendedV2.update / value_container / colocate_vars_with), distribute_utils.py
+(create_mirrored_variable, update_regroup). TF 2.x semantics: aggregation NONE in replica context
+updates only the calling replica's copy.
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -213,18 +219,27 @@ def test_reduce_mean_of_mirrored_variable_is_exact():
     assert s.reduce(md.ReduceOp.MEAN, v).item() == 0.1
 
 
-def test_variable_created_in_replica_context_raises():
-    """TF lets a replica function create a variable (all replicas then share one MirroredVariable via
-    merge_call). We refuse it with a RuntimeError that names the fix (create it in the scope): a
-    variable per run() call is almost always a bug in eager code, and TF's sharing relies on
-    per-replica creation order."""
+def test_variable_created_in_replica_context_is_one_shared_variable():
+    """mirrored_run + shared_variable_creator, measured on TF 2.21 with 2 replicas: a tf.Variable made
+    inside strategy.run is one MirroredVariable that every replica gets; replica 0 makes it, so its
+    initial value wins (replica r passing 10 + r gives 10.0 on both copies). Every replica's function
+    sees the same object, and it is usable at once (here: a SUM write of 1 per replica adds 2)."""
     s = strategy_of(2)
+    seen = {}
 
     def fn():
-        md.Variable(1.0, name="late")
+        v = md.Variable(torch.tensor(10.0 + replica_id()), name="late", aggregation=AGG.SUM)
+        seen[replica_id()] = v
+        v.assign_add(torch.tensor(1.0))
+        return v
 
-    with pytest.raises(RuntimeError, match=r"strategy\.scope\(\)"):
-        s.run(fn)
+    v = s.run(fn)
+    assert isinstance(v, md.MirroredVariable) and seen[0] is seen[1] is v
+    assert v.name == "late" and v.distribute_strategy is s
+    assert copies(v) == [12.0, 12.0]
+    with s.scope():  # and the same made in cross-replica context inside the scope, for comparison
+        w = md.Variable(10.0)
+    assert type(w) is type(v) and copies(w) == [10.0, 10.0]
 
 
 # ---- ON_READ -------------------------------------------------------------------------------------
@@ -305,12 +320,18 @@ def test_sync_on_read_integer_sum_assign_splits_exactly():
     assert sum(copies(v)) == 10 and v.dtype == torch.int64
 
 
-def test_sync_on_read_cannot_be_trainable():
-    """variable_scope: "Synchronization value can be set to VariableSynchronization.ON_READ only for
-    non-trainable variables" (ValueError)."""
+def test_sync_on_read_is_trainable_when_asked():
+    """values_test.DistributedVariableTest.testSaveNonDistributed creates ON_READ variables with
+    trainable=True and reads v.trainable == True (TF 2.21: accepted); only the default follows the
+    synchronization (ON_READ: False, ON_WRITE: True)."""
     s = strategy_of(2)
-    with s.scope(), pytest.raises(ValueError, match="trainable"):
-        md.Variable(1.0, synchronization=SYNC.ON_READ, aggregation=AGG.SUM, trainable=True)
+    with s.scope():
+        asked = md.Variable(1.0, synchronization=SYNC.ON_READ, aggregation=AGG.SUM, trainable=True)
+        default = md.Variable(1.0, synchronization=SYNC.ON_READ, aggregation=AGG.SUM)
+        mirrored = md.Variable(1.0)
+    assert isinstance(asked, md.SyncOnReadVariable) and asked.trainable
+    assert all(t.requires_grad for t in asked.values)
+    assert not default.trainable and mirrored.trainable
 
 
 def test_sync_on_read_with_none_aggregation_cannot_be_read_cross_replica():
@@ -322,3 +343,194 @@ def test_sync_on_read_with_none_aggregation_cannot_be_read_cross_replica():
         with pytest.raises(ValueError, match="aggregation NONE"):
             v.read_value()
     assert s.experimental_local_results(s.run(lambda: v.read_value().item())) == (1.0, 1.0)
+
+
+# ---- the tf.Variable interface of distributed variables -------------------------------------------
+
+ALL_KINDS = [(SYNC.ON_WRITE, AGG.NONE), (SYNC.ON_WRITE, AGG.MEAN), (SYNC.ON_READ, AGG.SUM), (SYNC.ON_READ, AGG.MEAN),
+             (SYNC.ON_READ, AGG.ONLY_FIRST_REPLICA)]
+
+
+@pytest.mark.parametrize("sync,agg", ALL_KINDS)
+def test_assign_signature(sync, agg):
+    """values_test.DistributedVariableTest.testAssignSignature and values_v2_test testDenseUpdate:
+    assign / assign_add / assign_sub take (value, use_locking, name, read_value) by position or
+    keyword; read_value=False returns None; read_value=True returns the variable, reading the new
+    value (2 after assign(2), 5 after assign_add(1) from 4, ...). In replica context too."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(0.0, synchronization=sync, aggregation=agg)
+        if not (sync is SYNC.ON_READ and agg is AGG.SUM):  # TF refuses assign_add there (tested above)
+            assert v.assign(2.0, use_locking=True, name="assign", read_value=True).read_value().item() == 2.0
+            assert v.assign(3.0, read_value=False) is None and v.read_value().item() == 3.0
+            assert v.assign_add(1.0, True, "assign_add", True).read_value().item() == 4.0
+            assert v.assign_add(1.0, read_value=False) is None and v.read_value().item() == 5.0
+            assert v.assign_sub(1.0, use_locking=True, name="assign_sub").read_value().item() == 4.0
+            assert v.assign_sub(1.0, True, "assign_sub", False) is None and v.read_value().item() == 3.0
+
+    def assign():
+        one = torch.tensor(1.0)
+        results = [v.assign(one, True, "assign", False), v.assign(one, use_locking=True, name="a", read_value=False),
+                   v.assign_add(one, True, "assign", False), v.assign_sub(one, use_locking=True, read_value=False)]
+        assert all(r is None for r in results)
+        return v.assign_add(one, read_value=True) is v
+
+    assert s.run(assign) is True  # every replica's function saw its variable returned
+
+
+def test_none_synchronization_in_a_strategy_scope_is_refused():
+    """distribute_utils.validate_synchronization, measured on TF 2.21: ValueError "`NONE` variable
+    synchronization mode is not supported with tf.distribute strategy". Outside any scope, and in
+    the one-device strategy's (plain variables), NONE is accepted and reported."""
+    s = strategy_of(2)
+    with s.scope(), pytest.raises(ValueError, match="synchronization=NONE"):
+        md.Variable(1.0, synchronization=SYNC.NONE)
+    with pytest.raises(ValueError, match="synchronization=NONE"):  # inside run as well
+        s.run(lambda: md.Variable(1.0, synchronization="none"))
+    plain = md.Variable(1.0, synchronization=SYNC.NONE)
+    assert type(plain) is md.Variable and plain.synchronization is SYNC.NONE
+    with md.OneDeviceStrategy("cpu:0").scope():
+        assert md.Variable(1.0, synchronization=SYNC.NONE).synchronization is SYNC.NONE
+
+
+def test_auto_synchronization_reports_on_write():
+    """distribute_utils.create_mirrored_variable turns AUTO into ON_WRITE for a distributed variable;
+    a plain variable keeps AUTO (values_v2_test testSynchronization reports what was asked)."""
+    s = strategy_of(2)
+    with s.scope():
+        assert md.Variable(1.0).synchronization is SYNC.ON_WRITE
+    assert md.Variable(1.0).synchronization is SYNC.AUTO
+
+
+def test_distribute_strategy_property():
+    """values.DistributedVariable.distribute_strategy (compared in testDeepCopy): the strategy whose
+    scope made the variable, ON_WRITE and ON_READ alike, also read inside run; None for a variable
+    made outside any strategy (TF's ResourceVariable default)."""
+    s = strategy_of(2)
+    with s.scope():
+        mirrored = md.Variable(1.0)
+        on_read = md.Variable(1.0, synchronization=SYNC.ON_READ, aggregation=AGG.SUM)
+    assert mirrored.distribute_strategy is s and on_read.distribute_strategy is s
+    assert s.run(lambda: mirrored.distribute_strategy is s) is True
+    assert md.Variable(1.0).distribute_strategy is None
+    one = md.OneDeviceStrategy("cpu:0")
+    with one.scope():
+        assert md.Variable(1.0).distribute_strategy is one
+
+
+@pytest.mark.parametrize("sync,agg", ALL_KINDS)
+def test_deepcopy_in_and_out_of_scope(sync, agg):
+    """values_test.DistributedVariableTest.testDeepCopy: copy.deepcopy of a distributed variable, inside
+    the scope or outside it, is a variable of the same type, aggregation and distribute_strategy,
+    with as many copies, on the same devices, equal in value but distinct objects. Writes to the copy
+    leave the original alone (resource_variable_ops_test.testEagerDeepCopy)."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(torch.tensor([1.0, 2.0]), synchronization=sync, aggregation=agg)
+        in_scope = copy.deepcopy(v)
+    out_of_scope = copy.deepcopy(v)
+    for c in (in_scope, out_of_scope):
+        assert type(c) is type(v) and c.aggregation is agg and c.synchronization is v.synchronization
+        assert c.distribute_strategy is s and c.trainable == v.trainable and c.name == v.name
+        assert len(c.values) == len(v.values)
+        for mine, theirs in zip(c.values, v.values):
+            assert mine is not theirs and mine.data_ptr() != theirs.data_ptr()
+            assert mine.device == theirs.device and torch.equal(mine, theirs)
+            assert mine.requires_grad == theirs.requires_grad
+    with s.scope():
+        in_scope.assign(torch.tensor([5.0, 5.0]))
+    assert [t.tolist() for t in v.values] == [[1.0, 2.0], [1.0, 2.0]]
+
+
+def test_integer_variable_operators():
+    """values_v2_test._VariableInterfaceTestBase.testOperatorOverride with v = 7 (and
+    values_test.testSaveNonDistributed's integer y): +, -, *, /, //, %, comparisons, &, |, ^, pow,
+    -, ~ (~7 = -8) and abs, each side, as on the int value 7."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(torch.tensor(7, dtype=torch.int32))
+    checks = [(v + 1, 8), (3 + v, 10), (v + v, 14), (v - 2, 5), (13 - v, 6), (v - v, 0), (v * 2, 14), (3 * v, 21),
+              (v * v, 49), (v / 2, 3.5), (14 / v, 2.0), (v // 2, 3), (15 // v, 2), (v % 2, 1), (16 % v, 2),
+              (v & 3, 3), (11 & v, 3), (v | 8, 15), (16 | v, 23), (v ^ 3, 4), (11 ^ v, 12), (pow(v, 3), 343),
+              (pow(2, v), 128), (-v, -7), (~v, ~7), (abs(v), 7)]
+    for got, want in checks:
+        assert got.item() == want
+    assert (v < 12) and (v <= 12) and not (v > 12) and not (v >= 12)
+    assert not (12 < v) and not (12 <= v) and (12 > v) and (12 >= v)
+    assert (~v).dtype == torch.int32
+    with s.scope():
+        flag = md.Variable(torch.tensor([True, False]))
+    assert (~flag).tolist() == [False, True]
+
+
+@pytest.mark.parametrize("sync,agg", [(SYNC.ON_WRITE, AGG.NONE), (SYNC.ON_READ, AGG.SUM), (SYNC.ON_READ, AGG.MEAN),
+                                      (SYNC.ON_READ, AGG.ONLY_FIRST_REPLICA)])
+def test_strategy_extended_update(sync, agg):
+    """values_test.DistributedVariableTest.testStrategyExtendedUpdate (2 replicas, measured on TF 2.21):
+    extended.update(v, fn, args=(PerReplica([1., 2.]),)) calls fn on each copy with that replica's
+    part: assign -> [1, 2]; assign_add -> [2, 4]; assign_sub -> [1, 2]; fn reading the copy
+    (assign_add(value() + read_value())) -> [3, 6]."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(0.0, synchronization=sync, aggregation=agg)
+    value = md.PerReplica([torch.tensor(1.0), torch.tensor(2.0)])
+    s.extended.update(v, lambda var, x: var.assign(x), args=(value,))
+    assert copies(v) == [1.0, 2.0]
+    s.extended.update(v, lambda var, x: var.assign_add(x), args=(value,))
+    assert copies(v) == [2.0, 4.0]
+    s.extended.update(v, lambda var, x: var.assign_sub(x), args=(value,))
+    assert copies(v) == [1.0, 2.0]
+    s.extended.update(v, lambda var, x: var.assign_add(var.value() + var.read_value()), args=(value,))
+    assert copies(v) == [3.0, 6.0]
+
+
+def test_strategy_extended_update_results_and_contexts():
+    """distribute_utils.update_regroup: group=True gives a Mirrored of each copy's result (the
+    updated values, as tensors), group=False a tuple per replica. value_container(copy) inside fn is
+    the variable (StrategyExtended.value_container). In replica context update goes through a
+    merge_call (StrategyExtended._replica_ctx_update): fn runs once per copy, not once per replica per
+    copy, with the replicas' values merged."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(0.0)
+    containers = []
+
+    def add(var, x):
+        containers.append(s.extended.value_container(var))
+        return var.assign_add(x)
+
+    grouped = s.extended.update(v, add, args=(md.PerReplica([torch.tensor(1.0), torch.tensor(2.0)]),))
+    assert isinstance(grouped, md.Mirrored) and [t.item() for t in grouped.values] == [1.0, 2.0]
+    assert containers == [v, v] and s.extended.value_container(torch.ones(1)).tolist() == [1.0]
+    ungrouped = s.extended.update(v, lambda var: var.read_value() * 10, group=False)
+    assert isinstance(ungrouped, tuple) and [t.item() for t in ungrouped] == [10.0, 20.0]
+    calls = []
+
+    def in_replica():
+        return s.extended.update(v, lambda var, x: calls.append(x) or var.assign(x),
+                                 args=(torch.tensor(5.0 + replica_id()),))
+
+    out = s.run(in_replica)
+    assert copies(v) == [5.0, 6.0] and len(calls) == 2
+    assert [t.item() for t in s.experimental_local_results(out)] == [5.0, 6.0]
+
+
+def test_colocate_vars_with():
+    """StrategyExtendedV2.colocate_vars_with: inside the scope, with a variable of this strategy, a
+    block whose variables are created as usual (every variable here is on all replicas' devices);
+    outside the scope RuntimeError ('Need to be inside "with strategy.scope()"'); with a variable not
+    created in this strategy's scope ValueError (validate_colocate_distributed_variable)."""
+    s, other = strategy_of(2), strategy_of(2)
+    with s.scope():
+        v = md.Variable(1.0)
+        with s.extended.colocate_vars_with(v):
+            w = md.Variable(2.0)
+        assert isinstance(w, md.MirroredVariable) and [t.device for t in w.values] == [t.device for t in v.values]
+        with pytest.raises(ValueError, match="colocate_vars_with"):
+            s.extended.colocate_vars_with(torch.ones(1))
+    with other.scope():
+        foreign = md.Variable(1.0)
+    with s.scope(), pytest.raises(ValueError, match="colocate_vars_with"):
+        s.extended.colocate_vars_with(foreign)
+    with pytest.raises(RuntimeError, match="strategy.scope"):
+        s.extended.colocate_vars_with(v)

@@ -65,10 +65,8 @@ def test_batched_string_vectors_split_by_row():
     assert [t.tolist() for t in dists[0]["x"].values] == [[0, 1, 2], [3, 4]]
 
 
-def test_distributed_dataset_rejects_iterators_and_non_iterables():
+def test_distributed_dataset_rejects_non_iterables():
     s = strategy_of(2)
-    with pytest.raises(TypeError, match="got an iterator"):
-        s.experimental_distribute_dataset(iter([torch.ones(2)]))
     with pytest.raises(TypeError, match="expected a dataset of GLOBAL batches"):
         s.experimental_distribute_dataset(42)
     with pytest.raises(TypeError, match="not a dataset"):
@@ -137,3 +135,124 @@ def test_input_options_defaults():
     assert opts.experimental_fetch_to_device is True and opts.experimental_per_replica_buffer_size == 1
     assert repr(md.InputContext(2, 1, 4)) == "InputContext(num_input_pipelines=2, input_pipeline_id=1, " \
                                              "num_replicas_in_sync=4)"
+
+
+# ---- any iterable of global batches (issue 14) ------------------------------------------------------
+
+def reference_parts(x: torch.Tensor, batch_size: int, n: int) -> list[list[list[int]]]:
+    """Per global batch, each replica's rows of x by TF's rule, worked out here by hand: replicas in
+    order take ceil(B/N) until the batch runs out."""
+    out = []
+    for lo in range(0, len(x), batch_size):
+        batch = x[lo:lo + batch_size].tolist()
+        per = -(-len(batch) // n)
+        out.append([batch[r * per:(r + 1) * per] for r in range(n)])
+    return out
+
+
+def test_torch_dataloader_is_split_by_tf_rule_every_epoch():
+    """A torch DataLoader (num_workers=0) of (x, y) pairs batched by 5: each global batch (the last one
+    short: 10 examples -> 5, 5; 13 -> 5, 5, 3) splits 3 / 2 (then 2 / 1), x and y alike, and the
+    DataLoader is read afresh each epoch; len() and cardinality() are its number of batches."""
+    s = strategy_of(2)
+    x = torch.arange(13).reshape(13, 1)
+    y = torch.arange(13) * 10
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=5, num_workers=0)
+    dist = s.experimental_distribute_dataset(loader)
+    assert len(dist) == 3 and dist.cardinality() == 3
+    want = reference_parts(x.squeeze(1), 5, 2)
+    for _ in range(2):  # two epochs
+        got_x, got_y = [], []
+        for bx, by in dist:
+            got_x.append([t.squeeze(1).tolist() for t in s.experimental_local_results(bx)])
+            got_y.append([t.tolist() for t in s.experimental_local_results(by)])
+        assert got_x == want
+        assert got_y == [[[10 * i for i in part] for part in parts] for parts in want]
+
+
+def test_list_of_tuples_and_generator_iterable():
+    """A plain list of (x, y) tuples and an object whose __iter__ returns a new generator are both
+    re-iterable sources of global batches; the generator one has no len (cardinality -2, unknown)."""
+    s = strategy_of(3)
+    x = torch.arange(20)
+    batches = [(x[i:i + 8], -x[i:i + 8]) for i in range(0, 20, 8)]
+
+    class Generated:
+        def __iter__(self):
+            return (b for b in batches)
+
+    want = reference_parts(x, 8, 3)
+    for source in (batches, Generated()):
+        dist = s.experimental_distribute_dataset(source)
+        for _ in range(2):
+            got = [[t.tolist() for t in s.experimental_local_results(bx)] for bx, _ in dist]
+            assert got == want, type(source).__name__
+    assert len(s.experimental_distribute_dataset(batches)) == 3
+    gen_dist = s.experimental_distribute_dataset(Generated())
+    assert gen_dist.cardinality() == -2
+    with pytest.raises(TypeError, match="not known"):
+        len(gen_dist)
+
+
+def test_one_shot_iterator_gives_one_pass_then_a_clear_error():
+    """A generator object (or iter(list)) is read once; a second pass would silently be empty, so it
+    raises, naming the fix. distribute_datasets_from_function whose function returns one likewise."""
+    s = strategy_of(2)
+    dist = s.experimental_distribute_dataset(b for b in [torch.arange(4), torch.arange(4, 8)])
+    assert dist.cardinality() == -2
+    assert [[t.tolist() for t in b.values] for b in dist] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    with pytest.raises(ValueError, match="one-shot iterator"):
+        iter(dist)
+    fn_dist = s.distribute_datasets_from_function(lambda ctx: iter([torch.arange(2), torch.arange(2, 4)]))
+    assert [[t.tolist() for t in b.values] for b in fn_dist] == [[[0, 1], [2, 3]]]
+    with pytest.raises(ValueError, match="one-shot iterator"):
+        list(fn_dist)
+
+
+def test_mr_data_cardinality_is_reported():
+    from mirrored.data import Dataset
+
+    s = strategy_of(2)
+    ds = Dataset.from_tensor_slices(torch.arange(10)).batch(4)
+    assert s.experimental_distribute_dataset(ds).cardinality() == 3 == len(s.experimental_distribute_dataset(ds))
+    assert s.experimental_distribute_dataset(ds.repeat()).cardinality() == -1
+
+
+def test_get_next_as_optional_ends_a_loop_cleanly():
+    """The optional holds the same distributed batch next() would give; after the last one it is
+    empty, and get_value() on it names has_value()."""
+    s = strategy_of(2)
+    it = iter(s.experimental_distribute_dataset([torch.arange(4), torch.arange(4, 7)]))
+    seen = []
+    while True:
+        opt = it.get_next_as_optional()
+        if not opt.has_value():
+            break
+        seen.append([t.tolist() for t in opt.get_value().values])
+    assert seen == [[[0, 1], [2, 3]], [[4, 5], [6]]]
+    assert not it.get_next_as_optional().has_value()
+    with pytest.raises(ValueError, match="has_value"):
+        it.get_next_as_optional().get_value()
+    with pytest.raises(StopIteration):
+        it.get_next()
+
+
+# ---- copies to the replicas' devices (issue 19) ------------------------------------------------------
+
+def test_only_host_to_gpu_copies_are_asynchronous():
+    """A replica may read its batch on the host at once, so a copy that ends on the CPU must be
+    complete when handed over: only host -> GPU (from pinned memory) is left to run asynchronously,
+    ordered on the GPU's stream before the replica's work."""
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
+    assert dist_input._copies_async(cpu, gpu0)
+    assert not dist_input._copies_async(gpu0, cpu)
+    assert not dist_input._copies_async(gpu0, gpu1)
+    assert not dist_input._copies_async(cpu, cpu)
+
+
+def test_cpu_batches_are_not_copied():
+    """Logical CPU replicas share the one CPU: their parts are views of the global batch, no copy."""
+    s = strategy_of(2)
+    batch = torch.arange(6)
+    (dist,) = list(s.experimental_distribute_dataset([batch]))
+    assert all(t.untyped_storage().data_ptr() == batch.untyped_storage().data_ptr() for t in dist.values)

@@ -199,3 +199,74 @@ def test_values_from_function_places_nested_tensors_too(monkeypatch):
     assert [t.device.type for t in values["a"].values] == ["cpu", "meta"]
     assert [t.device.type for t in values["b"][0].values] == ["cpu", "meta"]
     assert values["b"][1].values == (3, 3)
+
+
+def test_scope_object_entries_are_per_thread():
+    """One scope object entered on two threads at once: each thread's exit pops its own entry."""
+    s = strategy_of(2)
+    scope = s.scope()
+    inside, release = threading.Event(), threading.Event()
+    seen: list = []
+
+    def other():
+        with scope:
+            inside.set()
+            release.wait(TIMEOUT_S)
+            seen.append(md.get_strategy() is s)
+        seen.append(md.has_strategy())
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert inside.wait(TIMEOUT_S)
+        with scope:
+            assert md.get_strategy() is s
+        assert not md.has_strategy()
+    finally:
+        release.set()
+        t.join(TIMEOUT_S)
+    assert seen == [True, False]
+
+
+def test_new_conformance_paths_leave_no_reference_cycle():
+    """A reused scope object, extended.update, a variable created inside run and a nested reduce keep
+    the strategy free of cycles: dropping it stops its threads without the cyclic collector."""
+    s = strategy_of(2)
+    scope = s.scope()
+    with scope:
+        v = md.Variable(0.0)
+    with scope:
+        s.extended.update(v, lambda var, x: var.assign_add(x), args=(md.PerReplica([torch.tensor(1.0)] * 2),))
+    late = s.run(lambda: md.Variable(1.0))
+    s.reduce("sum", s.run(lambda: {"a": torch.ones(1), "b": [torch.ones(2)]}))
+    s.experimental_local_results({"v": v})
+    ref = weakref.ref(s)
+    gc.disable()
+    try:
+        del s, scope, v, late
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_replicas_run_in_the_callers_grad_and_autocast_modes():
+    """torch keeps grad and autocast modes per thread; replica threads would run with grad on and no
+    autocast whatever the caller set. As torch's DataParallel does, the caller's modes reach every
+    replica: `with torch.no_grad(): strategy.run(f)` builds no graph anywhere."""
+    s = md.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+
+    def probe():
+        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+                torch.get_autocast_dtype("cpu"))
+
+    local = s.experimental_local_results
+    assert set(local(s.run(probe))) == {(True, False, False, torch.get_autocast_dtype("cpu"))}
+    with torch.no_grad():
+        assert {r[0] for r in local(s.run(probe))} == {False}
+    with torch.inference_mode():
+        assert {r[:2] for r in local(s.run(probe))} == {(False, True)}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert {r[2:] for r in local(s.run(probe))} == {(True, torch.bfloat16)}
+        w = torch.randn(3, 3)
+        assert {t.dtype for t in local(s.run(lambda: torch.randn(2, 3) @ w))} == {torch.bfloat16}
+    assert set(local(s.run(probe))) == {(True, False, False, torch.get_autocast_dtype("cpu"))}  # nothing leaks

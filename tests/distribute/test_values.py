@@ -119,3 +119,11 @@ def test_a_list_of_strings_is_one_leaf():
     assert v.flatten(batch) == [1, 2, ["a.jpg", "b.jpg"]]  # keys sorted: empty, ids, name
     assert v.map_structure(len, {"name": ["a", b"b"]}) == {"name": 2}
     assert v.flatten({"rows": [["a", "b"], ["c", "d"]], "ragged": [["a"], ["b", "c"]]}) == [["a"], ["b", "c"], [["a", "b"], ["c", "d"]]]
+
+
+def test_is_nested():
+    Point = collections.namedtuple("Point", "x y")
+    for nest in ((1,), [1], {"a": 1}, Point(1, 2), ()):
+        assert v.is_nested(nest), nest
+    for leaf in (1, torch.ones(2), "s", ["a", "b"], v.PerReplica([1, 2])):  # a list of strings is one leaf
+        assert not v.is_nested(leaf), leaf

@@ -101,7 +101,7 @@ def test_enum_arguments_accept_names_and_reject_others():
 def test_auto_and_on_write_are_mirrored():
     s = strategy_of(2)
     with s.scope():
-        for sync in ("AUTO", "ON_WRITE", "NONE"):
+        for sync in ("AUTO", "ON_WRITE"):  # (NONE is refused in a scope, as in TF: see conformance)
             assert isinstance(md.Variable(0.0, synchronization=sync), md.MirroredVariable)
 
 
@@ -199,3 +199,68 @@ def test_per_replica_values_where_one_value_belongs_are_clear_errors():
     assert [t.item() for t in v.values] == [1.0, 1.0]
     with pytest.raises(ValueError, match="PerReplica of 1 values, but this strategy runs 2 replicas"):
         s.run(lambda x: x, args=(md.PerReplica([1.0]),))
+
+
+def test_deepcopy_of_a_plain_variable_and_inside_a_structure():
+    """A plain variable copies too (its strategy is shared, never copied: the default strategy is a
+    process singleton); a structure holding a variable twice gets one copy twice (deepcopy's memo)."""
+    import copy
+
+    v = md.Variable(torch.tensor([1.0, 2.0]))
+    c = copy.deepcopy(v)
+    assert type(c) is md.Variable and torch.equal(c.values[0], v.values[0]) and c.values[0] is not v.values[0]
+    assert c._strategy is v._strategy and c.values[0].requires_grad
+    pair = copy.deepcopy([v, v])
+    assert pair[0] is pair[1] and pair[0] is not v
+
+
+def test_extended_update_argument_checks():
+    s, other = strategy_of(2), strategy_of(2)
+    with other.scope():
+        foreign = md.Variable(0.0)
+    with pytest.raises(TypeError, match="expected a variable"):
+        s.extended.update(torch.ones(1), lambda t: t)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        s.extended.update(foreign, 3)
+    with pytest.raises(ValueError, match="belongs to"):
+        s.extended.update(foreign, lambda var: var.assign(1.0))
+    plain = md.Variable(1.0)  # the default strategy: fn gets the variable itself
+    assert md.get_strategy().extended.update(plain, lambda var: var.assign_add(1.0)) is plain
+    assert plain.item() == 2.0
+    assert md.get_strategy().extended.update(plain, lambda var: var.read_value(), group=False)[0].item() == 2.0
+
+
+def test_update_copies_write_in_place_and_carry_names():
+    """The copy fn receives writes through to the variable's own tensor (no re-binding of .values)."""
+    s = strategy_of(2)
+    with s.scope():
+        v = md.Variable(torch.zeros(2), name="w")
+    before = [t.data_ptr() for t in v.values]
+    names = []
+    s.extended.update(v, lambda var: names.append(var.name) or var.assign(torch.ones(2)))
+    assert [t.data_ptr() for t in v.values] == before and names == ["w", "w/replica_1"]
+    assert [t.tolist() for t in v.values] == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_variables_created_inside_run_two_in_a_row_pair_up_in_order():
+    """Each creation inside run is one merge_call, so the k-th variable of every replica is one
+    variable (TF's shared creator pairs them by name; the order is the same here). A callable initial
+    value is called once, by the first replica, in its replica context (as TF's replica 0 does)."""
+    s = strategy_of(3)
+    called_by = []
+
+    def init():
+        called_by.append(replica_id())
+        return torch.full((2,), 5.0 + replica_id())
+
+    def fn():
+        a = md.Variable(torch.tensor(float(replica_id())), name="a")
+        b = md.Variable(init, name="b")
+        return a, b
+
+    a, b = s.run(fn)
+    assert called_by == [0]
+    assert isinstance(a, md.MirroredVariable) and isinstance(b, md.MirroredVariable)
+    assert [t.item() for t in a.values] == [0.0] * 3 and [t.tolist() for t in b.values] == [[5.0, 5.0]] * 3
+    one = strategy_of(1)
+    assert one.run(lambda: md.Variable(2.0)).values[0].item() == 2.0

@@ -1,13 +1,15 @@
 """Distributed input: global batches in, per-replica parts on each replica's device out.
 
-`DistributedDataset` wraps any re-iterable of GLOBAL batches (an `mr.data.Dataset`, a list, a
-DataLoader): each batch is split along dim 0 by tf.distribute 2.21's rule, where replicas in order
-take ceil(B/N) examples until the batch runs out (10 over 3 -> 4, 4, 2; 1 over 2 -> 1, 0; empty
-parts are legal), and each part is moved to its replica's device one batch ahead of use (pinned
-memory and non-blocking copies on CUDA). On a worker of a multi-worker strategy every worker reads
-the same global batches and keeps only its own replicas' parts. `distribute_datasets_from_function`
-calls the user's function with an `InputContext` (one input pipeline per worker) and gives replicas
-successive per-replica batches. Uses values.py and devices.py.
+`DistributedDataset` wraps any iterable of GLOBAL batches (an `mr.data.Dataset`, a DataLoader, a
+list, an object whose __iter__ returns a generator): each batch is split along dim 0 by
+tf.distribute 2.21's rule, where replicas in order take ceil(B/N) examples until the batch runs out
+(10 over 3 -> 4, 4, 2; 1 over 2 -> 1, 0; empty parts are legal), and each part is moved to its
+replica's device one batch ahead of use (host to GPU from pinned memory without waiting; every
+other copy completes before it is handed over). On a worker of a multi-worker strategy every worker
+reads the same global batches and keeps only its own replicas' parts.
+`distribute_datasets_from_function` calls the user's function with an `InputContext` (one input
+pipeline per worker) and gives replicas successive per-replica batches. Iterators hand out distributed
+batches with next() / get_next(), or get_next_as_optional(). Uses values.py, devices.py and data/.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mirrored.data import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from mirrored.distribute.devices import torch_device
 from mirrored.distribute.values import PerReplica, flatten, map_structure, pack_sequence_as
 
@@ -104,12 +107,23 @@ def _empty_part(leaf: Any, replica: int) -> Any:
     return _part(leaf, 0, 0)
 
 
-def _to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:
+def _to_device(value: Any, device: torch.device) -> Any:
     if not isinstance(value, Tensor) or value.device == device:
         return value
-    if device.type == "cuda" and value.device.type == "cpu" and non_blocking:
-        value = value.pin_memory()
-    return value.to(device, non_blocking=non_blocking)
+    if _copies_async(value.device, device):
+        if not value.is_pinned():  # (a DataLoader with pin_memory=True gives pinned batches already)
+            value = value.pin_memory()
+        return value.to(device, non_blocking=True)
+    return value.to(device)
+
+
+def _copies_async(source: torch.device, target: torch.device) -> bool:
+    """Whether a batch may travel from `source` to `target` without waiting for the copy. Only host to
+    GPU, from pinned memory: the copy is queued on the GPU's stream, before whatever the replica then
+    runs there, and torch keeps the pinned buffer until it is done. A copy to the host must finish
+    before the call returns: the replica may read the tensor on the CPU at once, and nothing would wait
+    for the GPU first. GPU to GPU waits too: it costs little, and the order is plain."""
+    return source.type == "cpu" and target.type == "cuda"
 
 
 class _Splitter:
@@ -125,7 +139,7 @@ class _Splitter:
         if not self._fetch:
             return value
         device = self._devices[replica]
-        return map_structure(lambda leaf: _to_device(leaf, device, True), value)
+        return map_structure(lambda leaf: _to_device(leaf, device), value)
 
     def split(self, batch: Any, where: str) -> tuple[Any, int]:
         """(the distributed batch, its global size)."""
@@ -188,7 +202,15 @@ class DistributedIterator:
         return current
 
     def get_next(self) -> Any:
+        """The next distributed batch; StopIteration at the end (TF raises OutOfRangeError)."""
         return next(self)
+
+    def get_next_as_optional(self) -> Optional:
+        """The next distributed batch as an Optional, empty after the last one, so a loop can end
+        without catching StopIteration (tf.distribute.DistributedIterator.get_next_as_optional)."""
+        batch = next(self, _END)
+        return Optional.empty() if batch is _END else Optional.from_value(batch)
+
 
     # ---- resuming (mr.train.Checkpoint, Model.fit's BackupAndRestore) --------------------------------
     def get_state(self) -> dict[str, Any]:
@@ -208,6 +230,10 @@ class DistributedIterator:
             raise ValueError(f"DistributedIterator.set_state: expected the dict get_state() returned, got "
                              f"{state!r:.200}.")
         dataset, _ = self._resume
+        if isinstance(dataset, Iterator):
+            raise ValueError(f"DistributedIterator.set_state: the dataset is a one-shot iterator "
+                             f"({type(dataset).__name__}), which cannot be read again from its start; distribute "
+                             "a dataset that can be iterated again (an mr.data.Dataset, a list) to restore it.")
         if state.get("dataset") is not None:
             if not hasattr(dataset, "set_state"):
                 raise ValueError(f"DistributedIterator.set_state: the state holds a dataset state, but this "
@@ -226,37 +252,111 @@ class DistributedIterator:
                                  "dataset.")
         self._step = state["drawn"]
 
+class Optional:
+    """A value that may be missing (tf.experimental.Optional): `has_value()`, then `get_value()`."""
+
+    __slots__ = ("_value", "_has_value")
+
+    def __init__(self, value: Any, has_value: bool):
+        self._value, self._has_value = value, has_value
+
+    @classmethod
+    def from_value(cls, value: Any) -> Optional:
+        return cls(value, True)
+
+    @classmethod
+    def empty(cls) -> Optional:
+        return cls(None, False)
+
+    def has_value(self) -> bool:
+        return self._has_value
+
+    def get_value(self) -> Any:
+        if not self._has_value:
+            raise ValueError("Optional.get_value(): the optional is empty (the iterator has no more batches). "
+                             "Check has_value() first.")
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"Optional(has_value={self._has_value})"
+
 
 _END = object()
 
 
+class _Passes:
+    """Starts one pass over a source of batches per epoch. A one-shot source (an iterator, such as a
+    generator object) gives one pass: a second would silently yield nothing, so it is an error."""
+
+    def __init__(self, source: Iterable[Any], where: str):
+        self.source = source
+        self._where = where
+        self._one_shot = isinstance(source, Iterator)
+        self._started = 0
+
+    def start(self) -> Iterator[Any]:
+        if self._one_shot and self._started:
+            raise ValueError(
+                f"{self._where}: the dataset is a one-shot iterator ({type(self.source).__name__}), which was read "
+                "in an earlier pass; a second pass would get no batches. Pass something that can be iterated "
+                "again, once per epoch: the mr.data.Dataset, DataLoader or list itself (or a class whose "
+                "__iter__ makes a new generator), not iter(...) of it or a generator object.")
+        self._started += 1
+        return iter(self.source)
+
+    def cardinality(self) -> int:
+        """The number of batches: the dataset's cardinality() or len(), else UNKNOWN_CARDINALITY (-2)."""
+        count = getattr(self.source, "cardinality", None)
+        if callable(count):
+            return int(count())
+        if self._one_shot:
+            return UNKNOWN_CARDINALITY
+        try:
+            return len(self.source)  # type: ignore[arg-type]
+        except TypeError:  # no __len__, or one that refuses (a DataLoader over an IterableDataset)
+            return UNKNOWN_CARDINALITY
+
+
 class DistributedDataset:
-    """What `strategy.experimental_distribute_dataset` returns: iterate it once per epoch."""
+    """What `strategy.experimental_distribute_dataset` returns: iterate it once per epoch.
+
+    The dataset may be any iterable of GLOBAL batches: an mr.data.Dataset, a torch DataLoader, a list,
+    an object whose __iter__ returns a generator. An iterator (a generator object) is read once: a
+    second pass is an error, not an empty epoch."""
 
     def __init__(self, strategy: Strategy, dataset: Iterable[Any], options: InputOptions | None = None):
         if not isinstance(dataset, Iterable):
             raise TypeError(f"experimental_distribute_dataset: expected a dataset of GLOBAL batches (an "
-                            f"mr.data.Dataset or any re-iterable); got {type(dataset).__name__}.")
-        if isinstance(dataset, Iterator):
-            raise TypeError("experimental_distribute_dataset: got an iterator, which can be read only once. "
-                            "Pass the dataset itself so each epoch can iterate it again.")
+                            f"mr.data.Dataset, a DataLoader or any iterable); got {type(dataset).__name__}.")
         self._strategy = strategy
-        self._dataset = dataset
+        self._passes = _Passes(dataset, "experimental_distribute_dataset")
         self._options = options
 
     def __iter__(self) -> DistributedIterator:
-        # The dataset's state before iter() starts a pass is where DistributedIterator.get_state() resumes.
-        pass_state = self._dataset.get_state() if hasattr(self._dataset, "get_state") else None
-        it = DistributedIterator(self._strategy, iter(self._dataset), self._options)
-        it._resume = (self._dataset, pass_state)
+        # The dataset's state before a pass starts is where DistributedIterator.get_state() resumes.
+        source = self._passes.source
+        pass_state = source.get_state() if hasattr(source, "get_state") else None
+        it = DistributedIterator(self._strategy, self._passes.start(), self._options)
+        it._resume = (source, pass_state)
         return it
 
     def __len__(self) -> int:
-        return len(self._dataset)  # type: ignore[arg-type]
+        """The number of global batches, where the dataset knows it (see cardinality())."""
+        n = self._passes.cardinality()
+        if n < 0:
+            raise TypeError(f"experimental_distribute_dataset: the number of batches of this "
+                            f"{type(self.dataset).__name__} is not known "
+                            f"({'infinite' if n == INFINITE_CARDINALITY else 'unknown'}); use cardinality().")
+        return n
+
+    def cardinality(self) -> int:
+        """The number of global batches, INFINITE_CARDINALITY (-1) or UNKNOWN_CARDINALITY (-2), as the
+        dataset reports it (cardinality() or len())."""
+        return self._passes.cardinality()
 
     @property
     def dataset(self) -> Iterable[Any]:
-        return self._dataset
+        return self._passes.source
 
 
 class DistributedDatasetsFromFunction:
@@ -271,15 +371,16 @@ class DistributedDatasetsFromFunction:
         local = len(strategy.extended.worker_devices)  # one input pipeline per worker process
         ctx = InputContext(strategy.num_replicas_in_sync // local, strategy._first_replica_id // local,
                            strategy.num_replicas_in_sync)
-        self._dataset = dataset_fn(ctx)
-        if self._dataset is None or not isinstance(self._dataset, Iterable):
+        dataset = dataset_fn(ctx)
+        if dataset is None or not isinstance(dataset, Iterable):
             raise TypeError(f"distribute_datasets_from_function: the function returned "
-                            f"{type(self._dataset).__name__}, not a dataset.")
+                            f"{type(dataset).__name__}, not a dataset.")
+        self._passes = _Passes(dataset, "distribute_datasets_from_function")
         self._splitter = _Splitter(strategy, options)
 
     def __iter__(self) -> Iterator[Any]:
         n = len(self._strategy.extended.worker_devices)  # this process's replicas
-        source = iter(self._dataset)
+        source = self._passes.start()
         template = None
         while True:
             parts = []

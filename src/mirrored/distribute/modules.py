@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from mirrored.distribute import context
 from mirrored.distribute.devices import torch_device
+from mirrored.distribute.rollback import journal_of
 from mirrored.distribute.values import ReduceOp
 
 if TYPE_CHECKING:
@@ -74,7 +75,14 @@ class MirroredModule:
         return self.replicas[_replica_id(self._strategy)]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        ctx = context.get_replica_context()
+        if ctx is None or ctx.strategy is not self._strategy:
+            return self.replicas[0](*args, **kwargs)
+        copy_ = self.replicas[ctx._replica_id]
+        journal = journal_of(ctx)
+        if journal is not None:  # a failed step puts this copy's gradients and buffers back
+            journal.before_forward(copy_)
+        return copy_(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.module, name)
@@ -278,8 +286,17 @@ class MirroredOptimizer:
         if accumulate is None or accumulate():
             self.reduce_gradients()
         result = self.optimizer.step()
-        self.sync_buffers()
+        self.finish_step()
         return result
+
+    def finish_step(self, weight: float | None = None) -> None:
+        """Ends an update applied by every replica: syncs the buffers (see sync_buffers) and commits the
+        step, so that a failure later in the same strategy.run keeps the update and rolls back only
+        what follows it. `step()` calls it; a loop that steps `self.optimizer` itself calls it after."""
+        self.sync_buffers(weight)
+        journal = journal_of(context.get_replica_context())
+        if journal is not None:
+            journal.commit()
 
     def sync_buffers(self, weight: float | None = None) -> None:
         """Makes the module's buffers identical across replicas: floating-point ones (BatchNorm's running

@@ -12,13 +12,14 @@ Uses torch and devices.py only.
 from __future__ import annotations
 
 import _thread
+import itertools
 import logging
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,6 +28,7 @@ from mirrored.distribute.devices import Device
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+_POLL_S = 0.005  # how often the caller looks at the replicas after an interrupt
 
 
 class CollectiveTimeoutError(TimeoutError):
@@ -190,7 +192,11 @@ class Rendezvous:
     def _fail(self, error: BaseException, notify_only: bool = False) -> None:  # with the mutex held
         if self.error is None and not notify_only:
             self.error = error
-        self._open_gates()
+        if not self._combining:
+            self._open_gates()
+        # else the meeting is complete and its result on the way: the combining replica publishes it to
+        # everyone (all of them, or none, go on with it, e.g. apply reduced gradients), and the error
+        # stops them at their next collective.
 
 
 class _Run:
@@ -208,6 +214,16 @@ class _Run:
         self.results: list[Any] = [None] * n
         self.errors: dict[int, BaseException] = {}
         self.finished = [False] * n
+
+
+class Outcome(NamedTuple):
+    """What `ReplicaPool.run` saw: each replica's result or error, which replicas finished (the others
+    were abandoned), and the exception that interrupted the caller while it waited, if one did."""
+
+    results: list[Any]
+    errors: dict[int, BaseException]
+    finished: list[bool]
+    interrupted: BaseException | None
 
 
 class _Worker:
@@ -263,39 +279,74 @@ class ReplicaPool:
             logger.debug("started %d replica threads", len(self._workers))
         return self._workers
 
-    def run(self, task: Callable[[int], Any], grace_s: float) -> tuple[list[Any], dict[int, BaseException]]:
-        """Runs task(replica_id) on every worker. Returns (results, errors by replica). After the first
-        error, waits at most `grace_s` for the other replicas; a worker still busy then is abandoned and
-        replaced, so the pool stays usable."""
+    def run(self, task: Callable[[int], Any], grace_s: float,
+            abort: Callable[[BaseException], None] | None = None
+            ) -> Outcome:
+        """Runs task(replica_id) on every worker and returns the Outcome. After the first error, waits at most `grace_s` for the other replicas; a worker still
+        busy then is abandoned and replaced, so the pool stays usable.
+
+        An exception in the caller while it waits (Ctrl-C's KeyboardInterrupt, a signal handler's
+        SystemExit) is returned as `interrupted` once every replica is quiescent: the first lets the
+        step finish, so it is applied on every replica; a second calls `abort` (the replicas stop at
+        their next collective, so the step is applied on none, unless they are past the gradient
+        all-reduce, where all apply it) and waits `grace_s` at most; a third abandons the replicas."""
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("strategy.run is already running on this strategy in another thread; "
                                "calls to run() on one strategy must not overlap.")
         try:
             workers = self._ensure_started()
             run = _Run(len(workers))
-            for w in workers:
-                w.inbox.put((run, task))
+            # Handed out in C, with no Python bytecode between the puts: an interrupt cannot land between
+            # two of them and leave some replicas waiting in a step the others never start.
+            list(map(queue.SimpleQueue.put, [w.inbox for w in workers], itertools.repeat((run, task))))
+            interrupted: BaseException | None = None
+            interrupts = 0
             deadline = None
             while True:
-                remaining = -1 if deadline is None else max(0.0, deadline - time.monotonic())
-                taken = run.wake.acquire(timeout=remaining)
-                with run.lock:
-                    if run.woken:
-                        if not taken:
-                            run.wake.acquire()  # opened (under run.lock) just after the timeout: take it
-                        run.woken = False
-                    if run.pending == 0:
-                        break
-                    if run.errors and deadline is None:  # the others get grace_s to finish
+                try:
+                    if interrupted is None:
+                        self._wait(run, deadline)
+                    else:  # an interrupt may have landed between taking `wake` and noting it: poll instead
+                        time.sleep(_POLL_S)
+                    with run.lock:
+                        if run.pending == 0:
+                            break
+                        if run.errors and deadline is None:  # the others get grace_s to finish
+                            deadline = time.monotonic() + grace_s
+                        elif deadline is not None and time.monotonic() >= deadline:
+                            break
+                except BaseException as e:  # noqa: BLE001 - re-raised below, once the replicas are quiescent
+                    interrupts += 1
+                    interrupted = interrupted or e
+                    if interrupts == 1:
+                        logger.warning("%s: finishing the current step on every replica first (interrupt again "
+                                       "to abandon the step)", type(e).__name__)
+                    elif interrupts == 2:
+                        logger.warning("%s again: abandoning the current step; waiting for the replicas to "
+                                       "stop (interrupt again to leave them running)", type(e).__name__)
+                        if abort is not None:
+                            abort(e)
                         deadline = time.monotonic() + grace_s
-                    elif deadline is not None and time.monotonic() >= deadline:
+                    else:
                         break
-            stuck = [i for i, done in enumerate(run.finished) if not done]
+            finished = list(run.finished)
+            stuck = [i for i, done in enumerate(finished) if not done]
             if stuck:
                 self._replace(stuck)
-            return run.results, run.errors
+            return Outcome(run.results, run.errors, finished, interrupted)
         finally:
             self._lock.release()
+
+    @staticmethod
+    def _wait(run: _Run, deadline: float | None) -> None:
+        """Blocks until a worker opens `run.wake` (the last finished, or one failed) or `deadline`."""
+        remaining = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+        taken = run.wake.acquire(timeout=remaining)
+        with run.lock:
+            if run.woken:
+                if not taken:
+                    run.wake.acquire()  # opened (under run.lock) just after the timeout: take it
+                run.woken = False
 
     def _replace(self, replica_ids: list[int]) -> None:
         assert self._workers is not None

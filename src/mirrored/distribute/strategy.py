@@ -8,23 +8,25 @@ Uses every other module of `distribute/` but multi_worker.py.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from mirrored.distribute import buckets, context, replicas
+from mirrored.distribute import buckets, context, replicas, rollback
 from mirrored.distribute.context import ReplicaContext
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, as_reduce_op, default_for,
                                                 mean_of_sum, shape_mismatch, shapes_of)
 from mirrored.distribute.devices import Device, intra_op_threads, resolve_devices, torch_device
 from mirrored.distribute.values import (DistributedValues, Mirrored, Nested, PerReplica, ReduceOp, flatten,
-                                        map_structure, pack_sequence_as, regroup, select_replica)
+                                        is_nested, map_structure, pack_sequence_as, regroup, select_replica)
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ class ValueContext:
 
 
 class StrategyExtended:
-    """tf.distribute's `strategy.extended`, kept as a thin read-only shim."""
+    """tf.distribute's `strategy.extended`: a thin shim; the work is done by the strategy and variables.py."""
 
     def __init__(self, strategy: Strategy):
         self._strategy = strategy
@@ -67,6 +69,62 @@ class StrategyExtended:
     @property
     def cross_device_ops(self) -> CrossDeviceOps:
         return self._strategy._cross_device_ops
+
+    def update(self, var: Any, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+               group: bool = True) -> Any:
+        """Calls fn(copy, *args, **kwargs) on each copy of `var`, with that replica's part of every
+        PerReplica / Mirrored argument (TF's update); inside strategy.run it does so once, through a
+        merge_call. group=True returns a Mirrored of the results, group=False a tuple per result."""
+        from mirrored.distribute import variables
+
+        args, kwargs = tuple(args), dict(kwargs or {})
+        strategy = self._strategy
+        ctx = context.get_replica_context()
+        if ctx is not None and not strategy._is_default and ctx.strategy is strategy:
+            return ctx.merge_call(lambda s, *a, **k: s.extended.update(var, fn, a, k, group), args=args, kwargs=kwargs)
+        with strategy.scope():
+            return variables.update(strategy, var, fn, args, kwargs, group)
+
+    def value_container(self, value: Any) -> Any:
+        """The variable whose copy `value` is (as `update` hands it to fn), else `value` itself."""
+        from mirrored.distribute import variables
+
+        return variables.value_container(value)
+
+    def colocate_vars_with(self, colocate_with_variable: Any) -> AbstractContextManager:
+        """A block whose variables go on the devices of `colocate_with_variable`. Every variable of a
+        strategy lives on all its devices, so this only checks what TF checks: the strategy's scope,
+        and a variable created in it."""
+        from mirrored.distribute.variables import Variable
+
+        strategy = self._strategy
+        if strategy._is_default:  # TF's default strategy needs no scope and takes any variable
+            return nullcontext()
+        if context.get_strategy() is not strategy:
+            raise RuntimeError(f'strategy.extended.colocate_vars_with: need to be inside "with strategy.scope()" of '
+                               f"{strategy!r} (as in TF).")
+        if not isinstance(colocate_with_variable, Variable) or colocate_with_variable._strategy is not strategy:
+            raise ValueError(f"strategy.extended.colocate_vars_with({colocate_with_variable!r}): pass a variable "
+                             f"created in the scope of {strategy!r} (as TF requires).")
+        return nullcontext()
+
+
+class _Scope:
+    """What `strategy.scope()` returns: it may be entered again after it exits, and nested in itself,
+    as TF's can. Each entry pushes the strategy and its exit pops that entry (entries are per thread)."""
+
+    def __init__(self, strategy: Strategy):
+        self._strategy = strategy
+        self._open = threading.local()  # per thread: the entries not exited yet, innermost last
+
+    def __enter__(self) -> Strategy:
+        entry = self._strategy._scope_entry()
+        entry.__enter__()
+        self._open.__dict__.setdefault("entries", []).append(entry)
+        return self._strategy
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._open.entries.pop().__exit__(*exc)
 
 
 class Strategy:
@@ -115,11 +173,14 @@ class Strategy:
         # last reference stops its replica threads at once instead of at the next cyclic GC.
         return StrategyExtended(self)
 
-    @contextmanager
-    def scope(self) -> Iterator[Strategy]:
-        """Variables, mirrored modules and metrics created in this block are mirrored on every replica."""
-        with context.enter_scope(self):
-            yield self
+    def scope(self) -> AbstractContextManager[Strategy]:
+        """Variables, mirrored modules and metrics created in this block are mirrored on every replica.
+        The object may be entered again, and nested in itself."""
+        return _Scope(self)
+
+    def _scope_entry(self) -> AbstractContextManager:
+        """What one entry of `scope()` does: make this strategy current, in cross-replica context."""
+        return context.enter_scope(self)
 
     # ---- running replicas -------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
@@ -156,20 +217,17 @@ class Strategy:
                                  "this strategy made (its distributed dataset, run results, "
                                  "experimental_distribute_values_from_function).")
         if self._pool is None:
-            ctx = ReplicaContext(self, 0) if not self._is_default else self._default_replica_context
-            _inline_runs.depth = getattr(_inline_runs, "depth", 0) + 1
-            try:
-                with context.push(self, ctx):
-                    return fn(*select_replica(0, args), **select_replica(0, kwargs))
-            finally:
-                _inline_runs.depth -= 1
+            return self._run_inline(fn, args, kwargs)
         step = replicas.Rendezvous(self._devices, self._timeout_s)
+        journals = [rollback.StepJournal() for _ in self._devices]
+        modes = _caller_modes()
 
         def task(replica_id: int) -> Any:
             ctx = ReplicaContext(self, replica_id)
             ctx._step = step
+            ctx._journal = journals[replica_id]
             try:
-                with context.push(self, ctx):
+                with context.push(self, ctx), _entered(modes):
                     result = fn(*select_replica(replica_id, args), **select_replica(replica_id, kwargs))
             except BaseException as e:
                 if not isinstance(e, replicas._Released):
@@ -178,10 +236,48 @@ class Strategy:
             step.finish(replica_id)
             return result
 
-        results, errors = self._pool.run(task, grace_s=self._timeout_s)
-        if errors or step.error is not None:
-            raise self._step_error(errors, step)
-        return regroup(results)
+        outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
+        if outcome.errors or step.error is not None:
+            self._roll_back(journals, outcome.finished)
+            if outcome.interrupted is not None:
+                raise outcome.interrupted
+            raise self._step_error(outcome.errors, step)
+        if outcome.interrupted is not None:  # the step finished on every replica first: it stays applied
+            raise outcome.interrupted
+        try:
+            return regroup(outcome.results, where="strategy.run")
+        except ValueError:  # the replicas returned different structures: the step failed as a whole
+            self._roll_back(journals, outcome.finished)
+            raise
+
+    def _run_inline(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """One replica on the caller's thread (the default and one-device strategies, one device)."""
+        ctx = ReplicaContext(self, 0) if not self._is_default else self._default_replica_context
+        journal = rollback.StepJournal()
+        ctx._journal = journal
+        _inline_runs.depth = getattr(_inline_runs, "depth", 0) + 1
+        try:
+            with context.push(self, ctx):
+                return fn(*select_replica(0, args), **select_replica(0, kwargs))
+        except BaseException:
+            journal.rollback()
+            raise
+        finally:
+            _inline_runs.depth -= 1
+            ctx._journal = None
+
+    def _roll_back(self, journals: list[rollback.StepJournal], finished: list[bool]) -> None:
+        """A failed step leaves no trace: every replica's gradients, buffers and metrics go back to what
+        they were before the step (or, past a committed update, before what followed it). Runs once
+        the replicas are quiescent; a replica still busy after the grace period cannot be rolled back."""
+        stuck = [i for i, done in enumerate(finished) if not done]
+        for journal, done in zip(journals, finished):
+            if done:
+                journal.rollback()
+        if stuck:
+            logger.warning("replica %s did not finish the failed step in time; what it changed was not rolled "
+                           "back, so the replicas may differ: check with strategy.check_in_sync(...) or restore "
+                           "a checkpoint.", ", ".join(f"{i} ({self._devices[i]})" for i in stuck))
 
     def _step_error(self, errors: dict[int, BaseException], step: replicas.Rendezvous) -> BaseException:
         """The exception a failed step raises: the first replica's own error, named by replica."""
@@ -316,49 +412,76 @@ class Strategy:
 
         With 2 replicas and a global batch of 8, a PerReplica of per-example losses of shape (4,) each
         gives: reduce(SUM, v, axis=0) the sum of all 8; reduce(MEAN, v, axis=0) their mean (the total
-        count divides, so uneven parts weigh correctly); reduce(SUM, v) a tensor of shape (4,)."""
+        count divides, so uneven parts weigh correctly); reduce(SUM, v) a tensor of shape (4,).
+        `value` may be a nest (dict, list, tuple, namedtuple) of such values, as strategy.run returns
+        them: each leaf is reduced, all in one packed cross-device call, and the structure is kept."""
         context.require_cross_replica("strategy.reduce")
         op = as_reduce_op(reduce_op, "strategy.reduce")
-        n = self.num_replicas_in_sync
-        distributed = _is_distributed(value)
-        if axis is not None:
-            parts = [_as_tensor(p, None) for p in (self.experimental_local_results(value) if distributed else [value] * n)]
-            sums = PerReplica([p.sum(dim=axis) for p in parts])
-            total = self._sum_to_first(sums)
-            if op is ReduceOp.SUM:
-                return total
-            axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
-            count = sum(math.prod(p.shape[a] for a in axes) for p in parts)
-            return mean_of_sum(total, count)
-        if not distributed:
-            if n == 1 or op is ReduceOp.MEAN:
-                return value.clone() if isinstance(value, Tensor) else value
-            if isinstance(value, (int, float)) and value == 0:
-                return value
-            raise ValueError(
-                f"strategy.reduce(SUM, value) got a plain {type(value).__name__}, not a PerReplica, on "
-                f"{n} replicas: it is unclear whether it is one replica's value or the total (TF refuses this "
-                "too). Pass the PerReplica that strategy.run returned, or use ReduceOp.MEAN for a value that is "
-                "the same on every replica.")
-        if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
-            first = value.values[0]
-            return first.clone() if isinstance(first, Tensor) else first
-        if op is ReduceOp.MEAN and _is_mirrored_variable(value):  # identical copies: no rounding, as in TF
-            return value.values[0].detach().clone()
-        total = self._sum_to_first(value)
-        return mean_of_sum(total, n) if op is ReduceOp.MEAN and n > 1 else total  # one replica: TF keeps the dtype
+        if not is_nested(value):
+            return self._reduce_leaves(op, [value], axis, nested=False)[0]
+        return pack_sequence_as(value, self._reduce_leaves(op, flatten(value), axis, nested=True))
 
-    def _sum_to_first(self, value: Any) -> Tensor:
-        """The sum of the per-replica parts on the first replica's device: a new tensor, even of one part."""
-        parts = [_as_tensor(p, None) for p in self.experimental_local_results(value)]
-        if len(parts) == 1:
-            return parts[0].clone()
-        mirrored = self._cross_device_ops.reduce(ReduceOp.SUM, PerReplica(parts), destinations=self._devices[0])
-        return mirrored.values[0]
+    def _reduce_leaves(self, op: ReduceOp, leaves: list[Any], axis: int | Sequence[int] | None,
+                       nested: bool) -> list[Any]:
+        """`reduce` of each leaf: what needs a cross-replica sum goes into one `_sum_to_first` call."""
+        n = self.num_replicas_in_sync
+        out: list[Any] = [None] * len(leaves)
+        to_sum: list[tuple[int, list[Tensor]]] = []  # (leaf index, its per-replica parts)
+        counts: dict[int, int] = {}  # leaf index -> elements summed along `axis`, for MEAN
+        axes = None if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+        for i, leaf in enumerate(leaves):
+            distributed = _is_distributed(leaf)
+            if axes is not None:
+                local = self.experimental_local_results(leaf) if distributed else [leaf] * n
+                parts = [_as_tensor(p, None) for p in local]
+                to_sum.append((i, [_sum_along(p, axes) for p in parts]))
+                counts[i] = sum(math.prod(p.shape[a] for a in axes) for p in parts)
+            elif not distributed:
+                if n == 1 or op is ReduceOp.MEAN:
+                    out[i] = leaf.clone() if isinstance(leaf, Tensor) else leaf
+                elif isinstance(leaf, (int, float)) and leaf == 0:
+                    out[i] = leaf
+                else:
+                    where = f" (leaf {i} of the nest)" if nested else ""
+                    raise ValueError(
+                        f"strategy.reduce(SUM, value) got a plain {type(leaf).__name__}{where}, not a PerReplica, "
+                        f"on {n} replicas: it is unclear whether it is one replica's value or the total (TF refuses "
+                        "this too). Pass the PerReplica that strategy.run returned, or use ReduceOp.MEAN for a value "
+                        "that is the same on every replica.")
+            elif op is ReduceOp.MEAN and isinstance(leaf, Mirrored):
+                first = leaf.values[0]
+                out[i] = first.clone() if isinstance(first, Tensor) else first
+            elif op is ReduceOp.MEAN and _is_mirrored_variable(leaf):  # identical copies: no rounding, as in TF
+                out[i] = leaf.values[0].detach().clone()
+            else:
+                to_sum.append((i, [_as_tensor(p, None) for p in self.experimental_local_results(leaf)]))
+        totals = self._sum_to_first([parts for _, parts in to_sum])
+        for (i, _), total in zip(to_sum, totals):
+            if axes is not None:
+                out[i] = total if op is ReduceOp.SUM else mean_of_sum(total, counts[i])
+            else:  # one replica: TF reduces nothing, and the dtype stays
+                out[i] = mean_of_sum(total, n) if op is ReduceOp.MEAN and n > 1 else total
+        return out
+
+    def _sum_to_first(self, columns: list[list[Tensor]]) -> list[Tensor]:
+        """Each column's per-replica parts summed on the first replica's device: new tensors, even of
+        one part. The columns travel together, packed into buckets: one cross-device call in all."""
+        if not columns:
+            return []
+        if len(columns[0]) == 1:
+            return [parts[0].clone() for parts in columns]
+        pairs = [(PerReplica(parts), self._devices[0]) for parts in columns]
+        return [mirrored.values[0] for mirrored in self._cross_device_ops.batch_reduce(ReduceOp.SUM, pairs)]
 
     def gather(self, value: Any, axis: int) -> Any:
-        """Concatenates the replicas' values along `axis` on the first replica's device (tf's gather)."""
+        """Concatenates the replicas' values along `axis` on the first replica's device (tf's gather);
+        a nest of such values gathers leaf by leaf."""
         context.require_cross_replica("strategy.gather")
+        if is_nested(value):
+            return map_structure(lambda leaf: self._gather_leaf(leaf, axis), value)
+        return self._gather_leaf(value, axis)
+
+    def _gather_leaf(self, value: Any, axis: int) -> Any:
         if not _is_distributed(value):
             if self.num_replicas_in_sync == 1:
                 return value
@@ -372,11 +495,16 @@ class Strategy:
         return torch.cat([p.to(target) for p in parts], dim=axis)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """The per-replica components of `value` as a tuple (a plain value gives a 1-tuple)."""
+        """The per-replica components of `value` as a tuple: a PerReplica's values; a mirrored variable's,
+        module's or optimizer's copies; for a nest, one structure per replica (as TF); a plain value
+        gives a 1-tuple."""
         if isinstance(value, DistributedValues):
             return value.values
-        if _is_distributed(value):
-            return tuple(value.values)
+        copies = _local_copies(value)
+        if copies is not None:
+            return copies
+        if is_nested(value):
+            return tuple(map_structure(lambda x, r=r: _component(x, r), value) for r in range(len(self._devices)))
         return (value,)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
@@ -440,6 +568,33 @@ class Strategy:
         return DistributedDatasetsFromFunction(self, dataset_fn, options)
 
 
+def _caller_modes() -> tuple[Any, ...]:
+    """The caller's thread-local autograd and autocast modes, which replica threads do not inherit
+    (torch keeps them per thread): `with torch.no_grad(): strategy.run(f)` must run f without grad
+    on every replica, as torch's DataParallel propagates them. Empty in the common case (grad on,
+    no inference mode, no autocast), which costs nothing per replica."""
+    modes: list[Any] = []
+    if torch.is_inference_mode_enabled():
+        modes.append(torch.inference_mode())
+    elif not torch.is_grad_enabled():
+        modes.append(torch.no_grad())
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            modes.append(torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type)))
+    return tuple(modes)
+
+
+@contextlib.contextmanager
+def _entered(modes: tuple[Any, ...]) -> Iterator[None]:
+    if not modes:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(copy.copy(mode))  # a context manager object is entered once per thread
+        yield
+
+
 def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
     """Same bits (NaN equals NaN, -0.0 differs from 0.0), whatever the strides (channels_last state too)."""
     if a.is_floating_point() or a.is_complex():
@@ -460,6 +615,32 @@ def _is_distributed(value: Any) -> bool:
     from mirrored.distribute.variables import Variable
 
     return isinstance(value, DistributedValues) or (isinstance(value, Variable) and len(value.values) > 1)
+
+
+def _local_copies(value: Any) -> tuple[Any, ...] | None:
+    """This process's copies of a mirrored variable, module or optimizer; None for anything else."""
+    from mirrored.distribute.modules import MirroredModule, MirroredOptimizer
+    from mirrored.distribute.variables import Variable
+
+    if isinstance(value, Variable):
+        return value.values if len(value.values) > 1 else None
+    if isinstance(value, (MirroredModule, MirroredOptimizer)):
+        return value.replicas
+    return None
+
+
+def _component(value: Any, replica: int) -> Any:
+    """Replica `replica`'s part of one leaf of a nest (the leaf itself where it has no parts)."""
+    if isinstance(value, DistributedValues):
+        return value.values[replica]
+    copies = _local_copies(value)
+    return value if copies is None else copies[replica]
+
+
+def _sum_along(part: Tensor, axes: tuple[int, ...]) -> Tensor:
+    """part summed over `axes`, keeping an integer dtype as TF's reduce_sum does (torch widens to int64)."""
+    keep = not (part.is_floating_point() or part.is_complex() or part.dtype == torch.bool)
+    return part.sum(dim=axes, dtype=part.dtype if keep else None)
 
 
 class _GradientState:
@@ -583,10 +764,8 @@ class _DefaultStrategy(Strategy):
         # Made on first use, in every process (each worker of a multi-worker run too): not worth an INFO line.
         logger.debug("the default strategy: one replica on cpu:0, no mirroring")
 
-    @contextmanager
-    def scope(self) -> Iterator[Strategy]:
-        with context.push(self, self._default_replica_context):
-            yield self
+    def _scope_entry(self) -> AbstractContextManager:
+        return context.push(self, self._default_replica_context)
 
 
 _default: _DefaultStrategy | None = None

@@ -88,6 +88,11 @@ def sorted_keys(d: dict) -> list[Any]:
         return sorted(d, key=lambda k: (type(k).__name__, repr(k)))
 
 
+def is_nested(x: Any) -> bool:
+    """Whether `x` is a structure the nest helpers walk into (tuple, list, dict, namedtuple), not a leaf."""
+    return _children(x) is not None
+
+
 def _children(x: Any) -> list[Any] | None:
     if isinstance(x, dict):
         return [x[k] for k in sorted_keys(x)]
@@ -161,10 +166,12 @@ def select_replica(replica_id: int, structure: Nested) -> Nested:
 
 
 def regroup(per_replica: Sequence[Nested], wrap: type[DistributedValues] = PerReplica,
-            always_wrap: bool = False) -> Nested:
+            always_wrap: bool = False, where: str | None = None) -> Nested:
     """Turns one result per replica into one result: the object itself where every replica returned
     the same object (so one replica gives plain values, as in TF), else nested containers of `wrap`.
-    `always_wrap` wraps every leaf even then, as TF's experimental_distribute_values_from_function does."""
+    `always_wrap` wraps every leaf even then, as TF's experimental_distribute_values_from_function does.
+    With `where` (the caller's name), replicas that returned different structures (a 2-tuple and a
+    3-tuple, a dict and a tensor, None and a tensor) are a ValueError, as tf.nest refuses them."""
     first = per_replica[0]
     if not always_wrap and all(v is first for v in per_replica[1:]):
         return first
@@ -174,5 +181,35 @@ def regroup(per_replica: Sequence[Nested], wrap: type[DistributedValues] = PerRe
         same_keys = not isinstance(first, dict) or all(v.keys() == first.keys() for v in per_replica[1:])
         if same_keys and all(len(o) == len(kids) for o in others):
             columns = zip(kids, *others)
-            return _rebuild(first, [regroup(col, wrap, always_wrap) for col in columns])
+            return _rebuild(first, [regroup(col, wrap, always_wrap, where) for col in columns])
+    elif kids is None and all(_children(v) is None and (v is None) == (first is None) for v in per_replica[1:]):
+        return wrap(per_replica)
+    if where is not None:
+        _raise_different_structures(per_replica, where)
     return wrap(per_replica)
+
+
+def _raise_different_structures(per_replica: Sequence[Nested], where: str) -> None:
+    first = describe_structure(per_replica[0])
+    for r, v in enumerate(per_replica[1:], start=1):
+        other = describe_structure(v)
+        if other != first:
+            raise ValueError(f"{where}: replica 0 returned {first} but replica {r} returned {other}. Every replica "
+                             "must return the same structure (the same containers, keys and lengths, and None in "
+                             "the same places), so that the results can be combined.")
+    raise ValueError(f"{where}: the replicas returned different structures (a part differs in type: "
+                     f"{[type(v).__name__ for v in per_replica]}). Every replica must return the same structure.")
+
+
+def describe_structure(x: Nested, limit: int = 160) -> str:
+    """A short description of a nest's shape: `tuple(Tensor, dict(a: Tensor, b: None))`."""
+    def walk(v: Any) -> str:
+        kids = _children(v)
+        if kids is None:
+            return "None" if v is None else type(v).__name__
+        if isinstance(v, dict):
+            return f"{type(v).__name__}(" + ", ".join(f"{k}: {walk(v[k])}" for k in sorted_keys(v)) + ")"
+        return f"{type(v).__name__}(" + ", ".join(walk(k) for k in kids) + ")"
+
+    text = walk(x)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

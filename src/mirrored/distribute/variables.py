@@ -3,12 +3,15 @@
 Outside any scope a Variable holds one tensor. Created in a scope it holds one tensor per replica:
 a `MirroredVariable` (ON_WRITE: the copies are kept identical by every write) or a
 `SyncOnReadVariable` (ON_READ: each replica writes its own copy; a cross-replica read aggregates).
-The write rules follow tf.distribute 2.21 (measured); each method says which context does what.
-torch functions and arithmetic accept a Variable where they accept a tensor (its current value).
+Created inside strategy.run, it is one such variable for all replicas, from the first replica's
+initial value (a merge_call). The write rules follow tf.distribute 2.21 (measured); each method
+says which context does what. `update` is `strategy.extended.update`'s work on each copy. torch
+functions and arithmetic accept a Variable where they accept a tensor (its current value).
 Uses context.py, values.py and devices.py.
 """
 from __future__ import annotations
 
+import copy
 import enum
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +20,9 @@ from torch import Tensor
 
 from mirrored.distribute import context
 from mirrored.distribute.devices import torch_device
-from mirrored.distribute.values import DistributedValues, PerReplica, ReduceOp, map_structure
+from mirrored.distribute.rollback import journal_of
+from mirrored.distribute.values import (DistributedValues, Mirrored, PerReplica, ReduceOp, map_structure, regroup,
+                                        select_replica)
 
 if TYPE_CHECKING:
     from mirrored.distribute.strategy import Strategy
@@ -63,29 +68,43 @@ class Variable:
         strategy = context.get_strategy()
         if not strategy._mirrors_variables:  # the default and one-device strategies: plain, as TF's
             return super().__new__(cls)
-        if context.get_replica_context() is not None:
-            raise RuntimeError(
-                f"Variable(name={name!r}) was created inside strategy.run (replica context). Create variables "
-                "in `with strategy.scope():` so every replica gets a copy, then use them inside run().")
+        if sync is VariableSynchronization.NONE:
+            raise ValueError(
+                f"Variable(name={name!r}, synchronization=NONE) in {type(strategy).__name__}'s scope: NONE "
+                "synchronization is not supported with a distribution strategy (as in TF). Use ON_WRITE (the "
+                "default: identical copies) or ON_READ (per-replica copies aggregated on read), or create the "
+                "variable outside the scope.")
+        ctx = context.get_replica_context()
+        if ctx is not None:
+            # Inside strategy.run, as TF: one variable for every replica, built once in cross-replica
+            # context from the first replica's initial value; every replica gets the same object. The
+            # first replica calls its initializer here, in its own context, as in TF; the others' are
+            # never called.
+            if ctx._replica_id == 0 and callable(initial_value):
+                initial_value = initial_value()
+            return ctx.merge_call(_create_for_every_replica, args=(initial_value,),
+                                  kwargs={"trainable": trainable, "name": name, "dtype": dtype,
+                                          "synchronization": sync, "aggregation": aggregation})
         return super().__new__(SyncOnReadVariable if sync is VariableSynchronization.ON_READ else MirroredVariable)
 
     def __init__(self, initial_value: Any = None, trainable: bool | None = None, name: str | None = None,
                  dtype: torch.dtype | None = None, synchronization: Any = VariableSynchronization.AUTO,
                  aggregation: Any = VariableAggregation.NONE):
+        if self.__dict__.get("_values") is not None:  # built by the merge_call in __new__ already
+            return
         if initial_value is None:
             raise ValueError(f"Variable(name={name!r}): initial_value is required.")
         if callable(initial_value):
             initial_value = initial_value()
         self._sync = _as_enum(synchronization, VariableSynchronization, "synchronization")
         self._aggregation = _as_enum(aggregation, VariableAggregation, "aggregation")
-        if trainable is None:
-            trainable = self._sync is not VariableSynchronization.ON_READ
-        elif trainable and self._sync is VariableSynchronization.ON_READ:
-            raise ValueError(f"Variable(name={name!r}): synchronization=ON_READ cannot be trainable (as in TF); "
-                             "pass trainable=False.")
-        self._trainable = bool(trainable)
-        self._name = name or "Variable"
         self._strategy: Strategy = context.get_strategy()
+        if self._sync is VariableSynchronization.AUTO and self._strategy._mirrors_variables:
+            self._sync = VariableSynchronization.ON_WRITE  # as TF reports a distributed variable's AUTO
+        # Only the default follows the synchronization (ON_READ: not trainable); TF 2.21 takes an explicit
+        # trainable=True for an ON_READ variable and reports it.
+        self._trainable = bool(self._sync is not VariableSynchronization.ON_READ if trainable is None else trainable)
+        self._name = name or "Variable"
         value = torch.as_tensor(_unwrap(initial_value), dtype=dtype)
         if (self._aggregation is VariableAggregation.MEAN and self._strategy._mirrors_variables
                 and not (value.is_floating_point() or value.is_complex())):
@@ -115,6 +134,11 @@ class Variable:
     dtype = property(lambda self: self._values[0].dtype)
     device = property(lambda self: self._local().device)
 
+    @property
+    def distribute_strategy(self) -> Strategy | None:
+        """The strategy whose scope created this variable; None for one made outside any (as in TF)."""
+        return None if self._strategy._is_default else self._strategy
+
     def _replica_id(self) -> int | None:
         """This variable's replica in the current context, None in cross-replica context."""
         ctx = context.get_replica_context()
@@ -143,14 +167,25 @@ class Variable:
         return self.read_value().item()
 
     # ---- writes: a plain variable has one copy -----------------------------------------------
-    def assign(self, value: Any) -> Variable:
-        return self._update(value, "assign")
+    # TF's signature: use_locking and name change nothing here (writes are serialised per copy);
+    # read_value=False returns None instead of the variable.
+    def assign(self, value: Any, use_locking: bool = False, name: str | None = None,
+               read_value: bool = True) -> Variable | None:
+        del use_locking, name
+        self._update(value, "assign")
+        return self if read_value else None
 
-    def assign_add(self, delta: Any) -> Variable:
-        return self._update(delta, "assign_add")
+    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None,
+                   read_value: bool = True) -> Variable | None:
+        del use_locking, name
+        self._update(delta, "assign_add")
+        return self if read_value else None
 
-    def assign_sub(self, delta: Any) -> Variable:
-        return self._update(delta, "assign_sub")
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None,
+                   read_value: bool = True) -> Variable | None:
+        del use_locking, name
+        self._update(delta, "assign_sub")
+        return self if read_value else None
 
     def _update(self, value: Any, op: str) -> Variable:
         _write(self._values[0], value, op)
@@ -175,6 +210,19 @@ class Variable:
 
     def __bool__(self) -> bool:
         return bool(self.read_value().detach())
+
+    def __deepcopy__(self, memo: dict) -> Variable:
+        """An independent variable with equal copies, of the same strategy (which is shared, not
+        copied: a strategy owns threads), as TF's deepcopy of a distributed variable."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key == "_values":
+                value = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in value)
+            elif key not in ("_strategy", "_distributed_container"):
+                value = copy.deepcopy(value, memo)
+            new.__dict__[key] = value
+        return new
 
     def __repr__(self) -> str:
         kind = type(self).__name__
@@ -202,6 +250,7 @@ for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", 
         if hasattr(Tensor, _name):
             setattr(Variable, _name, _binary(_name))
 Variable.__neg__ = lambda self: -self.read_value()  # type: ignore[attr-defined]
+Variable.__invert__ = lambda self: ~self.read_value()  # type: ignore[attr-defined]
 Variable.__abs__ = lambda self: abs(self.read_value())  # type: ignore[attr-defined]
 Variable.__getitem__ = lambda self, key: self.read_value()[key]  # type: ignore[attr-defined]
 Variable.__hash__ = object.__hash__  # type: ignore[assignment]  # identity, as tf.Variable
@@ -258,11 +307,67 @@ class MirroredVariable(Variable):
             return self
         agg = self._aggregation
         if agg is VariableAggregation.NONE:
+            _note_write(self._values[rid])
             _write(self._values[rid], value, op)
             return self
         ctx = context.get_replica_context()
         ctx.merge_call(_merge_update, args=(self, value, op))
         return self
+
+
+def _create_for_every_replica(strategy: Strategy, initial_value: Any, **kwargs: Any) -> Variable:
+    """The merge_call function of a Variable created inside strategy.run: the first replica's
+    arguments make the one variable, as TF's shared variable creator hands the later replicas the
+    variable the first one made."""
+    del strategy
+    initial_value, kwargs = select_replica(0, (initial_value, kwargs))
+    return Variable(initial_value, **kwargs)
+
+
+def update(strategy: Strategy, var: Variable, fn: Any, args: tuple, kwargs: dict, group: bool) -> Any:
+    """`strategy.extended.update` in cross-replica context: fn(copy, *args, **kwargs) once per copy of
+    `var`, each copy with its replica's part of every PerReplica / Mirrored argument (TF's
+    MirroredExtended._update). Returns the results as a Mirrored (group=True; a variable result is read
+    into a tensor, as TF's grouped update returns tensors) or as one tuple per result (group=False)."""
+    if not isinstance(var, Variable):
+        raise TypeError(f"strategy.extended.update(var={type(var).__name__}): expected a variable created in "
+                        "the strategy's scope (mr.Variable).")
+    if not callable(fn):
+        raise TypeError(f"strategy.extended.update(fn={fn!r}): fn must be callable, as fn(var_copy, *args).")
+    if type(var) is Variable:  # a plain variable (default or one-device strategy): fn gets it itself
+        result = fn(var, *select_replica(0, args), **select_replica(0, kwargs))
+        return result if group else map_structure(lambda x: (x,), result)
+    if var._strategy is not strategy:
+        raise ValueError(f"strategy.extended.update: {var._name!r} belongs to {var._strategy!r}, not {strategy!r}. "
+                         "Update a variable with the strategy whose scope created it.")
+    results = [fn(_copy_of(var, r), *select_replica(r, args), **select_replica(r, kwargs))
+               for r in range(len(var.values))]
+    if group:
+        results = [map_structure(lambda x: x.read_value() if isinstance(x, Variable) else x, r) for r in results]
+    regrouped = regroup(results, Mirrored)
+    if group:
+        return regrouped
+    return map_structure(lambda x: x.values if isinstance(x, DistributedValues) else (x,), regrouped)
+
+
+def _copy_of(var: Variable, replica: int) -> Variable:
+    """Replica `replica`'s copy of `var` as a one-copy Variable over the same tensor, so that writes
+    through it change that copy (what TF's update hands fn: the component variable)."""
+    view = object.__new__(Variable)
+    view.__dict__.update(var.__dict__)
+    view._strategy = context._default_strategy()  # a plain variable: no replica indexes into its one copy
+    view._values = (var.values[replica],)
+    if replica:
+        view._name = f"{var._name}/replica_{replica}"
+    view._distributed_container = var
+    return view
+
+
+def value_container(value: Any) -> Any:
+    """The distributed variable whose copy `value` is (a copy `extended.update` handed its function),
+    else `value` itself (TF's StrategyExtended.value_container)."""
+    container = getattr(value, "_distributed_container", None) if isinstance(value, Variable) else None
+    return value if container is None else container
 
 
 def _merge_update(strategy: Strategy, var: MirroredVariable, value: Any, op: str) -> None:
@@ -318,6 +423,7 @@ class SyncOnReadVariable(Variable):
     def _update(self, value: Any, op: str) -> Variable:
         rid = self._replica_id()
         if rid is not None:
+            _note_write(self._values[rid])
             _write(self._values[rid], value, op)
             return self
         n = self._strategy.num_replicas_in_sync
@@ -335,6 +441,13 @@ class SyncOnReadVariable(Variable):
         for t in self._values:
             _write(t, value, op)
         return self
+
+
+def _note_write(copy_: Tensor) -> None:
+    """A copy written by its replica inside strategy.run goes back to its value if the step fails."""
+    journal = journal_of(context.get_replica_context())
+    if journal is not None:
+        journal.before_write(copy_)
 
 
 def _split_total(total: Tensor, n: int) -> list[Tensor]:

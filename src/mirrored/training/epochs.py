@@ -66,6 +66,11 @@ class EpochIterator:
         while self.num_batches is None or self._step < self.num_batches:
             it = self._it
             batch = next(it, _END)
+            if batch is _END and self._continuing and self._step == 0:
+                # The previous epoch took the pass's last batch; this epoch starts the next pass (an empty
+                # dataset yields nothing here either).
+                self._it = it = iter(self._distributed)
+                batch = next(it, _END)
             if batch is _END:  # the pass ran out: the next epoch starts a new one
                 self._it = None
                 break

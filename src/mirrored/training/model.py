@@ -32,6 +32,7 @@ from mirrored.training.layers import has_sync_batchnorm
 logger = logging.getLogger(__name__)
 
 _FORMAT = "mirrored.Model/1"
+INFINITE = -1  # mr.data's INFINITE_CARDINALITY
 
 
 def _device_of(module: nn.Module) -> str:
@@ -271,9 +272,12 @@ class Model:
 
     def _train_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
         ctx = md.get_replica_context()
-        net = self._net.module  # this replica's copy (on a multi-worker strategy, the process's one)
+        # Called through the mirror, which notes this replica's gradients and buffers first: a failed
+        # step puts them back (issue 17), so the next step does not add a failed step's gradients in.
+        net = self._net
         opt = self._mopt
-        scaler = self._scalers[[m is net for m in self._net.replicas].index(True)] if self._scalers else None
+        own = self._net.module  # this replica's copy (on a multi-worker strategy, the process's one)
+        scaler = self._scalers[[m is own for m in self._net.replicas].index(True)] if self._scalers else None
         for (x, y, sw), count in zip(batches, global_counts):
             # An empty part (a short last batch) still joins the gradient all-reduce.
             share, logits, sw = self._step_loss(ctx, net, x, y, sw, count)
@@ -295,7 +299,7 @@ class Model:
             else:
                 opt.optimizer.step()
             opt.optimizer.zero_grad(set_to_none=True)
-            opt.sync_buffers(weight=_rows(x))  # an empty part did not update BatchNorm's statistics
+            opt.finish_step(weight=_rows(x))  # an empty part did not update BatchNorm's statistics
 
     @staticmethod
     def _regularization(net: nn.Module) -> Tensor | float:
@@ -376,6 +380,9 @@ class Model:
         strategy = self.distribute_strategy
         # Keras: with steps_per_epoch, each epoch continues the previous one's iterator (so ds.repeat()
         # with steps_per_epoch sees all the data); without it, every epoch is a fresh full pass.
+        _check_ends(dataset, steps_per_epoch, "fit", "steps_per_epoch")
+        if val is not None:
+            _check_ends(val, validation_steps, "fit(validation_data)", "validation_steps")
         epoch_iterator = epochs_lib.EpochIterator(
             strategy.experimental_distribute_dataset(dataset), steps_per_epoch=steps_per_epoch,
             steps_per_execution=self._steps_per_execution, initial_epoch=initial_epoch,
@@ -391,7 +398,8 @@ class Model:
                 self.optimizer.learning_rate = epoch_iterator.resume_learning_rate
             for m in self._net.replicas:
                 m.train()
-            epoch_logs = self._fit_epochs(epoch_iterator, epochs, cbs, val, validation_steps, validation_freq)
+            epoch_logs = self._fit_epochs(epoch_iterator, epochs, cbs, dataset, val, validation_steps,
+                                          validation_freq)
             if self.optimizer.use_ema and epochs > 0:  # as Keras, before on_train_end
                 for opt in self._mopt.replicas:
                     opt.finalize_variable_values()
@@ -400,7 +408,7 @@ class Model:
             self._epoch_iterator = None
         return self.history
 
-    def _fit_epochs(self, epoch_iterator: epochs_lib.EpochIterator, epochs: int, cbs: Any, val: Any,
+    def _fit_epochs(self, epoch_iterator: epochs_lib.EpochIterator, epochs: int, cbs: Any, dataset: Any, val: Any,
                     validation_steps: int | None, validation_freq: Any) -> dict[str, float]:
         strategy = self.distribute_strategy
         epoch_logs: dict[str, float] = {}
@@ -416,6 +424,8 @@ class Model:
                 cbs.on_train_batch_end(step + len(group) - 1, {**logs, "num_examples": sum(n for _, n in group)})
                 if self.stop_training:
                     break
+            if epoch_iterator.step == 0 and epoch_iterator.num_batches != 0:  # (a resumed epoch may be done)
+                raise _no_batches("fit", dataset, f"epoch {epoch + 1}")
             epoch_iterator.end_epoch()
             epoch_logs = dict(logs) if logs else self._logs()
             # As Keras: validation runs (through the fit callbacks' test hooks) even in the epoch that
@@ -443,12 +453,15 @@ class Model:
             cbs.on_test_begin()
         batches = epochs_lib.EpochIterator(strategy.experimental_distribute_dataset(dataset), steps_per_epoch=steps,
                                            steps_per_execution=self._steps_per_execution)
+        i = -1
         for i, (_, group) in enumerate(batches.steps()):
             if cbs is not None:
                 cbs.on_test_batch_begin(i)
             strategy.run(self._test_replica, args=([_unpack(b) for b, _ in group], [n for _, n in group]))
             if cbs is not None:
                 cbs.on_test_batch_end(i, self._logs())
+        if i < 0 and steps != 0:
+            raise _no_batches("evaluate", dataset, "its pass")
         logs = self._logs()
         if cbs is not None:
             cbs.on_test_end(logs)
@@ -460,6 +473,7 @@ class Model:
         """Loss and metrics over a dataset: a list [loss, *metrics], or a dict with return_dict=True."""
         self._require_compiled("evaluate")
         dataset = self._as_dataset(x, y, batch_size, sample_weight, False, "evaluate")
+        _check_ends(dataset, steps, "evaluate", "steps")
         verbose = 1 if verbose == "auto" else verbose  # Keras: a progress bar unless verbose=0
         cbs = callbacks_lib.CallbackList(callbacks, add_history=False, add_progbar=verbose != 0, model=self,
                                          verbose=verbose, epochs=1,
@@ -476,6 +490,7 @@ class Model:
             dataset = self._as_dataset(x, None, batch_size, None, False, "predict")
         else:
             dataset = self._as_dataset(x, None, None, None, False, "predict")
+        _check_ends(dataset, steps, "predict", "steps")
         verbose = 1 if verbose == "auto" else verbose
         cbs = callbacks_lib.CallbackList(callbacks, add_progbar=verbose != 0, model=self, verbose=verbose, epochs=1,
                                          steps=steps if steps is not None else _len_or_none(dataset))
@@ -647,6 +662,27 @@ def _optimizer_from_config(cfg: dict[str, Any], path: str) -> optimizers.Optimiz
 def _rows(x: Any) -> int:
     leaf = md.values.flatten(x)[0]
     return len(leaf)
+
+
+def _check_ends(dataset: Any, steps: int | None, where: str, steps_arg: str) -> None:
+    """Refuses, before anything runs, a dataset that cannot end a pass (infinite, with no `steps_arg`)
+    or that has nothing in it. Keras 3 trains forever on the first and only warns on the second."""
+    cardinality = getattr(dataset, "cardinality", None)
+    n = int(cardinality()) if callable(cardinality) else _len_or_none(dataset)
+    if n == INFINITE and steps is None:
+        raise ValueError(f"Model.{where}: the dataset repeats forever ({dataset!r}) and {steps_arg} is not set, so "
+                         f"the first pass would never end. Pass {steps_arg}=N (the batches per pass), or drop the "
+                         ".repeat().")
+    if n == 0:
+        raise ValueError(f"Model.{where}: the dataset yields no batches ({dataset!r}). Check the source (an empty "
+                         "file list or split, a filter that drops everything, a batch with drop_remainder=True "
+                         "larger than the data).")
+
+
+def _no_batches(where: str, dataset: Any, what: str) -> ValueError:
+    return ValueError(f"Model.{where}: the dataset yielded no batches in {what} ({dataset!r}). Check the source (an "
+                      "empty file list or split, a filter that drops everything, a batch with drop_remainder=True "
+                      "larger than the data).")
 
 
 def _len_or_none(dataset: Any) -> int | None:

@@ -1,0 +1,97 @@
+"""Rollback of a failed step: each replica notes what its step is about to change, and puts it back
+if the step fails, so that a failure leaves no trace.
+
+Without it, the replicas that finished backward before another one failed keep their `.grad`, and
+the next step silently adds them in (every replica equally, so even `check_in_sync` passes). Each
+replica of a `strategy.run` gets a `StepJournal`. A mirrored module notes its copy's gradients and
+buffers before the copy's first forward in the step; a variable written by one replica (a metric's
+total, say) notes its copy before the first write. A mirrored optimizer commits the journal once
+its update is applied on every replica: a later failure in the same run keeps that update (the
+replicas passed the gradient all-reduce together, so all of them applied it) and puts back only what
+changed since. If the run fails, every replica rolls its own journal back on its own thread before
+the error reaches the caller. Uses torch only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+class _ModuleNote:
+    """A module copy's state before its first forward in a step: its gradients (None stays None; a
+    gradient that exists, which backward would add to in place, is copied) and its buffers."""
+
+    __slots__ = ("params", "grads", "buffers", "saved")
+
+    def __init__(self, module: nn.Module):
+        params: list[Tensor] = []
+        buffers: list[Tensor] = []
+        for m in module.modules():  # one walk for both (module.parameters() and .buffers() each walk)
+            params.extend(p for p in m._parameters.values() if p is not None)
+            buffers.extend(b for b in m._buffers.values() if b is not None)
+        self.params = params
+        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        # Only a module in training mode updates its buffers in forward (BatchNorm's statistics).
+        self.buffers = buffers if module.training else []
+        self.saved = [b.detach().clone() for b in self.buffers]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for p, g in zip(self.params, self.grads):
+                p.grad = g
+            for b, saved in zip(self.buffers, self.saved):
+                b.copy_(saved)
+
+
+class StepJournal:
+    """What one replica's step changed first, to put back if the step fails."""
+
+    __slots__ = ("_modules", "_tensors", "_grads_only")
+
+    def __init__(self) -> None:
+        self._modules: dict[int, _ModuleNote] = {}
+        self._tensors: dict[int, tuple[Tensor, Tensor]] = {}
+        self._grads_only: dict[int, _ModuleNote] = {}  # gradients noted before a committed update
+
+    def before_forward(self, module: nn.Module) -> None:
+        """Notes `module`'s gradients and buffers, once per step (per commit)."""
+        key = id(module)
+        if key not in self._modules:
+            self._modules[key] = _ModuleNote(module)
+            self._grads_only.pop(key, None)  # the new note holds the gradients as they are now
+
+    def before_write(self, tensor: Tensor) -> None:
+        """Notes `tensor`'s value before its first write in this step (a metric's or variable's copy)."""
+        if id(tensor) not in self._tensors:
+            self._tensors[id(tensor)] = (tensor, tensor.detach().clone())
+
+    def commit(self) -> None:
+        """The step's update is applied (on every replica): buffers, metrics and variables changed so
+        far stay. Gradients still go back to what they were before the step if the run fails later
+        (the update consumed them; the next step must not add them in again)."""
+        for key, note in self._modules.items():
+            note.buffers, note.saved = [], []
+            self._grads_only[key] = note
+        self._modules.clear()
+        self._tensors.clear()
+
+    def rollback(self) -> None:
+        """Puts back everything noted, newest first (a tensor noted twice keeps its oldest value)."""
+        for tensor, saved in reversed(list(self._tensors.values())):
+            with torch.no_grad():
+                tensor.copy_(saved)
+        for note in reversed(list(self._modules.values())):
+            note.restore()
+        for note in self._grads_only.values():
+            note.restore()
+        self._modules.clear()
+        self._tensors.clear()
+        self._grads_only.clear()
+
+
+def journal_of(ctx: Any) -> StepJournal | None:
+    """The journal of replica context `ctx` (None outside strategy.run, or for a context that
+    strategy.run did not make)."""
+    return getattr(ctx, "_journal", None) if ctx is not None else None
