@@ -22,7 +22,7 @@ from mirrored.training.callbacks import (
     BackupAndRestore, Callback, CallbackList, CSVLogger, EarlyStopping, History,
     LearningRateScheduler, ModelCheckpoint, ProgbarLogger, ReduceLROnPlateau, TensorBoard,
     TerminateOnNaN)
-from mirrored.training.checkpoint import load_checkpoint, save_checkpoint
+from mirrored.training.checkpoint import save_checkpoint
 
 
 class DummyOptimizer:

@@ -48,6 +48,19 @@ def test_a_new_iterator_set_to_the_state_goes_on_as_the_first_would(steps_per_ep
         assert done + _run(second, epochs=4) == whole, stop
 
 
+def test_an_epoch_that_finds_the_pass_taken_starts_the_next_one():
+    """6 batches, 3 steps an epoch: epoch 1 takes the pass's last batch without seeing its end; epoch 2
+    starts the next pass instead of being empty (so does a run resumed from epoch 2's start)."""
+    whole = _run(EpochIterator(_distributed(6), steps_per_epoch=3), epochs=4)
+    assert [(epoch, step) for epoch, step, _ in whole] == [(e, s) for e in range(4) for s in range(3)]
+    assert [b for _, _, b in whole[6:]] != [b for _, _, b in whole[:6]]  # the second pass is reshuffled
+    first = EpochIterator(_distributed(6), steps_per_epoch=3)
+    done = _run(first, epochs=2)
+    second = EpochIterator(_distributed(6), steps_per_epoch=3)
+    second.set_state(first.get_state())
+    assert done + _run(second, epochs=4) == whole
+
+
 def test_an_epoch_boundary_state_starts_the_next_epoch_and_records_the_rate_before_it():
     rates = iter([0.5, 0.25, 0.125])
     it = EpochIterator(_distributed(), learning_rate=lambda: next(rates))
