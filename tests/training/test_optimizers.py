@@ -354,6 +354,7 @@ def test_a_built_optimizer_is_the_torch_class_and_works_without_a_strategy():
     opt = mr.optimizers.SGD(learning_rate=0.1, momentum=0.9, clipvalue=0.05)(net.parameters())
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     assert isinstance(opt, torch.optim.SGD)
+    assert mr.optimizers.get(opt)._torch_cls is torch.optim.SGD  # its class and defaults, as for any instance
     x, y = _data()
     for model, o in ((net, opt), (ref, ref_opt)):
         F.cross_entropy(model(x), y).backward()

@@ -320,13 +320,14 @@ def get(identifier: Any) -> Optimizer:
     if isinstance(identifier, Mapping):
         return deserialize(identifier)
     if isinstance(identifier, torch.optim.Optimizer):
+        torch_cls = _torch_class_of(type(identifier))
         defaults = dict(identifier.defaults)
         lr = defaults.pop("lr", 0.001)
         if len(identifier.param_groups) > 1:
             raise ValueError(f"optimizer {type(identifier).__name__} has {len(identifier.param_groups)} parameter "
                              "groups; compile() rebuilds the optimizer for every replica and keeps only the class and "
                              "defaults. Pass the class with its settings instead.")
-        return Optimizer(type(identifier), float(lr), type(identifier).__name__, **defaults)
+        return Optimizer(torch_cls, float(lr), torch_cls.__name__, **defaults)
     if isinstance(identifier, type) and issubclass(identifier, torch.optim.Optimizer):
         lr = inspect.signature(identifier).parameters.get("lr")
         default_lr = lr.default if lr is not None and isinstance(lr.default, (int, float)) else 0.001
@@ -534,8 +535,14 @@ def _with_options(torch_cls: Callable[..., torch.optim.Optimizer]) -> Callable[.
     if not (isinstance(torch_cls, type) and issubclass(torch_cls, torch.optim.Optimizer)):
         raise TypeError(f"mr.optimizers.Optimizer({torch_cls!r}): expected a torch.optim.Optimizer subclass, e.g. "
                         "torch.optim.SGD.")
+    torch_cls = _torch_class_of(torch_cls)
     cls = _WITH_OPTIONS.get(torch_cls)
     if cls is None:
         cls = type(torch_cls.__name__, (_KerasSteps, torch_cls), {"__module__": __name__})
         _WITH_OPTIONS[torch_cls] = cls
     return cls
+
+
+def _torch_class_of(cls: type) -> type:
+    """The torch optimizer class under one of ours (an optimizer a recipe built), else `cls`."""
+    return next((base for base, ours in _WITH_OPTIONS.items() if ours is cls), cls)
