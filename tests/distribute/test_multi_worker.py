@@ -527,6 +527,9 @@ def test_an_nccl_only_group_gets_cpu_tensors_on_the_wire_device(monkeypatch):
     log.clear()
     gloo.all_sum_([cpu], "sum")
     assert log == [("all_reduce", ["cpu"]), ("wait", None)]  # gloo's own timeout applies, as before
+    both = mw.CollectiveAllReduce(0, 2, torch.device("meta"), timeout_s=7.0, backend="cpu:gloo,cuda:nccl")
+    assert both._carried(torch.ones(1)) and both._carried(torch.ones(1, device="meta"))
+    assert not gloo._carried(torch.ones(1, device="meta"))  # a tensor off the wire device travels via it
 
 
 def test_an_nccl_timeout_raised_by_the_wait_names_the_rank(monkeypatch):

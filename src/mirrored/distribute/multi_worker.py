@@ -255,10 +255,8 @@ class CollectiveAllReduce(CrossDeviceOps):
         self._timeout_s = timeout_s
         self._store = store  # (MASTER_ADDR, MASTER_PORT): asked which ranks arrived, after a failure
         self._calls = 0
-        self._backend = backend
-        # Which device types the group carries as they are; a tensor elsewhere (a CPU count on an
-        # NCCL-only group, a GPU tensor on gloo) travels through a copy on the wire device and back.
-        self._carries = _device_types_of(backend)
+        # Whether the group takes CPU tensors as they are (gloo does; an NCCL-only group does not).
+        self._takes_cpu = "cpu" in _device_types_of(backend)
         # NCCL's wait() only orders streams: a host that then reads a result whose collective never
         # completes hangs until the watchdog kills the process, and no error of ours is raised. A wait
         # with a timeout blocks the host and raises in this thread instead (the group's own watchdog
@@ -271,8 +269,10 @@ class CollectiveAllReduce(CrossDeviceOps):
 
     # ---- the collectives ------------------------------------------------------------------------
     def _carried(self, t: Tensor) -> bool:
-        """Whether the process group takes `t` where it lies (else it travels via the wire device)."""
-        return t.device == self._wire or t.device.type in self._carries
+        """Whether the process group takes `t` where it lies; else it travels through a copy on the
+        wire device (a CPU count on an NCCL-only group; a GPU tensor on gloo, whose CUDA support is
+        partial, or on another GPU than the one NCCL is bound to)."""
+        return t.device == self._wire or (t.device.type == "cpu" and self._takes_cpu)
 
     def _on_wire(self, t: Tensor) -> Tensor:
         return t if self._carried(t) else t.to(self._wire)
