@@ -5,8 +5,9 @@ tree over device pairs; `NcclAllReduce` calls NCCL across GPUs; `InMemoryAllRedu
 CPU replicas, sums straight into the replicas' output buffers on all cores, allocating nothing.
 The public `reduce` and `batch_reduce` (cross-replica context, on PerReplica values) validate once
 and call `_all_sum`; `all_reduce` is what replica threads call from inside a step, and it writes
-the results through `_reduce_into`. Uses devices.py, values.py, replicas.py (Rendezvous) and
-buckets.py.
+the results through `_reduce_into`. Each replica's tensors stay on its device: packed buffers,
+what NCCL receives (one buffer per GPU) and the results. Uses devices.py, values.py, replicas.py
+(Rendezvous) and buckets.py.
 """
 from __future__ import annotations
 
