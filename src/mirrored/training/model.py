@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 import mirrored.distribute as md
 from mirrored.training import callbacks as callbacks_lib
-from mirrored.training import checkpoint, losses, metrics as metrics_lib, optimizers
+from mirrored.training import checkpoint, checkpoint_checks, losses, metrics as metrics_lib, optimizers
 from mirrored.training.layers import has_sync_batchnorm
 
 logger = logging.getLogger(__name__)
@@ -620,12 +620,15 @@ class Model:
         checkpoint.save_checkpoint(path, tensors, meta)
 
     def load_weights(self, path: str | Path) -> None:
-        """Loads the weights of a checkpoint saved on any number of replicas into every replica."""
-        self._net.load_state_dict(checkpoint.load_state_dict(path))
+        """Loads the weights of a checkpoint saved on any number of replicas into every replica; every
+        tensor's name, shape and dtype is checked first (CheckpointError naming the file otherwise)."""
+        state = checkpoint.load_state_dict(path, where="Model.load_weights")
+        origin = checkpoint_checks.Origin(f"Model.load_weights({str(path)!r})")
+        self._net.load_state_dict(checkpoint_checks.state_dict(origin, state, self.module.state_dict(), prefix=""))
 
-    def _load_optimizer(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        if self._mopt is not None and "optimizer" in meta:
-            self._mopt.load_state_dict(checkpoint.optimizer_state_from_flat(tensors, meta["optimizer"]))
+    def _load_optimizer(self, state: dict[str, Any] | None) -> None:
+        if state is not None:
+            self._mopt.load_state_dict(state)
             groups = self._mopt.replicas[0].param_groups
             if groups and self.optimizer is not None:
                 # The saved rate, which a callback may have changed (LearningRateScheduler, ReduceLROnPlateau),
@@ -636,19 +639,23 @@ class Model:
     def load(cls, path: str | Path, module: nn.Module | None = None, compile: bool = True) -> Model:
         """A Model from `save()`'s file. Pass `module=` (an instance of the same architecture) unless the
         model came from `mr.models`, whose name and arguments the file records. Never unpickles."""
-        tensors, meta = checkpoint.load_checkpoint(path)
+        tensors, meta = checkpoint.load_checkpoint(path, where="Model.load")
+        origin = checkpoint_checks.Origin(f"Model.load({str(path)!r})")
         if meta.get("format") != _FORMAT:
-            raise ValueError(f"Model.load({str(path)!r}): not a mirrored Model file (format {meta.get('format')!r}).")
+            raise checkpoint.CheckpointError(f"Model.load({str(path)!r}): not a mirrored Model file (format "
+                                             f"{meta.get('format')!r:.60}).")
+        # Everything the file says is checked before it is used: the architecture before it is built.
+        checkpoint_checks.model_metadata(origin, meta)
         if module is None:
             config = meta.get("model_config")
             if not config:
-                raise ValueError(f"Model.load({str(path)!r}): the file does not record how to build the module "
-                                 "(it was not made by mr.models). Pass module=YourNet(...) to load the weights into.")
-            from mirrored import models
-
-            module = models.get(config["name"], **config.get("kwargs", {}))
+                raise checkpoint.CheckpointError(
+                    f"Model.load({str(path)!r}): the file does not record how to build the module (it was not "
+                    "made by mr.models). Pass module=YourNet(...) to load the weights into.")
+            module = checkpoint_checks.build_module(origin, config, tensors)
+        state = checkpoint_checks.state_dict(origin, tensors, module.state_dict())
         model = cls(module)
-        model._net.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
+        model._net.load_state_dict(state)
         cfg = meta.get("compile")
         if compile and cfg and isinstance(cfg.get("loss"), dict):  # a loss object: training with another is wrong
             raise ValueError(
@@ -670,10 +677,16 @@ class Model:
                 raise ValueError(f"Model.load({str(path)!r}): the model was compiled with the optimizer {name!r}, "
                                  "which load cannot rebuild (not one of mirrored's or torch.optim's). Load with "
                                  "compile=False and compile(...) again; the weights load either way.")
-            opt = optimizers.Optimizer(torch_cls, opt_cfg.pop("learning_rate"), name, **opt_cfg)
-            model.compile(optimizer=opt, loss=cfg["loss"], metrics=[m for m in cfg["metrics"] if isinstance(m, str)],
-                          precision=cfg.get("precision"))
-            model._load_optimizer(tensors, meta)
+            try:
+                opt = optimizers.Optimizer(torch_cls, opt_cfg.pop("learning_rate"), name, **opt_cfg)
+                model.compile(optimizer=opt, loss=cfg["loss"],
+                              metrics=[m for m in cfg.get("metrics", []) if isinstance(m, str)],
+                              precision=cfg.get("precision"))
+            except (TypeError, ValueError) as e:  # settings from the file: a damaged file, or another machine's
+                raise checkpoint.CheckpointError(
+                    f"Model.load({str(path)!r}): cannot compile with the settings the file records ({e}). Load "
+                    "with compile=False and compile(...) yourself; the weights load either way.") from e
+            model._load_optimizer(checkpoint_checks.model_optimizer_state(origin, tensors, meta, model))
         return model
 
     # ---- interrupted runs (BackupAndRestore) --------------------------------------------------------
@@ -701,23 +714,29 @@ class Model:
         checkpoint.save_checkpoint(path, tensors, meta)
 
     def _restore_training_state(self, path: str | Path) -> tuple[int, int]:
-        tensors, meta = checkpoint.load_checkpoint(path)
-        self._net.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
-        self._load_optimizer(tensors, meta)
-        checkpoint.restore_rng_state({k[len("rng/"):]: v for k, v in tensors.items() if k.startswith("rng/")},
-                                     meta["rng"])
+        tensors, meta = checkpoint.load_checkpoint(path, where="BackupAndRestore")
+        origin = checkpoint_checks.Origin(
+            f"BackupAndRestore({str(path)!r})", f"The backup belongs to another model or run: delete "
+            f"{str(path)!r} to start afresh, or resume with the model, optimizer and data that made it.")
+        # Everything is checked before anything is assigned: a backup that does not fit leaves the model as it was.
+        state = checkpoint_checks.state_dict(origin, tensors, self.module.state_dict())
+        opt_state = checkpoint_checks.model_optimizer_state(origin, tensors, meta, self)
+        rng = {k[len("rng/"):]: v for k, v in tensors.items() if k.startswith("rng/")}
+        checkpoint_checks.rng_state(origin, rng, meta.get("rng"))
+        data = self._fit_dataset.get_state() if hasattr(self._fit_dataset, "get_state") else None
+        checkpoint_checks.training_metadata(origin, meta, data)
+        same_replicas = meta.get("replicas") == self.distribute_strategy.num_replicas_in_sync
+        metric_values = checkpoint_checks.metric_states(origin, tensors, self.metrics) if same_replicas else []
+        self._net.load_state_dict(state)
+        self._load_optimizer(opt_state)
+        checkpoint.restore_rng_state(rng, meta["rng"])
         self._pending_data_state = meta.get("data_state")
         self._pending_position = meta.get("pass")
         if meta.get("resume_lr") is not None and self.optimizer is not None:
             self.optimizer.learning_rate = meta["resume_lr"]
-        if meta.get("replicas") == self.distribute_strategy.num_replicas_in_sync:
-            for i, m in enumerate(self.metrics):
-                for j, var in enumerate(getattr(m, "variables", [])):
-                    for r, t in enumerate(var.values):
-                        key = f"metrics/{i}/{j}/{r}"
-                        if key in tensors:
-                            with torch.no_grad():
-                                t.copy_(tensors[key])
+        with torch.no_grad():
+            for t, value in metric_values:
+                t.copy_(value)
         return int(meta["epoch"]), int(meta["step"])
 
     def __repr__(self) -> str:
