@@ -1,6 +1,7 @@
 """Model zoo: plain torch.nn.Modules that return logits. `get(name, **kw)` builds one by name (the CLI
 uses it); `names()` lists the names; `check_config(name, kw)` checks arguments read from a file
-before anything is built. Uses torch only."""
+and `skeleton(name, **kw)` builds on the meta device (shapes, no memory), both before anything real
+is built. Uses torch only."""
 from __future__ import annotations
 
 import functools
@@ -8,6 +9,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from mirrored.models.resnet import (
@@ -33,6 +35,7 @@ __all__ = [
     "resnet34",
     "resnet50",
     "resnet_cifar",
+    "skeleton",
 ]
 
 _MODELS: dict[str, Callable[..., nn.Module]] = {
@@ -92,3 +95,23 @@ def check_config(name: Any, kwargs: Any) -> None:
             limit = _ARG_LIMITS.get(key, 1 << 16)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
                 raise ValueError(f"{name}({key}={value!r:.40}): must be a whole number in [1, {limit}].")
+
+
+class _NoRandomInit(torch.overrides.TorchFunctionMode):
+    """Skips in-place random fills: on the meta device they only cost time (torch's meta normal_
+    imports torch._dynamo on first use, ~4 s)."""
+
+    _SKIPPED = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.bernoulli_,
+                          torch.Tensor.exponential_, torch.Tensor.random_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._SKIPPED:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def skeleton(name: str, **kwargs: Any) -> nn.Module:
+    """get(name, **kwargs) on the meta device: every parameter's shape and dtype without memory or
+    initialization, to check a config (or size its replicas) before building it for real."""
+    with torch.device("meta"), _NoRandomInit():
+        return get(name, **kwargs)

@@ -296,11 +296,11 @@ def _open_regular(path: str, where: str) -> int:
         raise FileNotFoundError(f"{where}({path!r}): no such file. Check the path; a checkpoint is "
                                 f"written by Model.save(), ModelCheckpoint or save_checkpoint().") from None
     except IsADirectoryError:
-        raise IsADirectoryError(f"{where}({path!r}): this is a directory; pass the checkpoint file "
-                                f"inside it (e.g. {os.path.join(path, 'model.safetensors')}).") from None
-    mode = os.fstat(fd).st_mode
+        fd = None
+    mode = os.fstat(fd).st_mode if fd is not None else stat.S_IFDIR
     if stat.S_ISDIR(mode):
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
         raise IsADirectoryError(f"{where}({path!r}): this is a directory; pass the checkpoint file "
                                 f"inside it (e.g. {os.path.join(path, 'model.safetensors')}).")
     if not stat.S_ISREG(mode):

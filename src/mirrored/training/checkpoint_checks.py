@@ -106,8 +106,7 @@ def build_module(origin: Origin, config: Any, tensors: Mapping[str, Tensor]) -> 
     name, kwargs = config["name"], config.get("kwargs", {})
     try:
         models.check_config(name, kwargs)
-        with torch.device("meta"):
-            skeleton = models.get(name, **kwargs)
+        skeleton = models.skeleton(name, **kwargs)
     except (TypeError, ValueError) as e:
         raise origin.damaged(f"the recorded architecture {name}({_kwargs(kwargs)}) cannot be built: {e}") from None
     state_dict(origin, tensors, skeleton.state_dict(), owner=f"{name}({_kwargs(kwargs)})")
