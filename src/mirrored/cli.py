@@ -201,6 +201,11 @@ def _load_unchecked(name: str, split: str, data_dir: str | None, image_size: int
                   num_parallel_calls=mr.data.AUTOTUNE), info
 
 
+def _reads_no_data_dir(name: str) -> bool:
+    """digits are embedded and folder:PATH names its own folder: --data-dir would be ignored."""
+    return name == "digits" or name.startswith("folder:")
+
+
 def _splits(name: str) -> tuple[str, str, str]:
     """(train, validation, test) splits of a dataset. Validation picks the best checkpoint and shows
     progress; the test split is evaluated once, after training, so its numbers chose nothing. Without
@@ -239,7 +244,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import mirrored as mr
     from mirrored.training.checkpoint import CheckpointError
 
-    if args.data_dir is not None and args.dataset != "cassava":
+    if args.data_dir is not None and _reads_no_data_dir(args.dataset):
         raise CliError(f"--data-dir {args.data_dir!r}: --dataset {args.dataset} does not read a data directory "
                        "(digits are embedded; folder:PATH names its folder). Drop --data-dir, or use it with "
                        "--dataset cassava.")
@@ -340,7 +345,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if not isinstance(saved, dict):
         saved = {}
     dataset = args.dataset or saved.get("dataset", "digits")
-    if args.data_dir is not None and dataset != "cassava":
+    if args.data_dir is not None and _reads_no_data_dir(dataset):
         raise CliError(f"--data-dir {args.data_dir!r}: --dataset {dataset} does not read a data directory. Drop "
                        "--data-dir, or use it with --dataset cassava.")
     image_size = saved.get("image_size", 32)
