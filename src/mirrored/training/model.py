@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 import mirrored.distribute as md
 from mirrored.training import callbacks as callbacks_lib
-from mirrored.training import checkpoint, epochs as epochs_lib, losses, metrics as metrics_lib, optimizers
+from mirrored.training import checkpoint, checkpoint_checks, epochs as epochs_lib, losses, metrics as metrics_lib, optimizers
 from mirrored.training.layers import has_sync_batchnorm
 
 logger = logging.getLogger(__name__)
@@ -574,13 +574,16 @@ class Model:
         checkpoint.save_checkpoint(path, tensors, meta)
 
     def load_weights(self, path: str | Path) -> None:
-        """Loads the weights of a checkpoint saved on any number of replicas into every replica."""
-        self._net.load_state_dict(checkpoint.load_state_dict(path))
+        """Loads the weights of a checkpoint saved on any number of replicas into every replica; every
+        tensor's name, shape and dtype is checked first (CheckpointError naming the file otherwise)."""
+        state = checkpoint.load_state_dict(path, where="Model.load_weights")
+        origin = checkpoint_checks.Origin(f"Model.load_weights({str(path)!r})")
+        self._net.load_state_dict(checkpoint_checks.state_dict(origin, state, self.module.state_dict(), prefix=""))
 
-    def _load_optimizer(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        if self._mopt is not None and "optimizer" in meta:
-            optimizers.load_replicas_state_dict(self._mopt.replicas,
-                                                checkpoint.optimizer_state_from_flat(tensors, meta["optimizer"]))
+    def _load_optimizer(self, state: dict[str, Any] | None) -> None:
+        """Loads a state checked by checkpoint_checks (None: the file has none) into every replica."""
+        if state is not None and self._mopt is not None:
+            optimizers.load_replicas_state_dict(self._mopt.replicas, state)
             groups = self._mopt.replicas[0].param_groups
             if groups and self.optimizer is not None and self.optimizer._schedule is None:
                 # The saved rate, which a callback may have changed (LearningRateScheduler, ReduceLROnPlateau),
@@ -591,23 +594,32 @@ class Model:
     def load(cls, path: str | Path, module: nn.Module | None = None, compile: bool = True) -> Model:
         """A Model from `save()`'s file. Pass `module=` (an instance of the same architecture) unless the
         model came from `mr.models`, whose name and arguments the file records. Never unpickles."""
-        tensors, meta = checkpoint.load_checkpoint(path)
+        tensors, meta = checkpoint.load_checkpoint(path, where="Model.load")
+        origin = checkpoint_checks.Origin(f"Model.load({str(path)!r})")
         if meta.get("format") != _FORMAT:
-            raise ValueError(f"Model.load({str(path)!r}): not a mirrored Model file (format {meta.get('format')!r}).")
+            raise checkpoint.CheckpointError(f"Model.load({str(path)!r}): not a mirrored Model file (format "
+                                             f"{meta.get('format')!r:.60}).")
+        # Everything the file says is checked before it is used: the architecture before it is built.
+        checkpoint_checks.model_metadata(origin, meta)
         if module is None:
             config = meta.get("model_config")
             if not config:
-                raise ValueError(f"Model.load({str(path)!r}): the file does not record how to build the module "
-                                 "(it was not made by mr.models). Pass module=YourNet(...) to load the weights into.")
-            from mirrored import models
-
-            module = models.get(config["name"], **config.get("kwargs", {}))
+                raise checkpoint.CheckpointError(
+                    f"Model.load({str(path)!r}): the file does not record how to build the module (it was not "
+                    "made by mr.models). Pass module=YourNet(...) to load the weights into.")
+            module = checkpoint_checks.build_module(origin, config, tensors)
+        state = checkpoint_checks.state_dict(origin, tensors, module.state_dict())
         model = cls(module)
-        model._net.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
+        model._net.load_state_dict(state)
         cfg = meta.get("compile")
         if compile and cfg:
-            model._compile_from_config(cfg, str(path))
-            model._load_optimizer(tensors, meta)
+            try:
+                model._compile_from_config(cfg, str(path))
+            except (TypeError, KeyError) as e:  # settings from the file: a damaged file, or another version's
+                raise checkpoint.CheckpointError(
+                    f"Model.load({str(path)!r}): cannot compile with the settings the file records ({e}). Load "
+                    "with compile=False and compile(...) yourself; the weights load either way.") from e
+            model._load_optimizer(checkpoint_checks.model_optimizer_state(origin, tensors, meta, model))
         return model
 
     def _compile_from_config(self, cfg: dict[str, Any], path: str) -> None:
