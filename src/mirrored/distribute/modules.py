@@ -283,19 +283,22 @@ class MirroredOptimizer:
         # An optimizer built by an mr.optimizers recipe with gradient accumulation keeps a step's gradients
         # local until its update step: then one all-reduce sends the sum of all of them.
         accumulate = getattr(self.optimizer, "accumulate_gradients", None)
-        if accumulate is None or accumulate():
+        update = accumulate is None or accumulate()
+        if update:
             self.reduce_gradients()
         result = self.optimizer.step()
-        self.finish_step()
+        self.finish_step(commit=update)
         return result
 
-    def finish_step(self, weight: float | None = None) -> None:
-        """Ends an update applied by every replica: syncs the buffers (see sync_buffers) and commits the
-        step, so that a failure later in the same strategy.run keeps the update and rolls back only
-        what follows it. `step()` calls it; a loop that steps `self.optimizer` itself calls it after."""
+    def finish_step(self, weight: float | None = None, commit: bool = True) -> None:
+        """Ends a step: syncs the buffers (see sync_buffers) and, after an update applied by every
+        replica (`commit`), commits the step, so that a failure later in the same strategy.run keeps
+        the update and rolls back only what follows it. A step that only accumulated gradients locally
+        is not committed: no meeting made every replica take it, so a failure rolls it back too.
+        `step()` calls it; a loop that steps `self.optimizer` itself calls it after."""
         self.sync_buffers(weight)
         journal = journal_of(context.get_replica_context())
-        if journal is not None:
+        if journal is not None and commit:
             journal.commit()
 
     def sync_buffers(self, weight: float | None = None) -> None:

@@ -291,7 +291,8 @@ class Model:
                     self._track(y, logits, share, sw, count, regularization)
             # With gradient_accumulation_steps, a step that only accumulates keeps its gradients local: one
             # all-reduce per update. Then step() clips the reduced gradients and applies the schedule and EMA.
-            if opt.optimizer.accumulate_gradients():
+            update = opt.optimizer.accumulate_gradients()
+            if update:
                 opt.reduce_gradients()
             if scaler is not None:
                 scaler.step(opt.optimizer)
@@ -299,7 +300,7 @@ class Model:
             else:
                 opt.optimizer.step()
             opt.optimizer.zero_grad(set_to_none=True)
-            opt.finish_step(weight=_rows(x))  # an empty part did not update BatchNorm's statistics
+            opt.finish_step(weight=_rows(x), commit=update)  # (an empty part did not update BatchNorm's statistics)
 
     @staticmethod
     def _regularization(net: nn.Module) -> Tensor | float:
