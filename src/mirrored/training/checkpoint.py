@@ -38,7 +38,8 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CheckpointError", "capture_rng_state", "load_checkpoint", "load_state_dict", "optimizer_state_from_flat",
+    "CheckpointError", "CheckpointMismatchError", "capture_rng_state", "load_checkpoint", "load_state_dict",
+    "optimizer_state_from_flat",
     "optimizer_state_to_flat", "restore_rng_state", "save_checkpoint",
 ]
 
@@ -64,6 +65,12 @@ class CheckpointError(ValueError):
     """A checkpoint file that cannot be loaded: damaged, truncated, forged, foreign, or not matching
     what it is loaded into. The message names the file and what is wrong. (A missing file raises
     FileNotFoundError, a directory IsADirectoryError, as open() does.)"""
+
+
+class CheckpointMismatchError(CheckpointError, AssertionError):
+    """The values of a checkpoint and the objects restored from it do not pair up one to one: what
+    mr.train's assert_consumed() raises (an AssertionError, as TF's does), and a CheckpointError
+    naming the file, so that code handling bad checkpoints handles it too."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """Does a checkpoint fit what it is loaded into? Checked in full before anything is assigned.
 
-Model.load, Model.load_weights and BackupAndRestore's restore read a file with checkpoint.py, then
-call these: `state_dict` (every tensor's name, shape and dtype against the module's), `optimizer_state`
-(the param groups against the optimizer's own, each state tensor against its parameter), `rng_state`
-(each state set on a fresh generator, which checks exactly what the restore will), `build_module`
-(the recorded architecture against the model factory's arguments and bounds, built on the meta
-device first so a forged size never reaches the allocator) and `model_metadata`/`training_metadata`
-(the JSON fields). A problem is a CheckpointError (a ValueError) naming the file, the key and both
-values. Uses torch, numpy, checkpoint.py and mirrored.models.
+Model.load and Model.load_weights read a file with checkpoint.py, and mr.train.Checkpoint (so
+BackupAndRestore too) checks every entry with these before it assigns any: `state_dict` and
+`module_state` (every tensor's name, shape and dtype against the module's), `optimizer_state` (the
+param groups against the optimizer's own, each state tensor against its parameter, mr.optimizers'
+step count, accumulated gradients and moving averages), `tensor` (a variable's value), `rng_state`
+(each state set on a fresh generator, which checks exactly what the restore will), `epoch_state`
+and `object_state` (a get_state() against the object's own), `build_module` (the recorded
+architecture against the model factory's arguments and bounds, built on the meta device first so a
+forged size never reaches the allocator) and `model_metadata` (a Model file's JSON fields). A
+problem is a CheckpointError (a ValueError) naming the file, the key and both values. Uses torch,
+numpy, checkpoint.py and mirrored.models.
 """
 from __future__ import annotations
 
@@ -23,11 +26,12 @@ from torch import Tensor, nn
 
 from mirrored.training.checkpoint import CheckpointError
 
-__all__ = ["Origin", "build_module", "metric_states", "model_metadata", "model_optimizer_state",
-           "optimizer_state", "rng_state", "state_dict", "training_metadata"]
+__all__ = ["Origin", "build_module", "epoch_state", "is_count", "model_metadata", "model_optimizer_state",
+           "module_state", "object_state", "optimizer_state", "rng_state", "state_dict", "tensor"]
 
 _TENSOR_TAG = "__tensor__"  # as checkpoint.py writes them
 _TUPLE_TAG = "__tuple__"
+_KERAS_KEY = "keras"  # mr.optimizers' own state in a state_dict (optimizers.py)
 _MAX_DEPTH = 32  # JSON nesting deeper than any optimizer setting: a damaged file, not recursion
 _MAX_CUDA_DEVICES = 1 << 12
 _PRECISIONS = (None, "fp32", "bf16", "fp16")
@@ -46,8 +50,8 @@ class Origin:
     where: str  # e.g. "Model.load('run/model.safetensors')"
     mismatch_fix: str = "Load it into the model (and optimizer) that saved it."
 
-    def mismatch(self, problem: str) -> CheckpointError:
-        return CheckpointError(f"{self.where}: {problem}. {self.mismatch_fix}")
+    def mismatch(self, problem: str, error: type[CheckpointError] = CheckpointError) -> CheckpointError:
+        return error(f"{self.where}: {problem}. {self.mismatch_fix}")
 
     def damaged(self, problem: str) -> CheckpointError:
         return CheckpointError(f"{self.where}: {problem}; the file is damaged or was not written by "
@@ -62,20 +66,39 @@ def state_dict(origin: Origin, tensors: Mapping[str, Tensor], expected: Mapping[
                prefix: str = "model/", owner: str = "the model") -> dict[str, Tensor]:
     """The file's tensors under `prefix` (prefix removed), once their names, shapes and dtypes match
     `expected` (a state_dict; meta tensors will do)."""
+    return module_state(origin, tensors, expected, prefix, owner, complete=True)[0]
+
+
+def module_state(origin: Origin, tensors: Mapping[str, Tensor], expected: Mapping[str, Any], prefix: str,
+                 owner: str, complete: bool = False, error: type[CheckpointError] = CheckpointError
+                 ) -> tuple[dict[str, Tensor], list[str], list[str]]:
+    """The file's tensors under `prefix` that `expected` (a state_dict) also has, each checked for shape and
+    dtype, with the names only `expected` has (missing) and only the file has (unused). With complete=True
+    either kind of name is an `error` instead."""
     got = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
     want = {k: v for k, v in expected.items() if isinstance(v, Tensor)}
     missing = [k for k in want if k not in got]
     unexpected = [k for k in got if k not in want]
-    if missing or unexpected:
+    if complete and (missing or unexpected):
         parts = []
         if missing:
             parts.append(f"{owner} has {_few(missing)}, which the file lacks")
         if unexpected:
             parts.append(f"the file holds {_few([prefix + k for k in unexpected])}, which {owner} lacks")
-        raise origin.mismatch(f"the tensors do not match {owner}: {'; '.join(parts)}")
+        raise origin.mismatch(f"the tensors do not match {owner}: {'; '.join(parts)}", error)
     for k, ref in want.items():
-        _check_tensor(origin, prefix + k, got[k], tuple(ref.shape), ref.dtype, owner)
-    return got
+        if k in got:
+            _check_tensor(origin, prefix + k, got[k], tuple(ref.shape), ref.dtype, owner)
+    return {k: got[k] for k in want if k in got}, missing, unexpected
+
+
+def tensor(origin: Origin, tensors: Mapping[str, Tensor], key: str, like: Any, owner: str) -> Tensor:
+    """The file's tensor `key`, once its shape and dtype fit `like` (a tensor or a variable)."""
+    t = tensors.get(key)
+    if t is None:
+        raise origin.damaged(f"the metadata lists {owner}, but the file holds no tensor {key!r}")
+    _check_tensor(origin, key, t, tuple(like.shape), like.dtype, owner)
+    return t
 
 
 def _check_tensor(origin: Origin, key: str, t: Tensor, shape: tuple[int, ...], dtype: torch.dtype,
@@ -117,44 +140,31 @@ def _kwargs(kwargs: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v!r:.40}" for k, v in kwargs.items())
 
 
-def metric_states(origin: Origin, tensors: Mapping[str, Tensor], metrics: Sequence[Any]
-                  ) -> list[tuple[Tensor, Tensor]]:
-    """(metric variable copy, saved value) pairs of a backup, each checked against its variable."""
-    pairs = []
-    for i, m in enumerate(metrics):
-        for j, var in enumerate(getattr(m, "variables", [])):
-            for r, t in enumerate(var.values):
-                key = f"metrics/{i}/{j}/{r}"
-                if key in tensors:
-                    _check_tensor(origin, key, tensors[key], tuple(t.shape), t.dtype,
-                                  f"metric {getattr(m, 'name', i)!r}")
-                    pairs.append((t, tensors[key]))
-    return pairs
-
-
 # --------------------------------------------------------------------------------------------
 # Optimizer state
 
 
 def optimizer_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Any, optimizer: torch.optim.Optimizer,
-                    param_names: Sequence[str] | None = None) -> dict[str, Any]:
+                    param_names: Sequence[str] | None = None, prefix: str = "optimizer") -> dict[str, Any]:
     """The state_dict for optimizer.load_state_dict(), once it fits `optimizer`: as many groups of
-    as many parameters, the same settings of the same kinds, and every state tensor a scalar or
-    shaped like its parameter. (torch checks only the group sizes; a momentum buffer of the wrong
-    shape used to load and fail in the first step.)"""
+    as many parameters, the same settings of the same kinds, every state tensor a scalar or shaped
+    like its parameter, and mr.optimizers' own state (under "keras") of the kinds it holds. (torch
+    checks only the group sizes; a momentum buffer of the wrong shape used to load and fail in the
+    first step.) `prefix` is the optimizer's tensors' prefix in the file, for the messages."""
     if (not isinstance(meta, dict) or not isinstance(meta.get("state"), dict)
             or not isinstance(meta.get("param_groups"), list)):
-        raise origin.damaged("the optimizer metadata is not a dict with 'state' and 'param_groups'")
+        raise origin.damaged(f"the {prefix} metadata is not a dict with 'state' and 'param_groups'")
     cls = type(optimizer).__name__
     live_groups, saved_groups = optimizer.param_groups, meta["param_groups"]
     if len(saved_groups) != len(live_groups):
-        raise origin.mismatch(f"the optimizer state has {len(saved_groups)} parameter group(s) but the "
+        raise origin.mismatch(f"the {prefix} state has {len(saved_groups)} parameter group(s) but the "
                               f"{cls} optimizer has {len(live_groups)}")
     params: dict[int, tuple[Tensor, str]] = {}
+    in_order: list[tuple[Tensor, str]] = []
     names = iter(param_names or ())
     groups = []
     for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
-        key = f"optimizer param_groups[{g}]"
+        key = f"{prefix} param_groups[{g}]"
         ids = saved.get("params") if isinstance(saved, dict) else None
         if not isinstance(ids, list) or not all(_is_count(i) for i in ids):
             raise origin.damaged(f"{key} is not a dict whose 'params' is a list of parameter indices")
@@ -165,22 +175,67 @@ def optimizer_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Any, op
             if i in params:
                 raise origin.damaged(f"{key} lists parameter {i} twice")
             params[i] = (p, next(names, f"parameter {i}"))
+            in_order.append(params[i])  # as the optimizer's own list (mr.optimizers' state follows it)
         groups.append(_group(origin, key, saved, live, tensors, optimizer))
     state: dict[int, dict[str, Any]] = {}
     for index, entries in meta["state"].items():
         pid = int(index) if isinstance(index, str) and index.isdigit() and len(index) < 19 else None
         if pid not in params or not isinstance(entries, dict):
-            raise origin.mismatch(f"the optimizer state has an entry {index!r:.40} that is not one of the "
+            raise origin.mismatch(f"the {prefix} state has an entry {index!r:.40} that is not one of the "
                                   f"{len(params)} parameters' indices")
         param, pname = params[pid]
-        state[pid] = {name: _state_value(origin, pid, name, value, tensors, param, pname)
+        state[pid] = {name: _state_value(origin, prefix, pid, name, value, tensors, param, pname)
                       for name, value in entries.items()}
     result: dict[str, Any] = {"state": state, "param_groups": groups}
     extra = meta.get("extra", {})
     if not isinstance(extra, dict):
-        raise origin.damaged("the optimizer metadata's 'extra' is not a dict")
-    result.update({k: _decode(origin, v, tensors, f"optimizer {k!r}") for k, v in extra.items()})
+        raise origin.damaged(f"the {prefix} metadata's 'extra' is not a dict")
+    result.update({k: _decode(origin, v, tensors, f"{prefix} {k!r}") for k, v in extra.items()})
+    if _KERAS_KEY in result:
+        _keras_state(origin, prefix, result[_KERAS_KEY], in_order)
     return result
+
+
+def _keras_state(origin: Origin, prefix: str, value: Any, params: Sequence[tuple[Tensor, str]]) -> None:
+    """mr.optimizers' own state: {"iterations": the step count, "accumulators": this replica's gradient
+    sums (None where a parameter has none), "averages": the moving averages, "replica_accumulators":
+    every replica's accumulators (their count is the saved run's replica count)}."""
+    key = f"'{prefix}/{_KERAS_KEY}'"  # as the file names its tensors
+    if not isinstance(value, dict) or not set(value) <= {"iterations", "accumulators", "averages",
+                                                         "replica_accumulators"}:
+        raise origin.damaged(f"{key} is {value!r:.80}, not mr.optimizers' state (iterations, accumulators, "
+                             "averages)")
+    steps = value.get("iterations", 0)
+    if not _is_count(steps) or steps >= 1 << 63:
+        raise origin.damaged(f"{key}['iterations'] is {steps!r:.40}, not a step count (a whole number >= 0)")
+    _like_params(origin, f"{key}['accumulators']", value.get("accumulators"), params, holes=True)
+    _like_params(origin, f"{key}['averages']", value.get("averages"), params, holes=False)
+    replicas = value.get("replica_accumulators")
+    if replicas is not None:
+        if not isinstance(replicas, list) or not replicas:
+            raise origin.damaged(f"{key}['replica_accumulators'] is {replicas!r:.60}, not a list with one entry "
+                                 "per replica")
+        for r, per_replica in enumerate(replicas):
+            _like_params(origin, f"{key}['replica_accumulators'][{r}]", per_replica, params, holes=True)
+
+
+def _like_params(origin: Origin, key: str, values: Any, params: Sequence[tuple[Tensor, str]], holes: bool) -> None:
+    """None, or one floating tensor per parameter shaped like it (`holes`: None for a parameter is allowed)."""
+    if values is None:
+        return
+    if not isinstance(values, list) or len(values) != len(params):
+        count = f"a list of {len(values)}" if isinstance(values, list) else f"{values!r:.60}"
+        raise origin.mismatch(f"{key} is {count}, but the optimizer has {len(params)} parameters")
+    for i, (v, (param, pname)) in enumerate(zip(values, params)):
+        if v is None and holes:
+            continue
+        if not isinstance(v, Tensor):
+            raise origin.damaged(f"{key}[{i}] is {v!r:.60}, not a tensor")
+        if tuple(v.shape) != tuple(param.shape):
+            raise origin.mismatch(f"{key}[{i}] has shape {tuple(v.shape)} in the file but {pname} has shape "
+                                  f"{tuple(param.shape)}")
+        if v.is_floating_point() != param.is_floating_point():
+            raise origin.mismatch(f"{key}[{i}] has dtype {v.dtype} in the file but {pname} is {param.dtype}")
 
 
 def model_optimizer_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Mapping[str, Any],
@@ -210,8 +265,10 @@ def _group(origin: Origin, key: str, saved: dict, live: dict, tensors: Mapping[s
             raise origin.mismatch(f"{key} has the setting {name!r}, which {cls} does not have: the state "
                                   f"was saved from another optimizer")
         like = live.get(name, 0.0 if name == "initial_lr" else value)
-        if _number(value) is not None and not abs(_number(value)) <= limit:
-            raise origin.damaged(f"{key}[{name!r}] is {value!r}, not a finite number the parameters' "
+        # (An int setting reaches torch's kernels as a 64-bit integer: 2**70 fits a float32, not them.)
+        if _number(value) is not None and (not abs(_number(value)) <= limit
+                                           or isinstance(value, int) and not -(1 << 63) <= value < 1 << 63):
+            raise origin.damaged(f"{key}[{name!r}] is {value!r:.40}, not a finite number the parameters' "
                                  f"{dtype} can hold")
         if not _same_kind(value, like):
             raise origin.mismatch(f"{key}[{name!r}] is {value!r:.60} in the file but {like!r:.60} in the "
@@ -226,23 +283,24 @@ def _group(origin: Origin, key: str, saved: dict, live: dict, tensors: Mapping[s
     return group
 
 
-def _state_value(origin: Origin, pid: int, name: str, value: Any, tensors: Mapping[str, Tensor],
+def _state_value(origin: Origin, prefix: str, pid: int, name: str, value: Any, tensors: Mapping[str, Tensor],
                  param: Tensor, pname: str) -> Any:
-    where = f"optimizer state {name!r} of parameter {pid} ({pname}, shape {tuple(param.shape)})"
+    where = f"{prefix} state {name!r} of parameter {pid} ({pname}, shape {tuple(param.shape)})"
     value = _decode(origin, value, tensors, where)
     if isinstance(value, Tensor):
         shape = tuple(value.shape)
         expected = _FACTORED_SHAPES[name](tuple(param.shape)) if (
             name in _FACTORED_SHAPES and param.dim() > 1) else tuple(param.shape)
         if value.dim() != 0 and shape != expected:
-            raise origin.mismatch(f"tensor 'optimizer/state/{pid}/{name}' has shape {shape} in the file but "
+            raise origin.mismatch(f"tensor '{prefix}/state/{pid}/{name}' has shape {shape} in the file but "
                                   f"{pname} has shape {expected}")
         if value.dim() != 0 and value.is_floating_point() != param.is_floating_point():
-            raise origin.mismatch(f"tensor 'optimizer/state/{pid}/{name}' has dtype {value.dtype} in the "
+            raise origin.mismatch(f"tensor '{prefix}/state/{pid}/{name}' has dtype {value.dtype} in the "
                                   f"file but {pname} is {param.dtype}")
         return value
-    if not (value is None or isinstance(value, (bool, int, float))):
-        raise origin.damaged(f"{where} is {value!r:.60}; optimizer state holds tensors and numbers")
+    if not (value is None or isinstance(value, (bool, int, float))) or (
+            isinstance(value, int) and not -(1 << 63) <= value < 1 << 63):
+        raise origin.damaged(f"{where} is {value!r:.60}; optimizer state holds tensors and numbers (64-bit)")
     return value
 
 
@@ -304,15 +362,16 @@ def _is_count(value: Any) -> bool:
 # RNG state and the JSON fields
 
 
-def rng_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Any) -> None:
+def rng_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Any, prefix: str = "rng") -> None:
     """Sets each saved state on a fresh generator (torch, Python, numpy), which checks exactly what
-    checkpoint.restore_rng_state() will, without touching the global ones."""
+    checkpoint.restore_rng_state() will, without touching the global ones. `tensors` are the file's
+    under `prefix` (prefix removed)."""
     if not isinstance(meta, dict) or "python" not in meta or "numpy" not in meta or "torch_cpu" not in tensors:
-        raise origin.damaged("the RNG state is incomplete (it needs 'python', 'numpy' and the tensor "
-                             "'rng/torch_cpu')")
+        raise origin.damaged(f"the RNG state {prefix!r} is incomplete (it needs 'python', 'numpy' and the tensor "
+                             f"'{prefix}/torch_cpu')")
     cpu = tensors["torch_cpu"]
     if cpu.dtype != torch.uint8 or cpu.dim() != 1:
-        raise origin.damaged(f"tensor 'rng/torch_cpu' is {cpu.dtype} of shape {tuple(cpu.shape)}, not a "
+        raise origin.damaged(f"tensor '{prefix}/torch_cpu' is {cpu.dtype} of shape {tuple(cpu.shape)}, not a "
                              "generator state (1-D uint8)")
     try:
         torch.Generator().set_state(cpu)
@@ -324,8 +383,9 @@ def rng_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Any) -> None:
         if not isinstance(keys, list) or not all(isinstance(k, int) and 0 <= k < 1 << 32 for k in keys):
             raise TypeError("keys are not a list of 32-bit whole numbers")
         np.random.RandomState().set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-        raise origin.damaged(f"the RNG state cannot be restored ({type(e).__name__}: {str(e)[:160]})") from None
+    except Exception as e:  # noqa: BLE001 - whatever a fresh generator refuses (numpy: IndexError for short keys)
+        raise origin.damaged(f"the RNG state {prefix!r} cannot be restored ({type(e).__name__}: "
+                             f"{str(e)[:160]})") from None
     saved = meta.get("cuda_devices", 0)
     if not _is_count(saved) or saved > _MAX_CUDA_DEVICES:
         raise origin.damaged(f"the RNG state's cuda_devices is {saved!r:.40}, not a device count")
@@ -333,7 +393,7 @@ def rng_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Any) -> None:
     for i in range(min(saved, present)):
         t = tensors.get(f"cuda/{i}")
         if t is None or t.dtype != torch.uint8 or tuple(t.shape) != tuple(torch.cuda.get_rng_state(i).shape):
-            raise origin.damaged(f"the CUDA RNG state of device {i} (tensor 'rng/cuda/{i}') is missing or "
+            raise origin.damaged(f"the CUDA RNG state of device {i} (tensor '{prefix}/cuda/{i}') is missing or "
                                  "not a generator state")
 
 
@@ -376,25 +436,59 @@ def _is_object_note(value: Any) -> bool:
     return isinstance(value, dict) and set(value) == {"object"} and isinstance(value["object"], str)
 
 
-def training_metadata(origin: Origin, meta: Mapping[str, Any], data_state_like: Any = None) -> None:
-    """The fields of a BackupAndRestore backup: where to resume (epoch, step, the data position) and the
-    rate to resume with. `data_state_like` is the fit dataset's get_state(), which the saved one must
-    match in structure (Dataset.set_state would refuse it only after training began)."""
-    for key in ("epoch", "step"):
-        if not _is_count(meta.get(key)):
-            raise origin.damaged(f"{key!r} is {meta.get(key)!r:.40}, not a whole number >= 0")
-    lr = meta.get("resume_lr")
+def epoch_state(origin: Origin, key: str, state: Any, like: Mapping[str, Any], steps_per_epoch: int | None,
+                continuing: bool, batches_per_pass: int | None) -> None:
+    """A saved EpochIterator.get_state() (fit's place: epoch, step, data position, learning rate) fits the
+    EpochIterator whose get_state() is `like`: its data position has the structure of this run's input
+    pipeline and lies within its epochs and passes, and its rate can be set on this run's optimizer.
+    `continuing`: epochs continue one pass of the data (steps_per_epoch given), else each is a pass."""
+    if not isinstance(state, dict) or not {"epoch", "step", "data"} <= set(state) or not set(state) <= {
+            "epoch", "step", "data", "learning_rate"}:
+        raise origin.damaged(f"{key!r} is {state!r:.120}, not fit's state {{'epoch', 'step', 'data', "
+                             "'learning_rate'}")
+    for field in ("epoch", "step"):
+        if not _is_count(state[field]) or state[field] >= 1 << 63:
+            raise origin.damaged(f"'{key}.{field}' is {state[field]!r:.40}, not a whole number >= 0")
+    if steps_per_epoch is not None and state["step"] > steps_per_epoch:
+        raise origin.mismatch(f"'{key}.step' is {state['step']}, past this fit's {steps_per_epoch} steps per epoch: "
+                              "it was saved from a fit with other data or another steps_per_epoch")
+    lr = state.get("learning_rate")
     if lr is not None and (_number(lr) is None or not math.isfinite(lr) or lr < 0):
-        raise origin.damaged(f"'resume_lr' is {lr!r:.40}, not a learning rate >= 0")
-    position = meta.get("pass")
-    if position is not None:
-        if not isinstance(position, dict) or set(position) != {"state", "drawn"} or not _is_count(position["drawn"]):
-            raise origin.damaged(f"'pass' is {position!r:.80}, not {{'state': ..., 'drawn': count}}")
-    if data_state_like is not None:
-        for key, value in (("data_state", meta.get("data_state")),
-                           ("pass.state", (position or {}).get("state"))):
-            if value is not None:
-                _like(origin, key, value, data_state_like, 0)
+        raise origin.damaged(f"'{key}.learning_rate' is {lr!r:.40}, not a learning rate >= 0")
+    if lr is not None and like.get("learning_rate") is None:
+        raise origin.mismatch(f"'{key}.learning_rate' is {lr!r}, but this fit's optimizer takes its rate from a "
+                              "schedule, which cannot be set: it was saved from a fit with another optimizer")
+    _like(origin, f"{key}.data", state["data"], like["data"], 0)
+    drawn = state["data"]["drawn"] if isinstance(state["data"], dict) else None
+    if not _is_count(drawn):
+        return  # like["data"] had no count there either: a dataset that is not resumable
+    if batches_per_pass is not None and drawn > batches_per_pass:
+        raise origin.mismatch(f"'{key}.data.drawn' is {drawn} batches into a pass of the data, but this fit's data "
+                              f"has {batches_per_pass} batches a pass: it was saved from a fit with other data")
+    # A pass spans the epochs since it began (continuing) or is the epoch's own: it cannot be further
+    # along than the steps counted. (Resuming replays `drawn` batches; a forged count must not mean hours.)
+    most = state["epoch"] * steps_per_epoch + state["step"] if continuing and steps_per_epoch else state["step"]
+    if drawn > most:
+        raise origin.damaged(f"'{key}.data.drawn' is {drawn} batches into the pass, more than the {most} steps "
+                             f"done by epoch {state['epoch']}, step {state['step']}")
+
+
+def object_state(origin: Origin, key: str, state: Any, like: Any, strict: bool) -> None:
+    """A saved get_state() fits the object whose get_state() is now `like`. `strict` (mirrored's own objects:
+    datasets, distributed iterators, whose states are fixed by their pipelines) compares the whole
+    structure; otherwise (a user's object, whose state may grow) the outline: the same JSON kind and,
+    for a dict, the same keys."""
+    if strict:
+        _like(origin, key, state, like, 0)
+        return
+    if _kind(state) != _kind(like) or (isinstance(like, dict) and set(state) != set(like)):
+        raise origin.mismatch(f"the saved state {key!r} is {state!r:.120} but the object's get_state() is "
+                              f"{like!r:.120}: it was saved from another kind of object")
+
+
+def is_count(value: Any) -> bool:
+    """A whole number >= 0 (not a bool), as JSON holds counts."""
+    return _is_count(value)
 
 
 def _like(origin: Origin, key: str, value: Any, like: Any, depth: int) -> None:
@@ -404,22 +498,22 @@ def _like(origin: Origin, key: str, value: Any, like: Any, depth: int) -> None:
     if isinstance(like, dict):
         if not isinstance(value, dict) or set(value) != set(like):
             raise origin.mismatch(f"the saved data position {key!r} is {value!r:.120} but this run's "
-                                  f"dataset has {like!r:.120}: the backup was made with another input pipeline")
+                                  f"dataset has {like!r:.120}: it was saved with another input pipeline")
         for k in like:
             _like(origin, f"{key}.{k}", value[k], like[k], depth + 1)
     elif isinstance(like, list):
         if not isinstance(value, list) or len(value) != len(like):
             raise origin.mismatch(f"the saved data position {key!r} is {value!r:.120} but this run's "
-                                  f"dataset has {like!r:.120}: the backup was made with another input pipeline")
+                                  f"dataset has {like!r:.120}: it was saved with another input pipeline")
         for i, (v, w) in enumerate(zip(value, like)):
             _like(origin, f"{key}[{i}]", v, w, depth + 1)
     elif isinstance(like, str):
         if value != like:
             raise origin.mismatch(f"the saved data position {key!r} is {value!r:.60} but this run's dataset "
-                                  f"has {like!r:.60}: the backup was made with another input pipeline")
-    elif isinstance(like, int) and not isinstance(like, bool):  # a seed or an epoch count
+                                  f"has {like!r:.60}: it was saved with another input pipeline")
+    elif isinstance(like, int) and not isinstance(like, bool):  # a seed, or a count of epochs or batches
         if (not isinstance(value, int) or isinstance(value, bool) or not -(1 << 63) <= value < 1 << 63
-                or (key.endswith("epoch") and value < 0)):
+                or (key.endswith(("epoch", "drawn")) and value < 0)):
             raise origin.damaged(f"the saved data position {key!r} is {value!r:.60}, where a whole number "
                                  f"like {like!r:.40} belongs")
     elif _kind(value) != _kind(like) or (isinstance(value, float) and not math.isfinite(value)):

@@ -46,6 +46,16 @@ class EpochIterator:
         """Steps done in the current epoch: before its first step, those a resumed run had done already."""
         return self._step
 
+    @property
+    def continues_passes(self) -> bool:
+        """Whether epochs continue one pass of the data (steps_per_epoch given) rather than each being one."""
+        return self._continuing
+
+    @property
+    def batches_per_pass(self) -> int | None:
+        """The batches in one pass of the data, where the dataset knows it (for checking a saved state)."""
+        return _len_or_none(self._distributed)
+
     def epochs(self, epochs: int) -> Iterator[int]:
         """The epochs to run, from initial_epoch to `epochs` (exclusive). Call end_epoch() after each."""
         for epoch in range(self.initial_epoch, epochs):
@@ -108,9 +118,12 @@ class EpochIterator:
         the epochs start, e.g. in a callback's on_train_begin."""
         if not isinstance(state, dict) or any(k not in state for k in ("epoch", "step", "data")):
             raise ValueError(f"EpochIterator.set_state: expected the dict get_state() returned, got {state!r:.200}.")
-        epoch, step = state["epoch"], state["step"]
+        epoch, step, rate = state["epoch"], state["step"], state.get("learning_rate")
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (epoch, step)):
             raise ValueError(f"EpochIterator.set_state: epoch {epoch!r} and step {step!r} must be ints >= 0.")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                                 or not 0 <= rate < float("inf")):
+            raise ValueError(f"EpochIterator.set_state: learning_rate {rate!r:.40} must be None or a number >= 0.")
         self.initial_epoch = self._epoch = epoch
         self._step = step
         self._it, self._pending = None, state["data"]
