@@ -3,6 +3,8 @@
 A checkpoint saved on 2 replicas restores on 1 and 3 (inside a scope and outside) and into plain torch
 objects, each compared with the values saved; a custom loop interrupted and resumed from its
 CheckpointManager (dataset iterator included) ends with the weights of an uninterrupted run, bit for bit.
+A checkpoint that does not fit (issue 17) is refused before anything is assigned: every object is as
+it was, compared value by value with a copy taken before the restore.
 """
 from __future__ import annotations
 
@@ -10,13 +12,18 @@ import gc
 import json
 import logging
 import os
+import random
 
+import numpy as np
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import mirrored as mr
+from mirrored.training.checkpoint import CheckpointError, CheckpointMismatchError
 
 GLOBAL_BATCH = 6
 
@@ -271,16 +278,18 @@ def test_bad_arguments_and_files_are_named(tmp_path):
     with pytest.raises(AttributeError, match="reserved"):
         mr.train.Checkpoint(save_counter=torch.zeros(1))
     path = mr.train.Checkpoint(w=torch.zeros(2)).write(tmp_path / "w")
-    with pytest.raises(ValueError, match=r"w has shape \(3,\) but the checkpoint holds \(2,\)"):
+    with pytest.raises(CheckpointError, match=r"w'\): tensor 'w/value' has shape \(2,\) in the file but \(3,\) in the "
+                                              r"variable 'w'"):
         mr.train.Checkpoint(w=torch.zeros(3)).read(path)
-    with pytest.raises(ValueError, match="w holds a variable in the checkpoint, but a module"):
+    with pytest.raises(CheckpointError, match="w holds kind 'variable' in the checkpoint, but the object given under "
+                                              "that name, a Linear, is of kind 'module'"):
         mr.train.Checkpoint(w=nn.Linear(1, 1)).read(path)
     with pytest.raises(ValueError, match="'checkpoint' is the name of the file that lists"):
         mr.train.Checkpoint(w=torch.zeros(2)).write(tmp_path / "checkpoint")
     model_file = tmp_path / "model.safetensors"
     with _strategy(1).scope():
         mr.Model(nn.Linear(2, 2)).save(model_file)
-    with pytest.raises(ValueError, match="It is a Model file: load it with mr.Model.load"):
+    with pytest.raises(CheckpointError, match="It is a Model file: load it with mr.Model.load"):
         mr.train.Checkpoint(w=torch.zeros(2)).read(model_file)
     (tmp_path / "tf").mkdir()
     (tmp_path / "tf" / "checkpoint").write_text('model_checkpoint_path: "ckpt-1"\n')
@@ -351,3 +360,173 @@ def test_an_interrupted_custom_loop_resumes_to_the_uninterrupted_weights(tmp_pat
     got = _custom_loop(tmp_path / "three", steps=14, replicas=3)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ---- a checkpoint that does not fit is refused before anything is assigned (issue 17) ----------------------
+
+def _rewrite(path: str, tensors=None, meta=None) -> None:
+    """Rewrites a checkpoint with plain safetensors: `tensors(dict)` and `meta(dict)` edit in place."""
+    with safetensors.safe_open(path, framework="pt") as f:
+        header = f.metadata()
+        data = {k: f.get_tensor(k) for k in f.keys()}
+    metadata = json.loads(header["mirrored"])
+    if tensors:
+        tensors(data)
+    if meta:
+        meta(metadata)
+    safetensors.torch.save_file(data, path, metadata={"mirrored": json.dumps(metadata), "format": "pt"})
+
+
+def _everything(run: _Run) -> dict:
+    """Every value a restore of _full_checkpoint(run) could assign, each replica's copy, and the generators."""
+    opt_state = []
+    for opt in run.opt.replicas:
+        opt_state += [v.clone() for state in opt.state.values() for v in state.values()]
+        opt_state += [a.clone() for a in opt._accumulators or [] if a is not None] + [opt._micro_steps]
+    return {"net": [t.clone() for copy in run.net.replicas for t in copy.state_dict().values()],
+            "opt": opt_state,
+            "variables": [t.clone() for v in (run.step, run.total, run.seen) for t in v.values],
+            "metric": [t.clone() for var in run.loss.variables for t in var.values],
+            "iterator": run.iterator.get_state(),
+            "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())}
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    for key in ("net", "opt", "variables", "metric"):
+        assert len(got[key]) == len(want[key]), key
+        for a, b in zip(got[key], want[key]):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, key
+    assert got["iterator"] == want["iterator"]
+    assert torch.equal(got["rng"][0], want["rng"][0]) and got["rng"][1] == want["rng"][1]
+    assert (got["rng"][2] == want["rng"][2]).all()
+
+
+def _full_checkpoint(run: _Run, **more) -> mr.train.Checkpoint:
+    return mr.train.Checkpoint(net=run.net, opt=run.opt, step=run.step, total=run.total, seen=run.seen,
+                               metrics=[run.loss], iterator=run.iterator, rng=mr.train.RandomState(), **more)
+
+
+def _accumulating_run() -> _Run:
+    """A run on 2 replicas whose optimizer is half-way through a gradient accumulation (k=2)."""
+    return _Run(2, optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9, gradient_accumulation_steps=2))
+
+
+# Damage in each kind of entry; the checkpoint's entries are restored in the order net, opt, step, total,
+# seen, metrics.0, iterator, rng, so an entry-by-entry restore would have assigned those before the damage.
+DAMAGES = {
+    "weights": (dict(tensors=lambda t: t.update({"net/3.weight": torch.zeros(3, 7)})),
+                r"tensor 'net/3\.weight' has shape \(3, 7\) in the file but \(3, 8\) in the module 'net'"),
+    "momentum": (dict(tensors=lambda t: t.update({"opt/state/2/momentum_buffer": torch.zeros(5)})),
+                 r"tensor 'opt/state/2/momentum_buffer' has shape \(5,\) in the file but net/1\.weight has shape "
+                 r"\(8,\)"),
+    "accumulator": (dict(tensors=lambda t: t.update({"opt/keras/replica_accumulators/1/0": torch.zeros(4, 8)})),
+                    r"'opt/keras'\['replica_accumulators'\]\[1\]\[0\] has shape \(4, 8\) in the file but "
+                    r"net/0\.weight has shape \(8, 4\)"),
+    "step count": (dict(meta=lambda m: m["objects"]["opt"]["state"]["extra"]["keras"].update(iterations=-1)),
+                   r"'opt/keras'\['iterations'\] is -1, not a step count"),
+    "variable dtype": (dict(tensors=lambda t: t.update({"seen/value": torch.tensor(0.5)})),
+                       r"tensor 'seen/value' has dtype torch\.float32 in the file but torch\.int64 in the variable "
+                       r"'seen'"),
+    "metric": (dict(tensors=lambda t: t.update({"metrics.0/1": torch.zeros(2, dtype=torch.float64)})),
+               r"tensor 'metrics\.0/1' has shape \(2,\) in the file but \(\) in metric 'loss'"),
+    "data position": (dict(meta=lambda m: m["objects"]["iterator"]["state"]["dataset"].update(pipeline=["batch"])),
+                      r"the saved data position 'iterator\.dataset\.pipeline' is \['batch'\] but this run's "
+                      r"dataset has \['batch', 'shuffle', 'from_tensor_slices'\]"),
+    "rng": (dict(meta=lambda m: m["objects"]["rng"]["rng"]["numpy"].__setitem__(1, [1, 2])),
+            r"the RNG state 'rng' cannot be restored"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_checkpoint_that_does_not_fit_is_refused_and_leaves_every_object_as_it_was(tmp_path, damage):
+    saved = _accumulating_run()
+    saved.train(3)
+    path = _full_checkpoint(saved).write(tmp_path / "ckpt")
+    edit, message = DAMAGES[damage]
+    _rewrite(path, **edit)
+    run = _accumulating_run()
+    run.train(1)  # its own state, unlike the file's
+    torch.rand(3), random.random(), np.random.rand()
+    before = _everything(run)
+    with pytest.raises(CheckpointError, match=message) as info:
+        _full_checkpoint(run).read(path)
+    assert str(info.value).startswith(f"Checkpoint.read({path!r}): ")
+    _assert_same(_everything(run), before)
+    run.strategy.check_in_sync(run.net)
+    run.strategy.check_in_sync(run.opt)
+
+
+def test_the_undamaged_checkpoint_restores_every_object(tmp_path):
+    """The counterpart of the damaged ones: the same checkpoint restores all of it (the RNG included)."""
+    saved = _accumulating_run()
+    saved.train(3)
+    want = _everything(saved)
+    path = _full_checkpoint(saved).write(tmp_path / "ckpt")
+    run = _accumulating_run()
+    run.train(1)
+    torch.rand(3), random.random(), np.random.rand()
+    _full_checkpoint(run).read(path).assert_consumed()
+    got = _everything(run)
+    # A sync-on-read SUM variable is split over the replicas on restore: its copies differ, its sum not.
+    assert float(run.total) == pytest.approx(float(saved.total), rel=1e-6) and int(run.seen) == int(saved.seen)
+    got["variables"], want["variables"] = got["variables"][:2], want["variables"][:2]  # the step counter's copies
+    got["metric"] = want["metric"] = []  # likewise summed: compared by result()
+    assert float(run.loss.result()) == pytest.approx(float(saved.loss.result()), rel=1e-6)
+    _assert_same(got, want)
+
+
+class _Picky:
+    """A user's object with state whose set_state() refuses a count over its limit (after the checks,
+    which see only the state's outline)."""
+
+    def __init__(self, count: int, limit: int):
+        self.count, self.limit = count, limit
+
+    def get_state(self) -> dict:
+        return {"count": self.count}
+
+    def set_state(self, state: dict) -> None:
+        if state["count"] > self.limit:
+            raise ValueError(f"count {state['count']} is over {self.limit}")
+        self.count = state["count"]
+
+
+def test_a_set_state_that_refuses_puts_back_the_objects_restored_before_it(tmp_path):
+    """set_state() of a distributed iterator replays its data and the user's may refuse, so those go
+    first and go back: the iterator continues exactly where it was, as a twin run's does."""
+    saved, run, twin = _Run(2), _Run(2), _Run(2)
+    saved.train(3)
+    path = mr.train.Checkpoint(net=saved.net, iterator=saved.iterator, picky=_Picky(5, 9)).write(tmp_path / "c")
+    run.train(1)
+    twin.train(1)
+    before = _everything(run)
+    picky = _Picky(1, limit=3)
+    with pytest.raises(CheckpointError, match=r"picky\.set_state\(\) refused the saved state \(ValueError: count 5 is "
+                                              r"over 3\); nothing was restored"):
+        mr.train.Checkpoint(net=run.net, iterator=run.iterator, picky=picky).read(path)
+    assert picky.count == 1
+    _assert_same(_everything(run), before)
+    for _ in range(4):  # the rest of the epoch (5 batches), and the end of the data
+        got, want = next(run.iterator), next(twin.iterator)
+        for a, b in zip(run.strategy.experimental_local_results(got[1]),
+                        twin.strategy.experimental_local_results(want[1]), strict=True):
+            assert torch.equal(a, b)
+    assert next(run.iterator, None) is None and next(twin.iterator, None) is None
+    # A state of another outline is refused by the checks already.
+    with pytest.raises(CheckpointError, match=r"the saved state 'picky' is \{'count': 5\} but the object's "
+                                              r"get_state\(\) is \{'n': 0\}"):
+        mr.train.Checkpoint(picky=type("Other", (), {"get_state": lambda self: {"n": 0},
+                                                     "set_state": lambda self, s: None})()).read(path)
+
+
+def test_backup_semantics_complete_match_is_checked_first_and_status_errors_are_checkpoint_errors(tmp_path):
+    """A partial match is the status's to report (TF), with errors that are both AssertionError (TF) and
+    CheckpointError (so a CLI reports them in a line); and the weights it matched are assigned."""
+    path = mr.train.Checkpoint(a=torch.ones(2), b=torch.ones(1)).write(tmp_path / "ab")
+    a = torch.zeros(2)
+    status = mr.train.Checkpoint(a=a, c=torch.zeros(1)).read(path)
+    with pytest.raises(CheckpointMismatchError, match=r"not in the checkpoint \(c\).*went nowhere \(b\)") as info:
+        status.assert_consumed()
+    assert isinstance(info.value, AssertionError) and isinstance(info.value, CheckpointError)
+    assert str(path) in str(info.value) and torch.equal(a, torch.ones(2))
+    status.expect_partial()

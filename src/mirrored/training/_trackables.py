@@ -1,24 +1,55 @@
-"""What each kind of trackable of an mr.train.Checkpoint saves, and how it is put back.
+"""What each kind of trackable of an mr.train.Checkpoint saves, and how it is checked and put back.
 
 A kind (module, optimizer, variable, metric, state, rng) has save(obj, path) -> (tensors named
-"<path>/<key>", JSON description) and restore(obj, path, tensors, description) -> what did not fit.
-entries() walks a trackable (a container, an mr.Model) into (path, kind, object) entries. Values are
-saved once, from replica 0 or aggregated, and restored into every replica, so any replica count
-(and plain torch objects) can read them. Uses checkpoint.py, optimizers.py, metrics.py and the
-public names of mirrored.distribute.
+"<path>/<key>", JSON description) and check(obj, path, tensors, description, context) -> a Restore:
+the values checked in full against the object (with checkpoint_checks.py), which Restore.apply()
+then assigns, and what did not pair up. Checkpoint checks every entry before it applies any, so a
+checkpoint that does not fit leaves every object as it was. entries() walks a trackable (a
+container, an mr.Model) into (path, kind, object) entries. Values are saved once, from replica 0
+or aggregated, and restored into every replica, so any replica count (and plain torch objects) can
+read them. Uses checkpoint.py, checkpoint_checks.py, epochs.py, optimizers.py, metrics.py and the
+public names of mirrored.distribute and mirrored.data.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 import mirrored.distribute as md
-from mirrored.training import checkpoint, optimizers
+from mirrored.data import Dataset
+from mirrored.training import checkpoint, checkpoint_checks, optimizers
+from mirrored.training.checkpoint import CheckpointMismatchError
+from mirrored.training.epochs import EpochIterator
 from mirrored.training.metrics import Metric
+
+
+@dataclasses.dataclass
+class Context:
+    """What the checks of one restore share: where it reads from (for the messages), the names of the
+    parameters of the modules being restored (to name an optimizer's), and whether every value must
+    pair up (BackupAndRestore) or may not (TF's semantics: the status reports it)."""
+
+    origin: checkpoint_checks.Origin
+    param_names: dict[int, str]
+    complete: bool = False
+
+
+@dataclasses.dataclass
+class Restore:
+    """One entry, checked: apply() assigns it. undo (for objects whose set_state() may still refuse a
+    state that passed the checks) puts the object back as it was; such entries are applied first."""
+
+    path: str
+    apply: Callable[[], None]
+    missing: list[str] = dataclasses.field(default_factory=list)
+    unused: list[str] = dataclasses.field(default_factory=list)
+    undo: Callable[[], None] | None = None
 
 
 def _under(tensors: Mapping[str, Tensor], path: str) -> dict[str, Tensor]:
@@ -30,6 +61,11 @@ def _replicas_of(obj: Any) -> list[nn.Module]:
     if isinstance(obj, nn.Module):
         return [obj]
     return list(obj.replicas)  # a MirroredModule, or an mr.Model
+
+
+def module_names(path: str, obj: Any) -> dict[int, str]:
+    """id(parameter) -> "<path>/<name>" for every copy of a module entry, to name an optimizer's parameters."""
+    return {id(p): f"{path}/{name}" for copy_ in _replicas_of(obj) for name, p in copy_.named_parameters()}
 
 
 class _Module:
@@ -47,19 +83,17 @@ class _Module:
         return {f"{path}/{k}": v.detach() for k, v in state.items()}, {"kind": "module"}
 
     @staticmethod
-    def restore(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> Mismatch:
-        saved = _under(tensors, path)
+    def check(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any], ctx: Context) -> Restore:
         copies = _replicas_of(obj)
-        own = copies[0].state_dict()
-        shapes = [f"{k}: saved {tuple(saved[k].shape)}, here {tuple(v.shape)}" for k, v in own.items()
-                  if k in saved and isinstance(v, Tensor) and saved[k].shape != v.shape]
-        if shapes:
-            raise ValueError(f"Checkpoint.restore: {path}: shapes differ ({'; '.join(shapes[:5])}). Restore into a "
-                             "module of the same architecture.")
-        for module in copies:
-            module.load_state_dict({k: v for k, v in saved.items() if k in own}, strict=False)
-        return Mismatch(missing=[f"{path}/{k}" for k in own if k not in saved],
-                         unused=[f"{path}/{k}" for k in saved if k not in own])
+        owner = f"the {'module' if isinstance(obj, (nn.Module, md.MirroredModule)) else 'model'} {path!r}"
+        values, missing, unused = checkpoint_checks.module_state(
+            ctx.origin, tensors, copies[0].state_dict(), f"{path}/", owner, ctx.complete, CheckpointMismatchError)
+
+        def apply() -> None:
+            for module in copies:
+                module.load_state_dict(values, strict=False)
+
+        return Restore(path, apply, [f"{path}/{k}" for k in missing], [f"{path}/{k}" for k in unused])
 
 
 def _optimizers_of(obj: Any, path: str) -> list[torch.optim.Optimizer]:
@@ -89,14 +123,13 @@ class _Optim:
         return tensors, {"kind": "optimizer", "state": meta}
 
     @staticmethod
-    def restore(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> Mismatch:
-        state = checkpoint.optimizer_state_from_flat(tensors, meta["state"])
-        try:
-            optimizers.load_replicas_state_dict(_optimizers_of(obj, path), state)
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"Checkpoint.restore: {path}: the saved optimizer state does not fit this optimizer "
-                             f"({e}). Restore into an optimizer over the same parameters.") from e
-        return Mismatch()
+    def check(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any], ctx: Context) -> Restore:
+        replicas = _optimizers_of(obj, path)
+        params = [p for group in replicas[0].param_groups for p in group["params"]]
+        names = [ctx.param_names.get(id(p), f"parameter {i}") for i, p in enumerate(params)]
+        state = checkpoint_checks.optimizer_state(ctx.origin, tensors, meta.get("state"), replicas[0], names,
+                                                  prefix=path)
+        return Restore(path, lambda: optimizers.load_replicas_state_dict(replicas, state))
 
 
 class _Variable:
@@ -111,16 +144,12 @@ class _Variable:
         return {f"{path}/value": value.detach()}, {"kind": "variable"}
 
     @staticmethod
-    def restore(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> Mismatch:
-        value = tensors[f"{path}/value"]
-        _assign(obj, value, path)
-        return Mismatch()
+    def check(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any], ctx: Context) -> Restore:
+        value = checkpoint_checks.tensor(ctx.origin, tensors, f"{path}/value", obj, f"the variable {path!r}")
+        return Restore(path, lambda: _assign(obj, value))
 
 
-def _assign(obj: Any, value: Tensor, path: str) -> None:
-    if tuple(value.shape) != tuple(obj.shape):
-        raise ValueError(f"Checkpoint.restore: {path} has shape {tuple(obj.shape)} but the checkpoint holds "
-                         f"{tuple(value.shape)}.")
+def _assign(obj: Any, value: Tensor) -> None:
     if isinstance(obj, md.Variable):
         obj.assign(value.to(obj.dtype))
     else:
@@ -140,14 +169,22 @@ class _Metric:
                 {"kind": "metric", "variables": len(variables)})
 
     @staticmethod
-    def restore(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> Mismatch:
+    def check(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any], ctx: Context) -> Restore:
         variables = obj.variables
-        if meta.get("variables") != len(variables):
-            raise ValueError(f"Checkpoint.restore: {path} ({obj!r}) has {len(variables)} state variables but the "
-                             f"checkpoint holds {meta.get('variables')}; restore into the same kind of metric.")
-        for i, var in enumerate(variables):
-            _assign(var, tensors[f"{path}/{i}"], f"{path} variable {i}")
-        return Mismatch()
+        count = meta.get("variables")
+        if not checkpoint_checks.is_count(count):
+            raise ctx.origin.damaged(f"{path}'s count of state variables is {count!r:.40}, not a whole number")
+        if count != len(variables):
+            raise ctx.origin.mismatch(f"{path} ({obj!r}) has {len(variables)} state variables but the file holds "
+                                      f"{count}: it was saved from another kind of metric")
+        values = [checkpoint_checks.tensor(ctx.origin, tensors, f"{path}/{i}", var, f"metric {obj.name!r}")
+                  for i, var in enumerate(variables)]
+
+        def apply() -> None:
+            for var, value in zip(variables, values):
+                _assign(var, value)
+
+        return Restore(path, apply)
 
 
 class _State:
@@ -165,9 +202,24 @@ class _State:
         return {}, {"kind": "state", "state": state}
 
     @staticmethod
-    def restore(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> Mismatch:
-        obj.set_state(meta["state"])
-        return Mismatch()
+    def check(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any], ctx: Context) -> Restore:
+        if "state" not in meta:
+            raise ctx.origin.damaged(f"the entry {path!r} holds no 'state'")
+        state, now = meta["state"], obj.get_state()
+        if isinstance(obj, EpochIterator):
+            checkpoint_checks.epoch_state(ctx.origin, path, state, now, obj.num_batches, obj.continues_passes,
+                                          obj.batches_per_pass)
+        else:
+            # mirrored's own objects (datasets, distributed iterators) have states whose structure their
+            # pipeline fixes; a user's object may keep a state that grows, so only its outline is compared.
+            strict = type(obj).__module__.startswith("mirrored.")
+            checkpoint_checks.object_state(ctx.origin, path, state, now, strict)
+        state = copy.deepcopy(state)  # set_state may keep it; the file's metadata is not the object's
+        if isinstance(obj, (EpochIterator, Dataset)):  # set_state takes any state these checks passed
+            return Restore(path, lambda: obj.set_state(state))
+        # Others may still refuse it (a distributed iterator replays its batches and may run out): they go
+        # first, and what went before is put back if one does.
+        return Restore(path, lambda: obj.set_state(state), undo=lambda: obj.set_state(now))
 
 
 class RandomState:
@@ -187,17 +239,10 @@ class _Rng:
         return {f"{path}/{k}": v for k, v in tensors.items()}, {"kind": "rng", "rng": meta}
 
     @staticmethod
-    def restore(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> Mismatch:
-        checkpoint.restore_rng_state(_under(tensors, path), meta["rng"])
-        return Mismatch()
-
-
-class Mismatch:
-    """What a restore left out: parts of the objects without a saved value, saved values without a place."""
-
-    def __init__(self, missing: list[str] | None = None, unused: list[str] | None = None):
-        self.missing = missing or []
-        self.unused = unused or []
+    def check(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any], ctx: Context) -> Restore:
+        own = _under(tensors, path)
+        checkpoint_checks.rng_state(ctx.origin, own, meta.get("rng"), prefix=path)
+        return Restore(path, lambda: checkpoint.restore_rng_state(own, meta["rng"]))
 
 
 def _kind(obj: Any) -> Any:

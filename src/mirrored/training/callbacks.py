@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from mirrored.training import checkpoint, tracking
+from mirrored.training import checkpoint, checkpoint_checks, tracking
 from mirrored.training._callback import (
     NOT_METRICS, Callback, Logs, StepCounter, check_mode, check_save_freq, improved, monitor_value,
     optimizer_of, resolve_mode, say, settable_learning_rate)
@@ -273,8 +273,11 @@ class BackupAndRestore(Callback):
     The backup is an mr.train.Checkpoint (one file, written atomically) of the model (weights and
     optimizer, with its step count), its metrics, the random generators and fit's EpochIterator
     (the epoch, the steps done in it and the place in the data), which the restore moves to where
-    the backup was taken, as Keras's callback sets model._initial_epoch. After a fit() that ends
-    normally the backup is deleted (unless delete_checkpoint=False).
+    the backup was taken, as Keras's callback sets model._initial_epoch. The backup must fit this
+    fit() in full: every value is checked against the model, optimizer, metrics and data before any
+    is assigned, and one that does not (or a damaged file) is a CheckpointError naming the file, with
+    the model left as it was. After a fit() that ends normally the backup is deleted (unless
+    delete_checkpoint=False).
     """
 
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
@@ -299,12 +302,13 @@ class BackupAndRestore(Callback):
         self._checkpoint = tracking.Checkpoint(model=self.model, metrics=list(self.model.metrics), fit=fit,
                                                rng=tracking.RandomState())
         if os.path.exists(self.path):
-            try:
-                self._checkpoint.read(self.path).assert_consumed()
-            except (ValueError, AssertionError) as e:
-                raise type(e)(f"BackupAndRestore: cannot resume from {self.path}: {e} It holds another run's "
-                              "state (another model, optimizer or metrics, or an older mirrored's backup); "
-                              "delete it to start afresh.") from e
+            origin = checkpoint_checks.Origin(
+                f"BackupAndRestore: cannot resume from {self.path!r}",
+                "It holds another run's state (another model, optimizer, metrics or data, or an older mirrored's "
+                "backup): delete it to start afresh, or resume with the model, optimizer and data that made it.")
+            # complete: a backup restores all of the run or none of it, so nothing is assigned unless
+            # every value pairs up with this fit's (CheckpointMismatchError, an AssertionError, otherwise).
+            self._checkpoint._read(self.path, "BackupAndRestore", restore_counter=False, origin=origin, complete=True)
             logger.info("BackupAndRestore: resuming from %s at epoch %d, step %d",
                         self.path, fit.initial_epoch + 1, fit.step)
         if self._steps is not None:

@@ -15,10 +15,13 @@ is saved once, from replica 0 or aggregated, so a checkpoint restores under any 
 inside a strategy's scope or outside it, and into plain torch objects. One checkpoint is one file:
 safetensors plus JSON metadata, written atomically by checkpoint.py and never unpickled. Beside it a
 JSON file named "checkpoint" records the latest ones, for latest_checkpoint() and CheckpointManager
-(TF's role for its text file of that name). restore() returns a status with assert_consumed() and
-expect_partial(), as TF's; values that were not matched are logged when the status is collected,
-unless expect_partial() was called. What each kind of trackable saves is in _trackables.py.
-Uses checkpoint.py and the public names of mirrored.distribute.
+(TF's role for its text file of that name). restore() checks every value against its object before
+it assigns any (checkpoint_checks.py), so a checkpoint that does not fit raises a CheckpointError
+naming the file, the entry and what differs, and leaves every object as it was. It returns a status
+with assert_consumed() and expect_partial(), as TF's: values and objects that did not pair up are
+reported there, not refused, and logged when the status is collected unless expect_partial() was
+called. What each kind of trackable saves is in _trackables.py. Uses checkpoint.py,
+checkpoint_checks.py and the public names of mirrored.distribute.
 """
 from __future__ import annotations
 
@@ -35,8 +38,9 @@ from torch import Tensor
 
 import mirrored.distribute as md
 from mirrored._files import fsync_directory
-from mirrored.training import _trackables, checkpoint
+from mirrored.training import _trackables, checkpoint, checkpoint_checks
 from mirrored.training._trackables import RandomState
+from mirrored.training.checkpoint import CheckpointError, CheckpointMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,8 @@ _STATE_FILE = "checkpoint"  # TF's name for the file that lists a directory's ch
 
 class CheckpointLoadStatus:
     """What restore() or read() matched (tf.train.Checkpoint's load status). Its checks raise
-    AssertionError, as TF's do; they return the status, so calls chain."""
+    CheckpointMismatchError, an AssertionError as TF's and a CheckpointError; they return the status,
+    so calls chain."""
 
     def __init__(self, path: str, missing: list[str], unused: list[str], matched: int):
         self.save_path = path
@@ -64,23 +69,24 @@ class CheckpointLoadStatus:
     def assert_consumed(self) -> CheckpointLoadStatus:
         """Every value in the checkpoint went into an object, and every object got a value."""
         if self._missing or self._unused:
-            raise AssertionError(f"Checkpoint {self.save_path!r}: {_describe(self._missing, self._unused)} Restore "
-                                 "into the same objects under the same names; for a partial restore, skip this "
-                                 "check and call expect_partial() on the status.")
+            raise CheckpointMismatchError(
+                f"Checkpoint {self.save_path!r}: {_describe(self._missing, self._unused)} Restore into the same "
+                "objects under the same names; for a partial restore, skip this check and call expect_partial() on "
+                "the status.")
         return self
 
     def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
         """Every object given got a value (the checkpoint may hold more)."""
         if self._missing:
-            raise AssertionError(f"Checkpoint {self.save_path!r}: {_describe(self._missing, [])} Restore into the "
-                                 "same objects under the same names as were saved.")
+            raise CheckpointMismatchError(f"Checkpoint {self.save_path!r}: {_describe(self._missing, [])} Restore "
+                                          "into the same objects under the same names as were saved.")
         return self
 
     def assert_nontrivial_match(self) -> CheckpointLoadStatus:
         """At least one object got a value."""
         if not self._matched:
-            raise AssertionError(f"Checkpoint {self.save_path!r}: nothing matched. "
-                                 f"{_describe(self._missing, self._unused)}")
+            raise CheckpointMismatchError(f"Checkpoint {self.save_path!r}: nothing matched. "
+                                          f"{_describe(self._missing, self._unused)}")
         return self
 
     def expect_partial(self) -> CheckpointLoadStatus:
@@ -210,36 +216,85 @@ class Checkpoint:
             return _NothingRestored()
         return self._read(os.fspath(save_path), "Checkpoint.restore", restore_counter=True)
 
-    def _read(self, path: str, where: str, restore_counter: bool) -> CheckpointLoadStatus:
+    def _read(self, path: str, where: str, restore_counter: bool, origin: checkpoint_checks.Origin | None = None,
+              complete: bool = False) -> CheckpointLoadStatus:
+        """Checks every entry of the file at `path` against its object, then assigns them all. `origin` names
+        the reader in errors (default: `where` and the path); `complete` (BackupAndRestore) refuses,
+        before assigning anything, values and objects that do not pair up, which a status reports otherwise."""
         _require_cross_replica(where)
-        tensors, meta = checkpoint.load_checkpoint(path)
+        tensors, meta = checkpoint.load_checkpoint(path, where=where)
+        origin = origin or checkpoint_checks.Origin(
+            f"{where}({path!r})", "Restore into objects like those that were saved: the same kinds under the same "
+            "names, of the same shapes.")
         if meta.get("format") != _FORMAT:
             hint = (" It is a Model file: load it with mr.Model.load() or model.load_weights()."
                     if str(meta.get("format", "")).startswith("mirrored.Model") else "")
-            raise ValueError(f"{where}({path!r}): not a checkpoint of mr.train.Checkpoint (format "
-                             f"{meta.get('format')!r}).{hint}")
-        saved = meta.get("objects", {})
-        missing, unused, matched, given = [], [], 0, set()
-        for entry_path, kind, obj in self._entries():
-            given.add(entry_path)
+            raise CheckpointError(f"{origin.where}: not a checkpoint of mr.train.Checkpoint (format "
+                                  f"{meta.get('format')!r:.60}).{hint}")
+        counter = meta.get("save_counter", 0)
+        if not checkpoint_checks.is_count(counter) or counter >= 1 << 63:
+            raise origin.damaged(f"its save_counter is {counter!r:.40}, not a whole number >= 0")
+        restores, missing, unused = self._check(tensors, meta.get("objects", {}), origin, complete)
+        _apply(restores, origin)
+        if restore_counter:
+            self._save_counter = counter
+        return CheckpointLoadStatus(path, missing, unused, len(restores))
+
+    def _check(self, tensors: dict[str, Tensor], saved: Any, origin: checkpoint_checks.Origin, complete: bool
+               ) -> tuple[list[_trackables.Restore], list[str], list[str]]:
+        """Every entry checked in full against its object, nothing assigned: the checked restores, and the
+        values of the objects that the file lacks (missing) and those of the file that no object takes (unused)."""
+        if not isinstance(saved, dict):
+            raise origin.damaged(f"its 'objects' are {saved!r:.60}, not a dict of entries")
+        entries = self._entries()
+        names: dict[int, str] = {}
+        for entry_path, kind, obj in entries:
+            if kind.kind == "module":
+                names.update(_trackables.module_names(entry_path, obj))
+        ctx = _trackables.Context(origin, names, complete)
+        restores: list[_trackables.Restore] = []
+        missing: list[str] = []
+        for entry_path, kind, obj in entries:
             entry = saved.get(entry_path)
             if entry is None:
                 missing.append(entry_path)
                 continue
-            if entry.get("kind") != kind.kind:
-                raise ValueError(f"{where}({path!r}): {entry_path} holds a {entry.get('kind')} in the checkpoint, "
-                                 f"but a {kind.kind} ({type(obj).__name__}) was given under that name.")
-            mismatch = kind.restore(obj, entry_path, tensors, entry)
-            missing += mismatch.missing
-            unused += mismatch.unused
-            matched += 1
-        unused += [p for p in saved if p not in given]
-        if restore_counter:
-            self._save_counter = int(meta.get("save_counter", 0))
-        return CheckpointLoadStatus(path, missing, unused, matched)
+            if not isinstance(entry, dict) or not isinstance(entry.get("kind"), str):
+                raise origin.damaged(f"its entry {entry_path!r} is {entry!r:.60}, not a dict with a 'kind'")
+            if entry["kind"] != kind.kind:
+                raise origin.mismatch(f"{entry_path} holds kind {entry['kind']!r:.40} in the checkpoint, but the "
+                                      f"object given under that name, a {type(obj).__name__}, is of kind "
+                                      f"{kind.kind!r}")
+            restores.append(kind.check(obj, entry_path, tensors, entry, ctx))
+        given = {entry_path for entry_path, _, _ in entries}
+        missing += [m for r in restores for m in r.missing]
+        unused = [u for r in restores for u in r.unused] + [p for p in saved if p not in given]
+        if complete and (missing or unused):
+            raise origin.mismatch(_describe(missing, unused).rstrip("."), CheckpointMismatchError)
+        return restores, missing, unused
 
     def __repr__(self) -> str:
         return f"Checkpoint({', '.join(f'{k}={type(v).__name__}' for k, v in self._trackables.items())})"
+
+
+def _apply(restores: list[_trackables.Restore], origin: checkpoint_checks.Origin) -> None:
+    """Assigns checked entries. Those that may still refuse (a set_state() that replays data) go first;
+    if one does, they are all put back, so that nothing has changed."""
+    fallible = [r for r in restores if r.undo is not None]
+    for i, restore in enumerate(fallible):
+        try:
+            restore.apply()
+        except Exception as e:  # noqa: BLE001 - whatever set_state raises, the objects go back as they were
+            for done in reversed(fallible[:i + 1]):
+                try:
+                    done.undo()
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    logger.exception("Checkpoint: could not put %s back as it was", done.path)
+            raise origin.mismatch(f"{restore.path}.set_state() refused the saved state ({type(e).__name__}: "
+                                  f"{str(e)[:300]}); nothing was restored") from e
+    for restore in restores:
+        if restore.undo is None:
+            restore.apply()
 
 
 def _require_cross_replica(where: str) -> None:
