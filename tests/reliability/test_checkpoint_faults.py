@@ -348,6 +348,7 @@ def test_the_good_file_still_loads_everywhere(tmp_path):
 
 
 def _backup_of(tmp_path, **kwargs) -> str:
+    """The directory of a real backup: the mr.train.Checkpoint that BackupAndRestore writes after an epoch."""
     model = _model(**kwargs)
     backup = tmp_path / "backup"
     model.fit(_dataset(), epochs=1, verbose=0,
@@ -355,50 +356,83 @@ def _backup_of(tmp_path, **kwargs) -> str:
     return str(backup)
 
 
+def _metric_values(model: mr.Model) -> list[torch.Tensor]:
+    return [t.clone() for m in model.metrics for var in m.variables for t in var.values]
+
+
 def test_a_backup_of_another_model_is_refused_and_leaves_the_model_as_it_was(tmp_path):
     backup = _backup_of(tmp_path)
+    path = os.path.join(backup, "training_state.safetensors")
     other = _model(hidden=7, seed=5)
     other.fit(_dataset(), epochs=1, verbose=0)
-    before = _snapshot(other)
+    before, metrics = _snapshot(other), _metric_values(other)
     with pytest.raises(CheckpointError) as info:
         other.fit(_dataset(), epochs=2, verbose=0, callbacks=[mr.callbacks.BackupAndRestore(backup)])
     message = str(info.value)
-    assert message.startswith(f"BackupAndRestore('{backup}/training_state.safetensors'): tensor 'model/0.weight'")
+    assert message.startswith(f"BackupAndRestore: cannot resume from {path!r}: tensor 'model/0.weight'")
     assert "(8, 4) in the file but (7, 4)" in message and "delete" in message
     _assert_unchanged(other, before)
+    assert all(torch.equal(a, b) for a, b in zip(_metric_values(other), metrics, strict=True))
+    assert os.path.exists(path)  # the user's backup stays for them to look at
 
 
+# Each damage is to an entry after the model's weights (written first), so a restore entry by entry
+# would have assigned those before it met the damage.
 @pytest.mark.parametrize("damage, message", [
-    ("momentum", r"'optimizer/state/3/momentum_buffer' has shape \(7,\) in the file but 2\.bias has shape \(3,\)"),
-    ("rng", r"the RNG state cannot be restored"),
-    ("epoch", r"'epoch' is 'two', not a whole number"),
-    ("data", r"the saved data position 'data_state\.pipeline' is \['tensor_slices'\].*another input pipeline"),
-    ("metric", r"tensor 'metrics/1/0/0' has shape \(2,\) in the file but \(\) in metric"),
+    ("momentum", r"tensor 'model\.optimizer/state/3/momentum_buffer' has shape \(7,\) in the file but model/2\.bias "
+                 r"has shape \(3,\)"),
+    ("step count", r"'model\.optimizer/keras'\['iterations'\] is 2\.5, not a step count"),
+    ("rng", r"the RNG state 'rng' cannot be restored"),
+    ("epoch", r"'fit\.epoch' is 'two', not a whole number"),
+    ("data", r"the saved data position 'fit\.data\.dataset\.pipeline' is \['tensor_slices'\].*another input pipeline"),
+    ("metric", r"tensor 'metrics\.1/0' has shape \(2,\) in the file but \(\) in metric 'accuracy'"),
     ("empty", r"only 0 bytes long"),
 ])
 def test_a_damaged_backup_is_refused_before_anything_is_assigned(tmp_path, damage, message):
     backup = _backup_of(tmp_path)
     path = os.path.join(backup, "training_state.safetensors")
+
+    def entry(m, name):
+        return m["objects"][name]
+
     edits = {
-        "momentum": dict(tensors=lambda t: t.update({"optimizer/state/3/momentum_buffer": torch.zeros(7)})),
-        "rng": dict(meta=lambda m: m["rng"].update(python=[3, [1, 2, 3], None])),
-        "epoch": dict(meta=lambda m: m.update(epoch="two")),
-        "data": dict(meta=lambda m: m["data_state"].update(pipeline=["tensor_slices"])),
-        "metric": dict(tensors=lambda t: t.update({"metrics/1/0/0": torch.zeros(2)})),
+        "momentum": dict(tensors=lambda t: t.update({"model.optimizer/state/3/momentum_buffer": torch.zeros(7)})),
+        "step count": dict(meta=lambda m: entry(m, "model.optimizer")["state"]["extra"]["keras"].update(
+            iterations=2.5)),
+        "rng": dict(meta=lambda m: entry(m, "rng")["rng"].update(python=[3, [1, 2, 3], None])),
+        "epoch": dict(meta=lambda m: entry(m, "fit")["state"].update(epoch="two")),
+        "data": dict(meta=lambda m: entry(m, "fit")["state"]["data"]["dataset"].update(pipeline=["tensor_slices"])),
+        "metric": dict(tensors=lambda t: t.update({"metrics.1/0": torch.zeros(2)})),
     }
     if damage == "empty":
         open(path, "wb").close()
     else:
         _rewrite(path, **edits[damage])
     model = _model(seed=3)
-    model.fit(_dataset(), epochs=1, verbose=0)
-    before = _snapshot(model)
+    data = _dataset()
+    model.fit(data, epochs=1, verbose=0)
+    before, metrics, data_state = _snapshot(model), _metric_values(model), data.get_state()
     rng_before = torch.get_rng_state()
     with pytest.raises(CheckpointError, match=message) as info:
-        model.fit(_dataset(), epochs=2, verbose=0, callbacks=[mr.callbacks.BackupAndRestore(backup)])
+        model.fit(data, epochs=2, verbose=0, callbacks=[mr.callbacks.BackupAndRestore(backup)])
     assert path in str(info.value)
     _assert_unchanged(model, before)
+    assert all(torch.equal(a, b) for a, b in zip(_metric_values(model), metrics, strict=True))
+    assert data.get_state() == data_state
     assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+def test_the_undamaged_backup_resumes(tmp_path):
+    """The counterpart of the damaged ones: the same backup, untouched, restores the model that wrote it."""
+    model = _model()
+    backup = str(tmp_path / "backup")
+    model.fit(_dataset(), epochs=1, verbose=0,
+              callbacks=[mr.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    want = _snapshot(model)
+    resumed = _model(seed=3)
+    resumed.fit(_dataset(), epochs=1, verbose=0,  # epoch 1 of 1 was done: the restore is all that happens
+                callbacks=[mr.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    _assert_unchanged(resumed, want)
 
 
 def test_model_checkpoint_files_are_checked_like_any_other(tmp_path):

@@ -25,13 +25,17 @@ def _one_line_error(capsys, *must_contain: str) -> str:
 
 
 def _other_model_backup(path) -> None:
-    """A real BackupAndRestore file, of a model that is not the CLI's ResNet."""
+    """A real BackupAndRestore file at `path`, written by a fit of a model that is not the CLI's ResNet."""
     with mr.MirroredStrategy(devices=["cpu:0"]).scope():
         model = mr.Model(nn.Sequential(nn.Linear(4, 3)))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
                       loss="sparse_categorical_crossentropy")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    model._save_training_state(path, epoch=1, step=0)
+    g = torch.Generator().manual_seed(0)
+    data = mr.data.Dataset.from_tensor_slices((torch.randn(8, 4, generator=g),
+                                               torch.randint(0, 3, (8,), generator=g))).batch(4)
+    model.fit(data, epochs=1, verbose=0,
+              callbacks=[mr.callbacks.BackupAndRestore(path.parent, delete_checkpoint=False)])
+    assert path.is_file()
 
 
 @pytest.mark.parametrize("damage", ["empty", "garbage", "truncated", "other model"])
@@ -49,7 +53,7 @@ def test_resume_from_a_damaged_backup_is_one_line(tmp_path, capsys, damage):
     assert cli.main(argv) == 2
     err = _one_line_error(capsys, "mirrored train: error: --resume: ", str(backup), "drop --resume")
     if damage == "other model":
-        assert "the tensors do not match the model" in err
+        assert "the tensors do not match the model 'model'" in err and "delete it to start afresh" in err
     assert backup.exists()  # the user's file is left for them to look at
 
 
