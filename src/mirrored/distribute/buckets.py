@@ -165,13 +165,15 @@ class LayoutBuffers:
             for (i, *_, shape), out in zip(layout.direct, direct_out):
                 self._fixed_results[i] = _shaped(out, shape)
 
-    def stage(self, tensors: Sequence[Tensor | None]) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
+    def stage(self, tensors: Sequence[Tensor | None], like: Sequence[Tensor] | None = None
+              ) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
         """Packs the small tensors (one fused copy, skipped where they already are last step's
         results: backward accumulated into them) and returns the flat (inputs, outputs) to reduce
         and the `results` they become, in the tensors' shapes. In place, a large tensor is its own
-        result when its elements fill one block (contiguous, or channels_last) and it shares its memory
-        with no other large one; otherwise (strided, expanded, or a gradient tied to another) it is
-        reduced in a copy of its own."""
+        result when it is contiguous, or laid out like its `like` tensor (a gradient like its parameter:
+        channels_last), and shares its memory with no other large one; otherwise (strided, expanded,
+        or a gradient tied to another) it is reduced in a copy of its own. Every replica must then lay
+        its tensor out alike, which the replicas' copies of a parameter do, and so their gradients."""
         src = [tensors[i] for i in self.layout.packed]
         if any(s is not d for s, d in zip(src, self._packed_views)):
             torch._foreach_copy_(self._packed_views, src)  # a tensor copied onto itself is a no-op
@@ -184,10 +186,9 @@ class LayoutBuffers:
         for i, *_, shape in self.layout.direct:
             t = tensors[i]
             storage = t.untyped_storage().data_ptr()
-            flat = dense_flat(t) if storage not in storages else None
-            if flat is not None:  # reduced where it lies, in its own layout (channels_last too: the replicas'
-                # copies of a parameter share its strides, and so do their gradients, which torch lays out
-                # like their parameters)
+            same_layout = t.is_contiguous() or (like is not None and t.stride() == like[i].stride())
+            flat = dense_flat(t) if same_layout and storage not in storages else None
+            if flat is not None:  # reduced where it lies
                 storages.add(storage)
                 inputs.append(flat)
                 results[i] = t
