@@ -286,6 +286,8 @@ class Model:
             loss = regularization / ctx.num_replicas_in_sync + (share if share is not None else 0.0)
             if isinstance(loss, Tensor) and loss.requires_grad:
                 (scaler.scale(loss) if scaler else loss).backward()
+            elif scaler is not None:  # an empty part: its scaler must still hold the scale that step() unscales by
+                scaler.scale(torch.zeros((), device=next(own.parameters()).device))
             if share is not None:
                 with torch.no_grad():
                     self._track(y, logits, share, sw, count, regularization)
