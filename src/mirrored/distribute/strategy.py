@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mirrored.distribute import buckets, context, replicas, rollback
+from mirrored.distribute import buckets, context, guards, replicas, rollback
 from mirrored.distribute.context import ReplicaContext
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, as_reduce_op, default_for,
                                                 mean_of_sum, shape_mismatch, shapes_of)
@@ -233,7 +233,8 @@ class Strategy:
             step.finish(replica_id)
             return result
 
-        outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
+        with guards.watch(self, fn):  # refuses plain torch optimizers and modules that the threads would share
+            outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
         if outcome.errors or step.error is not None:
             self._roll_back(journals, outcome.finished)
             if outcome.interrupted is not None:
@@ -522,11 +523,15 @@ class Strategy:
 
         return MirroredModule(self, module)
 
-    def mirror_optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer], module: Any, **hparams: Any) -> Any:
-        """One `optimizer_cls` per replica; `step()` in replica context all-reduces gradients (SUM) first."""
-        from mirrored.distribute.modules import MirroredOptimizer
+    def mirror_optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer], module: Any,
+                         gradient_reduction: str | ReduceOp = "sum", **hparams: Any) -> Any:
+        """One `optimizer_cls(params, **hparams)` per replica of `module` (what mirror() returned); step()
+        in replica context all-reduces the gradients first. gradient_reduction="sum" (TF's rule: scale
+        each replica's loss by the GLOBAL batch) or "mean" (DDP's: average the replicas' gradients,
+        weighted by their examples, for an unchanged `F.cross_entropy(out, y).backward()`)."""
+        from mirrored.distribute.optimizer import MirroredOptimizer
 
-        return MirroredOptimizer(self, optimizer_cls, module, hparams)
+        return MirroredOptimizer(self, optimizer_cls, module, hparams, gradient_reduction)
 
     def check_in_sync(self, obj: Any) -> None:
         """Raises OutOfSyncError naming the first tensor whose copies differ, and the replicas."""
@@ -589,7 +594,8 @@ def _is_distributed(value: Any) -> bool:
 
 def _local_copies(value: Any) -> tuple[Any, ...] | None:
     """This process's copies of a mirrored variable, module or optimizer; None for anything else."""
-    from mirrored.distribute.modules import MirroredModule, MirroredOptimizer
+    from mirrored.distribute.modules import MirroredModule
+    from mirrored.distribute.optimizer import MirroredOptimizer
     from mirrored.distribute.variables import Variable
 
     if isinstance(value, Variable):
