@@ -53,7 +53,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         "register_state_dict_pre_hook", "register_state_dict_post_hook", "register_load_state_dict_pre_hook",
         "register_load_state_dict_post_hook",
     })
-    READS = frozenset({"state_dict", "profile_hook_step"})
+    READS = frozenset({"state_dict"})
     IN_RUN = frozenset({"step"})
     REFUSED = frozenset({"add_param_group"})
 
