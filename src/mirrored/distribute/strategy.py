@@ -412,12 +412,15 @@ class Strategy:
         gives: reduce(SUM, v, axis=0) the sum of all 8; reduce(MEAN, v, axis=0) their mean (the total
         count divides, so uneven parts weigh correctly); reduce(SUM, v) a tensor of shape (4,).
         `value` may be a nest (dict, list, tuple, namedtuple) of such values, as strategy.run returns
-        them: each leaf is reduced, all in one packed cross-device call, and the structure is kept."""
+        them: each leaf is reduced, all in one packed cross-device call, and the structure is kept.
+        The result is a value to read, outside autograd: a replica's loss, returned as it is from
+        strategy.run, reduces as well as its detached copy."""
         context.require_cross_replica("strategy.reduce")
         op = as_reduce_op(reduce_op, "strategy.reduce")
-        if not is_nested(value):
-            return self._reduce_leaves(op, [value], axis, nested=False)[0]
-        return pack_sequence_as(value, self._reduce_leaves(op, flatten(value), axis, nested=True))
+        with torch.no_grad():
+            if not is_nested(value):
+                return self._reduce_leaves(op, [value], axis, nested=False)[0]
+            return pack_sequence_as(value, self._reduce_leaves(op, flatten(value), axis, nested=True))
 
     def _reduce_leaves(self, op: ReduceOp, leaves: list[Any], axis: int | Sequence[int] | None,
                        nested: bool) -> list[Any]:
