@@ -1,4 +1,7 @@
-"""Shared test fixtures. Every test is checked for threads it leaves behind (the guide's rule)."""
+"""Shared test fixtures. Every test is checked for threads it leaves behind (the guide's rule).
+
+`@pytest.mark.cuda` marks a test that needs CUDA (`@pytest.mark.cuda(devices=2)`: two GPUs); it is
+skipped where torch sees fewer. `pytest -m cuda` runs just those (benchmarks/gpu_check.py does)."""
 from __future__ import annotations
 
 import gc
@@ -7,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO.parent / "shared" / "fixtures"
@@ -38,6 +42,19 @@ def fixtures_dir() -> Path:
     if not FIXTURES.is_dir():
         pytest.skip(f"shared fixtures not found at {FIXTURES}")
     return FIXTURES
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skips `cuda`-marked tests where torch sees fewer GPUs than they need."""
+    del config
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("cuda")
+        if marker is None:
+            continue
+        need = marker.kwargs.get("devices", 1)
+        if have < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s); torch sees {have}"))
 
 
 def pytest_collection_finish(session):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 _TIMEOUT_S = 100  # ~10 s each on 2 cores; below pytest's 120 s limit, so a hang fails with the output
 
@@ -40,3 +42,16 @@ def test_input_pipeline_benchmark_prints_every_row():
 def test_fit_throughput_benchmark_prints_the_ratio():
     out = _run("fit_throughput.py", "--batches", "16", "--images", "64", "--rounds", "1")
     assert re.search(r"^\s+16\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+$", out, re.M), out
+
+
+@pytest.mark.timeout(300)
+def test_gpu_check_runs_in_cpu_smoke_mode():
+    """benchmarks/gpu_check.py --cpu-smoke: every section runs (or says why it is skipped) and the
+    table is printed, so the script that a GPU machine runs later has not rotted."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu-smoke"], cwd=REPO,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    for section in ("environment", "cuda tests", "resnet50 fit vs plain", "fp16 loss scaling", "sync batchnorm",
+                    "fit on 2 replicas", "checkpoint -> cpu", "profiler", "nccl"):
+        assert re.search(rf"^{re.escape(section)}\s+(PASS|SKIP)\s+[0-9.]+\s+\S", proc.stdout, re.M), proc.stdout
+    assert "9 of 9 sections without failure" in proc.stdout, proc.stdout

@@ -1,4 +1,8 @@
-"""The main job on the command line: defaults, outputs, bad flags, evaluate."""
+"""The main job on the command line: defaults, outputs, bad flags, evaluate.
+
+Runs that check what CPU replicas print say so (--devices cpu:0,cpu:1), and `evaluate`, which takes
+every visible GPU, runs with the GPUs hidden: on a GPU machine the CLI would otherwise pick the
+GPUs (test_default_devices_are_the_visible_gpus checks that choice without one)."""
 from __future__ import annotations
 
 import csv
@@ -6,19 +10,31 @@ import json
 import subprocess
 import sys
 
+import os
+
 import pytest
 
 from mirrored import cli
+from mirrored.distribute import devices
+
+CPU_REPLICAS = ("--devices", "cpu:0,cpu:1")
 
 
 def _run(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m mirrored ARGV` with no GPU visible (evaluate has no --devices)."""
     return subprocess.run([sys.executable, "-m", "mirrored", *argv], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """cli.main in this process sees no GPU, as on a CPU machine."""
+    monkeypatch.setattr(devices, "visible_gpus", lambda: [])
 
 
 def test_train_one_epoch_writes_checkpoint_log_and_plot_then_evaluate_reads_it(tmp_path):
     out = tmp_path / "run"
-    result = _run("train", "--epochs", "1", "--out", str(out), "--verbose", "2")
+    result = _run("train", "--epochs", "1", "--out", str(out), "--verbose", "2", *CPU_REPLICAS)
     assert result.returncode == 0, result.stderr
     assert "replicas: 2 on cpu:0, cpu:1" in result.stdout
     assert "test_accuracy" in result.stdout and "images/s" in result.stdout
@@ -35,7 +51,7 @@ def test_train_one_epoch_writes_checkpoint_log_and_plot_then_evaluate_reads_it(t
 
 @pytest.mark.slow
 def test_main_job_defaults_reach_95_percent_test_accuracy(tmp_path):
-    result = _run("train", "--out", str(tmp_path / "run"), "--verbose", "2")
+    result = _run("train", "--out", str(tmp_path / "run"), "--verbose", "2", *CPU_REPLICAS)
     assert result.returncode == 0, result.stderr
     accuracy = json.loads((tmp_path / "run" / "run.json").read_text())["test"]["accuracy"]
     assert accuracy >= 0.95, result.stdout
@@ -100,7 +116,7 @@ def test_failed_download_is_a_one_line_error(failure, tmp_path, monkeypatch, cap
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_evaluate_defaults_to_the_test_split_training_used(tmp_path, capsys):
+def test_evaluate_defaults_to_the_test_split_training_used(tmp_path, capsys, no_gpu):
     """Regression (review): `evaluate` of a model trained on folder:PATH failed with "unknown split
     'test'": training tests on train[80%:] there, and evaluate now defaults to the same split."""
     import numpy as np
@@ -139,7 +155,8 @@ def test_resume_continues_a_killed_run_from_its_last_epoch(tmp_path):
     import time
 
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "mirrored", "train", "--epochs", "3", "--out", str(out), "--verbose", "2"]
+    argv = [sys.executable, "-m", "mirrored", "train", "--epochs", "3", "--out", str(out), "--verbose", "2",
+            *CPU_REPLICAS]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -153,7 +170,7 @@ def test_resume_continues_a_killed_run_from_its_last_epoch(tmp_path):
         proc.communicate(timeout=60)
     epochs_done = len(list(csv.DictReader(open(out / "log.csv"))))
     assert 1 <= epochs_done < 3
-    resumed = _run("train", "--epochs", "3", "--out", str(out), "--verbose", "2", "--resume")
+    resumed = _run("train", "--epochs", "3", "--out", str(out), "--verbose", "2", "--resume", *CPU_REPLICAS)
     assert resumed.returncode == 0, resumed.stderr
     rows = list(csv.DictReader(open(out / "log.csv")))
     assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
@@ -166,7 +183,7 @@ def test_resume_without_a_backup_is_an_error(tmp_path, capsys):
 
 
 def test_profile_writes_a_timeline(tmp_path):
-    result = _run("profile", "--out", str(tmp_path), "--verbose", "0", "--epochs", "1")
+    result = _run("profile", "--out", str(tmp_path), "--verbose", "0", "--epochs", "1", *CPU_REPLICAS)
     assert result.returncode == 0, result.stderr
     assert "all-reduce" in result.stdout and "images/s" in result.stdout
     assert (tmp_path / "trace.json").is_file() and (tmp_path / "timeline.png").is_file()
@@ -179,3 +196,16 @@ def test_train_and_profile_keep_their_own_defaults():
     profile = cli.build_parser().parse_args(["profile"])
     assert (train.epochs, train.out) == (6, "runs/train")
     assert (profile.epochs, profile.out) == (1, "runs/profile")
+
+
+def test_default_devices_are_the_visible_gpus(monkeypatch):
+    """Without --devices the CLI takes every visible GPU (two CPU replicas where there is none), and
+    --replicas counts GPUs where there are some. Checked with a GPU list made up for this test."""
+    args = cli.build_parser().parse_args(["train"])
+    monkeypatch.setattr(devices, "visible_gpus", lambda: [])
+    assert cli._strategy(args).extended.worker_devices == ("cpu:0", "cpu:1")
+    monkeypatch.setattr(devices, "visible_gpus", lambda: ["cuda:0"])
+    assert cli._strategy(args).extended.worker_devices == ("cuda:0",)
+    with pytest.raises(cli.CliError, match=r"--replicas 2: only 1 GPU\(s\) are visible \(cuda:0\).*--devices "
+                                          r"cpu:0,cpu:1"):
+        cli._strategy(cli.build_parser().parse_args(["train", "--replicas", "2"]))

@@ -8,7 +8,7 @@
     model.fit(dataset_of_global_batches, epochs=5)
 
 The distribution core is imported eagerly; the namespaces (data, datasets, models, layers, losses,
-metrics, optimizers, callbacks, profiler) and Model load on first use.
+metrics, optimizers, callbacks, train, profiler) and Model load on first use.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ _NAMESPACES = {
     "metrics": "mirrored.training.metrics",
     "optimizers": "mirrored.training.optimizers",
     "callbacks": "mirrored.training.callbacks",
+    "train": "mirrored.training.tracking",
     "profiler": "mirrored.profiler",
 }
 _LAZY_NAMES = {

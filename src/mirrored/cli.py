@@ -1,10 +1,13 @@
 """`mirrored train | profile | evaluate`: the main job and its tools on the command line.
 
 `mirrored train` trains the small CIFAR-style ResNet on the embedded digits (offline, anywhere) on
-every GPU, or on 2 logical CPU replicas of a CPU-only machine, then prints test metrics and
-images/s and writes a checkpoint, a CSV log and a PNG plot into --out. `--dataset cassava` or
-`folder:PATH` train on real images. `mirrored profile` trains the same way for one epoch and writes
-a step timeline; `mirrored evaluate CHECKPOINT` re-scores a saved model.
+every GPU, or on 2 logical CPU replicas of a CPU-only machine, validating each epoch on a held-out
+part of the training data (or the dataset's validation split), then evaluates the test split once
+and prints its metrics and images/s, and writes a checkpoint, a CSV log and a PNG plot into --out.
+`--dataset cassava` or `folder:PATH` train on real images. `mirrored profile` trains the same way
+for one epoch and writes a step timeline; `mirrored evaluate CHECKPOINT` re-scores a saved model.
+A user's mistake (a bad flag, a missing or damaged file, an unwritable --out) is one line on stderr
+and exit status 2; a traceback means a bug of ours.
 """
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 _MODELS_FOR_SIZE = {"resnet_cifar": 32, "resnet20": 32, "resnet18": 224, "resnet34": 224, "resnet50": 224}
+# What one training replica holds besides its activations, in copies of the weights: the weights,
+# their gradients, SGD's momentum and the all-reduce's packed gradient buffer.
+_WEIGHT_COPIES_PER_REPLICA = 4
 
 
 class CliError(Exception):
@@ -91,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _strategy(args: argparse.Namespace) -> Any:
+def _devices(args: argparse.Namespace) -> list[str]:
+    """The replica devices the flags ask for: --devices, --replicas N, else every GPU or 2 CPU replicas."""
     import mirrored as mr
 
     if getattr(args, "devices", None) is not None:
@@ -99,18 +106,65 @@ def _strategy(args: argparse.Namespace) -> Any:
         if not devices:
             raise CliError(f"--devices {args.devices!r}: names no device. Give a comma-separated list, e.g. "
                            "cuda:0,cuda:1 or cpu:0,cpu:1, or drop --devices to use every GPU.")
-        try:
-            return mr.MirroredStrategy(devices=devices)
-        except ValueError as e:  # an unknown or unavailable device: the message lists what is visible
-            raise CliError(f"--devices {args.devices}: {e}") from None
+        return devices
     gpus = mr.distribute.devices.visible_gpus()
     if args.replicas is not None:
         pool = gpus if gpus else [f"cpu:{i}" for i in range(args.replicas)]
         if len(pool) < args.replicas:
             raise CliError(f"--replicas {args.replicas}: only {len(pool)} GPU(s) are visible ({', '.join(pool)}). "
                            "Use --replicas <= that, or --devices cpu:0,cpu:1 for CPU replicas.")
-        return mr.MirroredStrategy(devices=pool[:args.replicas])
-    return mr.MirroredStrategy(devices=gpus or ["cpu:0", "cpu:1"])
+        return pool[:args.replicas]
+    return gpus or ["cpu:0", "cpu:1"]
+
+
+def _strategy(args: argparse.Namespace, devices: list[str]) -> Any:
+    import mirrored as mr
+
+    try:
+        return mr.MirroredStrategy(devices=devices)
+    except ValueError as e:  # an unknown or unavailable device: the message lists what is visible
+        raise CliError(f"{_where(args)}: {e}") from None
+
+
+def _where(args: argparse.Namespace) -> str:
+    """The flag that chose the devices, for messages."""
+    if getattr(args, "devices", None) is not None:
+        return f"--devices {args.devices}"
+    return f"--replicas {args.replicas}" if args.replicas is not None else "the default devices"
+
+
+def _replica_bytes(model_name: str, num_classes: int, image_size: int, per_replica_batch: int) -> int:
+    """What one training replica of the model needs: its weights several times over (see
+    _WEIGHT_COPIES_PER_REPLICA) plus the activations autograd keeps for its share of the batch,
+    measured on the meta device (no memory used)."""
+    import torch
+    from torch.autograd.graph import saved_tensors_hooks
+
+    import mirrored as mr
+
+    net = mr.models.skeleton(model_name, num_classes=num_classes)
+    weights = sum(t.numel() * t.element_size() for t in [*net.parameters(), *net.buffers()])
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[id(t)] = t.numel() * t.element_size()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        net(torch.empty(1, 3, image_size, image_size, device="meta"))
+    return _WEIGHT_COPIES_PER_REPLICA * weights + per_replica_batch * sum(saved.values())
+
+
+def _check_out(out: Path) -> None:
+    """--out exists (created) and is writable, before anything is trained."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".mirrored-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CliError(f"--out {str(out)!r}: cannot write there ({e.strerror or e}). Give a folder you may "
+                       "write to.") from None
 
 
 def _load(name: str, split: str, data_dir: str | None, image_size: int, download: bool,
@@ -147,13 +201,20 @@ def _load_unchecked(name: str, split: str, data_dir: str | None, image_size: int
                   num_parallel_calls=mr.data.AUTOTUNE), info
 
 
-def _splits(name: str) -> tuple[str, str | None, str]:
-    """(train split, validation split or None, test split) of a dataset."""
+def _reads_no_data_dir(name: str) -> bool:
+    """digits are embedded and folder:PATH names its own folder: --data-dir would be ignored."""
+    return name == "digits" or name.startswith("folder:")
+
+
+def _splits(name: str) -> tuple[str, str, str]:
+    """(train, validation, test) splits of a dataset. Validation picks the best checkpoint and shows
+    progress; the test split is evaluated once, after training, so its numbers chose nothing. Without
+    a validation split of its own, the last 10% of the training data is held out for it."""
     if name == "cassava":
         return "train", "validation", "test"
     if name.startswith("folder:"):
-        return "train[:80%]", None, "train[80%:]"
-    return "train", None, "test"
+        return "train[:70%]", "train[70%:80%]", "train[80%:]"
+    return "train[:90%]", "train[90%:]", "test"
 
 
 def _plot(history: dict[str, list[float]], path: Path) -> None:
@@ -181,31 +242,47 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     import mirrored as mr
+    from mirrored.training.checkpoint import CheckpointError
 
+    if args.data_dir is not None and _reads_no_data_dir(args.dataset):
+        raise CliError(f"--data-dir {args.data_dir!r}: --dataset {args.dataset} does not read a data directory "
+                       "(digits are embedded; folder:PATH names its folder). Drop --data-dir, or use it with "
+                       "--dataset cassava.")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     backup = out / "backup"
     resuming = args.resume and (backup / "training_state.safetensors").exists()
     if args.resume and not resuming:
         raise CliError(f"--resume: no interrupted run to continue in {str(backup)!r} (it is written after each "
                        "epoch and deleted when a run finishes). Drop --resume to start afresh.")
+    _check_out(out)
     torch.manual_seed(args.seed)
-    strategy = _strategy(args)
-    n = strategy.num_replicas_in_sync
+    devices = _devices(args)
+    n = len(devices)
     model_name = args.model or ("resnet_cifar" if args.dataset == "digits" else "resnet18")
     if model_name not in mr.models.names():
         raise CliError(f"--model {model_name!r}: known models are {', '.join(mr.models.names())}.")
     image_size = args.image_size or (32 if args.dataset == "digits" else _MODELS_FOR_SIZE.get(model_name, 224))
     global_batch = args.batch_size or 32 * n
     lr = args.lr or 0.05 * global_batch / 64
-    print(f"replicas: {n} on {', '.join(strategy.extended.worker_devices)} | cross-device ops: "
-          f"{type(strategy.extended.cross_device_ops).__name__} | global batch {global_batch} "
-          f"({', '.join(map(str, mr.distribute.input.split_sizes(global_batch, n)))} per replica)")
     train_split, val_split, test_split = _splits(args.dataset)
     train_ds, info = _load(args.dataset, train_split, args.data_dir, image_size, args.download, shuffle_files=True)
     num_classes = info.features["label"].num_classes
+    per_replica = mr.distribute.input.split_sizes(global_batch, n)
+    try:  # before any replica is built: --replicas 1000 on a small machine grew past its memory
+        mr.distribute.devices.check_replica_memory(
+            _replica_bytes(model_name, num_classes, image_size, max(per_replica)), devices,
+            f"{_where(args)} ({model_name} at {image_size}x{image_size}, global batch {global_batch})")
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    strategy = _strategy(args, devices)
+    print(f"replicas: {n} on {', '.join(strategy.extended.worker_devices)} | cross-device ops: "
+          f"{type(strategy.extended.cross_device_ops).__name__} | global batch {global_batch} "
+          f"({', '.join(map(str, per_replica))} per replica)")
+    val_ds, _ = _load(args.dataset, val_split, args.data_dir, image_size, False)
     test_ds, _ = _load(args.dataset, test_split, args.data_dir, image_size, False)
-    val_ds = _load(args.dataset, val_split, args.data_dir, image_size, False)[0] if val_split else test_ds
+    sizes = {split: info.splits[split].num_examples for split in (train_split, val_split, test_split)}
+    print(f"data: {args.dataset} | train on {train_split!r} ({sizes[train_split]} images) | validate (val_*) on "
+          f"{val_split!r} ({sizes[val_split]}) | test once, after training, on {test_split!r} ({sizes[test_split]})")
     train = train_ds.shuffle(2048, seed=args.seed).batch(global_batch).prefetch(mr.data.AUTOTUNE)
     val = val_ds.batch(global_batch).prefetch(mr.data.AUTOTUNE)
     test = test_ds.batch(global_batch).prefetch(mr.data.AUTOTUNE)
@@ -229,16 +306,22 @@ def cmd_train(args: argparse.Namespace) -> int:
                  mr.callbacks.ModelCheckpoint(str(out / "best.safetensors"), monitor="val_accuracy",
                                               save_best_only=True)]
     start = time.perf_counter()
-    history = model.fit(train, epochs=args.epochs, validation_data=val, callbacks=callbacks, verbose=verbose)
+    try:
+        history = model.fit(train, epochs=args.epochs, validation_data=val, callbacks=callbacks, verbose=verbose)
+    except CheckpointError as e:  # only the backup is read during fit
+        raise CliError(f"--resume: {e} (Or drop --resume: the run starts afresh.)" if resuming else str(e)) from None
     seconds = time.perf_counter() - start
-    images = info.splits[train_split].num_examples * len(history.history.get("loss", []))
-    results = model.evaluate(test, return_dict=True, verbose=0)
+    images = sizes[train_split] * len(history.history.get("loss", []))
+    results = model.evaluate(test, return_dict=True, verbose=0)  # the one look at the test split
     model.save(out / "model.safetensors")
     _plot(history.history, out / "history.png")
     (out / "run.json").write_text(json.dumps({"dataset": args.dataset, "model": model_name, "image_size":
-                                              image_size, "replicas": n, "test": results}, indent=2))
+                                              image_size, "replicas": n, "splits": {"train": train_split,
+                                              "validation": val_split, "test": test_split}, "test": results},
+                                             indent=2))
     metrics = " - ".join(f"test_{k}: {v:.4f}" for k, v in results.items())
-    print(f"{metrics} - {images / seconds:.0f} images/s over {seconds:.1f} s of training")
+    print(f"{metrics} (split {test_split!r}, evaluated once after training) - {images / seconds:.0f} images/s "
+          f"over {seconds:.1f} s of training")
     print(f"wrote {out / 'model.safetensors'}, {out / 'log.csv'}, {out / 'history.png'}")
     if profiler is not None:
         profiler.print_summary()
@@ -250,17 +333,32 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     import mirrored as mr
 
     path = Path(args.checkpoint)
-    if not path.is_file():
+    if not path.exists():
         raise CliError(f"evaluate: no checkpoint at {str(path)!r}. Pass the model.safetensors that "
                        "`mirrored train` wrote into --out.")
     run_info = path.parent / "run.json"
-    saved = json.loads(run_info.read_text()) if run_info.exists() else {}
+    try:
+        saved = json.loads(run_info.read_text()) if run_info.is_file() else {}
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CliError(f"evaluate: cannot read {str(run_info)!r}, the run's settings beside the checkpoint "
+                       f"({e}). Pass --dataset (and --split) yourself, or remove the file.") from None
+    if not isinstance(saved, dict):
+        saved = {}
     dataset = args.dataset or saved.get("dataset", "digits")
+    if args.data_dir is not None and _reads_no_data_dir(dataset):
+        raise CliError(f"--data-dir {args.data_dir!r}: --dataset {dataset} does not read a data directory. Drop "
+                       "--data-dir, or use it with --dataset cassava.")
     image_size = saved.get("image_size", 32)
+    if not isinstance(image_size, int) or isinstance(image_size, bool) or not 1 <= image_size <= 4096:
+        raise CliError(f"evaluate: {str(run_info)!r} gives image_size {image_size!r:.40}; expected a whole number "
+                       "of pixels. Remove the file or pass the settings yourself.")
     split = args.split or _splits(dataset)[2]  # what `train` tested on: folder:PATH has no "test" split
-    strategy = _strategy(argparse.Namespace(devices=None, replicas=args.replicas))
-    with strategy.scope():
-        model = mr.Model.load(path)
+    strategy = _strategy(args, _devices(args))
+    try:
+        with strategy.scope():
+            model = mr.Model.load(path)
+    except (FileNotFoundError, IsADirectoryError) as e:  # the path names no file: the message says what to pass
+        raise CliError(str(e)) from None
     test, _ = _load(dataset, split, args.data_dir, image_size, False)
     batch = args.batch_size or 32 * strategy.num_replicas_in_sync
     results = model.evaluate(test.batch(batch), return_dict=True, verbose=0)
@@ -274,11 +372,31 @@ def main(argv: list[str] | None = None) -> int:
     from mirrored import tune_allocator
 
     tune_allocator()  # images and batches reuse freed memory instead of faulting in fresh pages
+    from mirrored.training.checkpoint import CheckpointError
+
     try:
         return {"train": cmd_train, "profile": cmd_train, "evaluate": cmd_evaluate}[args.command](args)
-    except CliError as e:
-        print(f"mirrored {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except (CliError, CheckpointError) as e:  # CheckpointError: a damaged or mismatched file, named in e
+        return _error(args, e)
+    except OSError as e:
+        if _users_file(args, e):  # a file the user named (the checkpoint) or a write into --out failed
+            return _error(args, e)
+        raise
+
+
+def _error(args: argparse.Namespace, e: BaseException) -> int:
+    print(f"mirrored {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 2
+
+
+def _users_file(args: argparse.Namespace, e: OSError) -> bool:
+    """Whether an OSError is about a path the user chose (the checkpoint, something under --out), so
+    that it is the user's to fix (a full disk, permissions), not a bug of ours."""
+    if not e.filename:
+        return False
+    path = Path(os.fsdecode(e.filename)).resolve()
+    mine = [Path(p).resolve() for p in (getattr(args, "out", None), getattr(args, "checkpoint", None)) if p]
+    return any(path == p or p in path.parents for p in mine)
 
 
 if __name__ == "__main__":

@@ -85,3 +85,34 @@ def test_signature_equal_exactly_when_plans_match():
     assert buckets.signature(a) == buckets.signature(b)
     assert buckets.signature(a) != buckets.signature([torch.ones(2), torch.ones(1), a[2]])
     assert buckets.signature(a) != buckets.signature([torch.ones(2, 1), None, a[2]])
+
+
+def test_a_plan_packs_each_replicas_tensors_on_their_own_device():
+    """Issue 19: a plan made from replica 0's tensors packed replica 1's into a buffer on replica 0's
+    device. The meta device stands in for a second GPU (it has no data to copy to the CPU)."""
+    mine, theirs = [torch.ones(3), torch.ones(2, 2)], [torch.ones(3, device="meta"), torch.ones(2, 2, device="meta")]
+    (b,) = buckets.plan(mine, 1 << 20)
+    flat = b.pack(theirs)
+    assert flat.device.type == "meta" and flat.numel() == 7
+    out: list = [None, None]
+    b.unpack(flat, out)
+    assert [t.device.type for t in out] == ["meta", "meta"] and out[1].shape == (2, 2)
+    assert b.pack(mine).device.type == "cpu"
+
+
+def test_a_layout_keeps_its_buffers_on_the_device_of_its_tensors():
+    """Each replica builds its Layout from its own tensors: packed buckets, direct outputs and results
+    all lie on that replica's device."""
+    tensors = [torch.ones(3, device="meta"), torch.ones(40, device="meta"), None]
+    layout = buckets.Layout(tensors, bytes_per_pack=64, direct_numel=32)
+    for in_place in (False, True):
+        inputs, outputs, results = layout.buffers(in_place=in_place).stage(tensors)
+        assert {t.device.type for t in inputs + outputs} == {"meta"}
+        assert [None if t is None else t.device.type for t in results] == ["meta", "meta", None]
+
+
+def test_plan_groups_keep_tensors_apart():
+    """groups= splits what dtype and device alone would bucket together (another replica's devices)."""
+    tensors = [torch.ones(2), torch.ones(2), torch.ones(2)]
+    plan = buckets.plan(tensors, 1 << 20, groups=["a", "b", "a"])
+    assert sorted(b.indices for b in plan) == [[0, 2], [1]]

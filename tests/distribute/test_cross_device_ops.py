@@ -1,8 +1,8 @@
 """cross_device_ops.py: the four cross-device ops, checked against numpy sums.
 
 ReductionToOneDevice, HierarchicalCopyAllReduce and InMemoryAllReduce run on CPU replicas here;
-NcclAllReduce needs two CUDA GPUs, so on this machine only its construction error is checked (and
-its results where two GPUs are visible).
+NcclAllReduce runs against a fake torch.cuda.nccl that checks what NCCL checks, with the meta device
+standing in for a second GPU. Tests marked `cuda` run on a GPU machine (benchmarks/gpu_check.py).
 """
 from __future__ import annotations
 
@@ -194,20 +194,13 @@ def test_nccl_all_reduce_on_cpu_box_fails_at_construction():
     assert "NcclAllReduce needs CUDA GPUs, but torch sees none" in msg and "cross_device_ops=" in msg
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_nccl_all_reduce_refuses_cpu_devices():
+@pytest.mark.cuda
+def test_nccl_all_reduce_refuses_cpu_devices():  # pragma: no cover - GPU machines only
+    """The one-GPU refusal: NCCL across cuda:0 and a CPU replica is refused at construction."""
     with pytest.raises(ValueError, match="reduces across GPUs only"):
         strategy_of(2, md.NcclAllReduce())
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_nccl_all_reduce_equals_numpy_sum():  # pragma: no cover - GPU machines only
-    s = md.MirroredStrategy(devices=["cuda:0", "cuda:1"], cross_device_ops=md.NcclAllReduce(), timeout_s=TIMEOUT_S)
-    xs = random_inputs(2, 1000)
-    out = s.run(lambda: md.get_replica_context().all_reduce(
-        "sum", torch.from_numpy(xs[replica_id()]).to(f"cuda:{replica_id()}")))
-    for t in s.experimental_local_results(out):
-        np.testing.assert_allclose(t.cpu().numpy(), xs[0] + xs[1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="reduces across GPUs only"):
+        md.MirroredStrategy(devices=["cuda:0", "cpu:0"], cross_device_ops=md.NcclAllReduce())
 
 
 def test_one_device_nccl_is_allowed():
@@ -396,3 +389,188 @@ def test_different_collectives_are_named_not_confused():
     with pytest.raises(md.CollectiveMismatchError, match=r"replica 0 called all_reduce\(SUM\); replica 1 called "
                                                          r"all_reduce \(gradients\)"):
         s.run(fn)
+
+
+# ---- device placement (issue 19): each replica's buffers and results on its own device ---------------
+# A CPU box has one torch device, so the meta device stands in for a second GPU: its tensors have a
+# device and a shape but no data, and copying one to the CPU fails, as packing replica 1's tensors
+# into a buffer on replica 0's device did. Values are checked where data exists (the tests above,
+# and the CUDA tests below on a GPU machine).
+class DeviceRecorder(md.CrossDeviceOps):
+    """Records which device each replica's tensors reach the reduction on; 'sums' nothing."""
+
+    def __init__(self, bytes_per_pack: int = 25 * 2**20):
+        super().__init__(bytes_per_pack)
+        self.seen: list[list[set[str]]] = []
+
+    def _all_sum(self, per_replica):
+        self.seen.append([{str(t.device) for t in lst} for lst in per_replica])
+        return [[t.clone() for t in lst] for lst in per_replica]
+
+    def _reduce_into(self, inputs, outputs, reduce_op):
+        self.seen.append([{str(t.device) for t in ins + outs} for ins, outs in zip(inputs, outputs)])
+
+
+def test_cross_replica_reduce_packs_each_replica_on_its_own_device():
+    """Issue 19: batch_reduce planned buckets from replica 0 and packed every replica's buffer on
+    replica 0's device. Now replica 1's buffers, and its results, stay on its device."""
+    ops = DeviceRecorder(bytes_per_pack=16)  # several buckets
+    values = [md.PerReplica([torch.ones(shape), torch.ones(shape, device="meta")]) for shape in [(3,), (2, 2), (5,)]]
+    out = ops.batch_reduce("sum", [(v, None) for v in values])
+    assert ops.seen == [[{"cpu"}, {"meta"}]]
+    for v in out:
+        assert [t.device.type for t in v.values] == ["cpu", "meta"]
+    mean = ops.reduce("mean", values[1])
+    assert [t.device.type for t in mean.values] == ["cpu", "meta"] and mean.values[1].shape == (2, 2)
+
+
+def test_a_bucket_never_mixes_devices_of_one_replica():
+    """Where replica 1's tensors lie on two devices (replica 0's on one), no bucket mixes them:
+    each result comes back where its input was."""
+    ops = DeviceRecorder()
+    a, b = md.PerReplica([torch.ones(2), torch.ones(2)]), md.PerReplica([torch.ones(3), torch.ones(3, device="meta")])
+    out = ops.batch_reduce("sum", [(a, None), (b, None)])
+    assert [t.device.type for t in out[0].values] == ["cpu", "cpu"]
+    assert [t.device.type for t in out[1].values] == ["cpu", "meta"]
+
+
+def _replica_1_on_meta(monkeypatch) -> None:
+    """Makes "cpu:1" mean the meta device for the strategy, its modules and its input."""
+    from mirrored.distribute import modules
+
+    real = strategy_mod.torch_device
+    fake = lambda d: torch.device("meta") if d == "cpu:1" else real(d)  # noqa: E731
+    monkeypatch.setattr(strategy_mod, "torch_device", fake)
+    monkeypatch.setattr(modules, "torch_device", fake)
+
+
+def test_in_step_reductions_use_each_replicas_own_device(monkeypatch):
+    """ctx.all_reduce and the optimizer's gradient all-reduce build each replica's Layout from its
+    own tensors, so replica 1 (a stand-in GPU) hands over and gets back tensors on its device only."""
+    _replica_1_on_meta(monkeypatch)
+    ops = DeviceRecorder(bytes_per_pack=64)
+    s = strategy_of(2, ops)
+    with s.scope():
+        mnet = s.mirror(nn.Sequential(nn.Linear(4, 300), nn.Linear(300, 2)))  # one gradient reduced in place
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+
+    def step():
+        ctx = md.get_replica_context()
+        device = next(mnet.parameters()).device
+        summed = ctx.all_reduce("sum", [torch.ones(3, device=device), torch.ones(strategy_mod._DIRECT_NUMEL,
+                                                                                  device=device)])
+        mnet(torch.ones(2, 4, device=device)).sum().backward()
+        opt.step()
+        return [t.device.type for t in summed], [p.device.type for p in mnet.parameters()]
+
+    out = s.run(step)
+    assert [ops.seen[0], ops.seen[1]] == [[{"cpu"}, {"meta"}]] * 2
+    assert s.experimental_local_results(out[0]) == (["cpu", "cpu"], ["meta", "meta"])
+    assert s.experimental_local_results(out[1])[1] == ["meta"] * 4
+
+
+class FakeNccl:
+    """torch.cuda.nccl.all_reduce as far as its checks go: one tensor per distinct device, outputs on
+    their inputs' devices, one dtype and size. Sums where the data is on the CPU."""
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+
+    def __call__(self, inputs, outputs=None, op=0, streams=None, comms=None):
+        outputs = inputs if outputs is None else outputs
+        devices = [t.device for t in inputs]
+        assert len(set(devices)) == len(devices), f"NCCL needs tensors on distinct devices, got {devices}"
+        assert [t.device for t in outputs] == devices
+        assert len({(t.numel(), t.dtype) for t in inputs}) == 1
+        self.calls.append([str(d) for d in devices])
+
+
+def test_nccl_gets_one_buffer_per_device_and_results_stay_there(monkeypatch):
+    """Issue 19: with NcclAllReduce every strategy.reduce handed NCCL buffers all on replica 0's GPU.
+    With a fake NCCL that checks what the real one checks, the cross-replica and in-step paths pass
+    one buffer per device."""
+    import torch.cuda.nccl
+
+    fake = FakeNccl()
+    monkeypatch.setattr(torch.cuda.nccl, "all_reduce", fake)
+    monkeypatch.setattr(cdo, "nccl_can_reduce", lambda column: len({t.device for t in column}) == len(column))
+    ops = md.NcclAllReduce(bytes_per_pack=16)
+    values = [md.PerReplica([torch.ones(s), torch.ones(s, device="meta")]) for s in [(3,), (2, 2), (1,)]]
+    out = ops.batch_reduce("sum", [(v, None) for v in values])
+    assert fake.calls == [["cpu", "meta"]] * 3  # one call per bucket
+    assert all([t.device.type for t in v.values] == ["cpu", "meta"] for v in out)
+    inputs = [[torch.ones(4), torch.ones(2)], [torch.ones(4, device="meta"), torch.ones(2, device="meta")]]
+    outputs = [[torch.empty(4), torch.empty(2)], [torch.empty(4, device="meta"), torch.empty(2, device="meta")]]
+    ops._reduce_into(inputs, outputs, md.ReduceOp.SUM)
+    assert len(fake.calls) == 5
+
+
+def test_nccl_ops_sum_what_nccl_cannot_take_as_a_tree():
+    """strategy.reduce of CPU values (a metric's counts, say) under NcclAllReduce: no NCCL call, the
+    same sums as the hierarchical copy, each on its replica's device."""
+    xs = random_inputs(3, 7, np.float64)
+    out = md.NcclAllReduce().reduce("sum", md.PerReplica([torch.from_numpy(x) for x in xs]))
+    for t in out.values:
+        assert t.device.type == "cpu"
+        np.testing.assert_allclose(t.numpy(), np.sum(xs, axis=0), rtol=1e-12)
+    assert not cdo.nccl_can_reduce([torch.ones(1), torch.ones(1)])
+
+
+# ---- on CUDA (benchmarks/gpu_check.py runs these on a GPU machine) ----------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("ops_cls", [md.ReductionToOneDevice, md.HierarchicalCopyAllReduce])
+def test_gpu_and_cpu_replicas_get_their_results_on_their_devices(ops_cls):  # pragma: no cover - GPU only
+    """One GPU suffices: replicas on cuda:0 and cpu:0 are two devices, so a result of replica 1 that
+    lands on cuda:0 (issue 19) shows here, in strategy.reduce, ctx.all_reduce and a training step."""
+    s = md.MirroredStrategy(devices=["cuda:0", "cpu:0"], cross_device_ops=ops_cls(bytes_per_pack=64),
+                            timeout_s=TIMEOUT_S)
+    devices = [torch.device("cuda:0"), torch.device("cpu")]
+    xs = random_inputs(2, 1000)
+    value = md.PerReplica([torch.from_numpy(x).to(d) for x, d in zip(xs, devices)])
+    mirrored = s.extended.cross_device_ops.reduce("sum", value)
+    for t, d in zip(mirrored.values, devices):
+        assert t.device == d
+        np.testing.assert_allclose(t.cpu().numpy(), xs[0] + xs[1], rtol=1e-5, atol=1e-5)
+    assert s.reduce("sum", value).device == devices[0]
+
+    def fn():
+        x = torch.from_numpy(xs[replica_id()]).to(devices[replica_id()])
+        return md.get_replica_context().all_reduce("mean", [x, x[:3].double()])
+
+    out = s.run(fn)
+    for r, d in enumerate(devices):
+        assert out[0].values[r].device == d and out[1].values[r].device == d
+        np.testing.assert_allclose(out[0].values[r].cpu().numpy(), (xs[0] + xs[1]) / 2, rtol=1e-5, atol=1e-5)
+    with s.scope():
+        mnet = s.mirror(nn.Linear(1000, 3))
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+
+    def step():
+        x = torch.from_numpy(xs[replica_id()]).to(devices[replica_id()])
+        mnet(x.reshape(1, -1)).sum().backward()
+        opt.step()
+
+    s.run(step)
+    gpu_copy, cpu_copy = s.experimental_local_results(mnet)
+    assert [p.device for p in cpu_copy.parameters()] == [devices[1]] * 2
+    # The same reduced gradient, applied by a CUDA and a CPU kernel: equal up to whether each fuses
+    # the multiply-add (replicas of one device kind are held bitwise by check_in_sync).
+    for a, b in zip(gpu_copy.parameters(), cpu_copy.parameters()):
+        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.cuda(devices=2)
+def test_nccl_all_reduce_equals_numpy_sum_on_two_gpus():  # pragma: no cover - GPU machines only
+    s = md.MirroredStrategy(devices=["cuda:0", "cuda:1"], cross_device_ops=md.NcclAllReduce(), timeout_s=TIMEOUT_S)
+    xs = random_inputs(2, 1000)
+    out = s.run(lambda: md.get_replica_context().all_reduce(
+        "sum", torch.from_numpy(xs[replica_id()]).to(f"cuda:{replica_id()}")))
+    for r, t in enumerate(s.experimental_local_results(out)):
+        assert t.device == torch.device(f"cuda:{r}")
+        np.testing.assert_allclose(t.cpu().numpy(), xs[0] + xs[1], rtol=1e-5, atol=1e-5)
+    value = md.PerReplica([torch.from_numpy(x).to(f"cuda:{r}") for r, x in enumerate(xs)])
+    mirrored = s.extended.cross_device_ops.reduce("mean", value)
+    assert [t.device for t in mirrored.values] == [torch.device("cuda:0"), torch.device("cuda:1")]
+    total = s.reduce("sum", value)
+    assert total.device == torch.device("cuda:0")
+    np.testing.assert_allclose(total.cpu().numpy(), xs[0] + xs[1], rtol=1e-5, atol=1e-5)

@@ -1,6 +1,9 @@
-"""Layering: `mirrored.distribute` knows nothing of `mirrored.training` (DESIGN.md, STYLE.md).
+"""Layering: `mirrored.distribute` knows nothing of `mirrored.training`.
 
-Checked in a fresh interpreter, since this test process has imported everything by now.
+The rule, and why, is docs/architecture.md, section "What may import what": imports only point down
+the list models/, data/, datasets/, distribute/, training/, profiler.py, cli.py. This file checks
+its core for distribute/. Checked in a fresh interpreter, since this test process has imported
+everything by now.
 """
 from __future__ import annotations
 

@@ -287,6 +287,31 @@ def test_worker_that_hangs_makes_the_other_time_out(tmp_path):
     assert HANG_TIMEOUT_S <= r["elapsed_s"] < HANG_TIMEOUT_S + 10
 
 
+def test_when_rank_0_dies_the_survivors_name_it(tmp_path):
+    """Issue 17: rank 0 hosts the rendezvous store, so when it dies the store cannot say who is
+    missing. Rank 1's error now names rank 0 as the likely missing worker instead of "unknown"."""
+    codes = launch("rank0_exits", tmp_path, wait_for=[1])
+    assert codes[1] == 0, logs(tmp_path, 2)
+    r = json.loads((tmp_path / "rank1.json").read_text())
+    assert r.get("error_type") == "CollectiveTimeoutError", r
+    assert r["error"].startswith("rank 1 of 2: strategy.reduce"), r["error"]
+    assert "Rank 0 is likely the missing worker: it hosts the rendezvous store at 127.0.0.1:" in r["error"], r["error"]
+    assert "unknown" not in r["error"]
+    assert r["elapsed_s"] < COLLECTIVE_TIMEOUT_S
+
+
+def test_store_gone_under_torchrun_names_rank_0s_machine(monkeypatch):
+    """Under torchrun the store is the agent's on rank 0's machine: the message says so."""
+    from mirrored.distribute import multi_worker
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    message = multi_worker._store_gone("host0", 29500)
+    assert message.startswith("Rank 0's machine is likely what is missing: the rendezvous store at host0:29500, "
+                              "which torchrun's agent"), message
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    assert multi_worker._store_gone("host0", 29500).startswith("Rank 0 is likely the missing worker")
+
+
 @pytest.mark.slow
 def test_worker_that_never_starts_fails_the_rendezvous(tmp_path):
     """Only rank 0 of 2 starts: creating the strategy fails after timeout_s, naming the rank, the
@@ -408,6 +433,131 @@ def test_communication_options(monkeypatch):
                                        devices="cpu:0")
     assert s.extended.cross_device_ops.bytes_per_pack == 1024 and s._timeout_s == 7.0
     assert repr(s.extended.cross_device_ops) == "CollectiveAllReduce(rank=0, world_size=1, bytes_per_pack=1024)"
+
+
+# ---- NCCL on a CPU box: fakes of torch.distributed that record what they are handed --------------
+class FakeWork:
+    def __init__(self, log: list, error: BaseException | None = None):
+        self.log, self.error = log, error
+
+    def wait(self, timeout=None):
+        self.log.append(("wait", timeout))
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class Recorded(Exception):
+    """Raised by a fake collective that was handed meta tensors: there is no data to bring back."""
+
+
+def fake_collectives(monkeypatch, error: BaseException | None = None) -> list:
+    """Replaces the collectives multi_worker calls; each records (name, devices of its tensors)."""
+    from mirrored.distribute import multi_worker
+
+    log: list = []
+
+    def record(name):
+        def collective(*args, async_op=False, **kwargs):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, list) for t in a]
+            log.append((name, sorted({t.device.type for t in tensors})))
+            assert async_op, f"{name} without async_op: its wait could not be given a timeout"
+            return FakeWork(log, error)
+        return collective
+
+    for name in ("all_reduce", "all_gather", "broadcast"):
+        monkeypatch.setattr(multi_worker.dist, name, record(name))
+    return log
+
+
+def test_backends_and_the_devices_they_carry():
+    from mirrored.distribute import multi_worker as mw
+
+    assert mw._backend_for("cuda:0", "AUTO") == "cpu:gloo,cuda:nccl"  # CPU values go by gloo, not NCCL
+    assert mw._backend_for("cpu:0", "AUTO") == mw._backend_for("cuda:0", "RING") == "gloo"
+    assert mw._device_types_of("cpu:gloo,cuda:nccl") == {"cpu", "cuda"}
+    assert mw._device_types_of("nccl") == {"cuda"} and mw._device_types_of("gloo") == {"cpu"}
+
+
+def test_a_gpu_worker_creates_a_device_aware_group_with_a_longer_watchdog(monkeypatch):
+    """Issue 19: a GPU worker's group was NCCL only, so the CPU count of examples/multi_worker.py's
+    step reached NCCL. It is now "cpu:gloo,cuda:nccl", and NCCL's watchdog (which kills the process)
+    waits longer than our timeout, whose error names the rank."""
+    from mirrored.distribute import multi_worker as mw
+
+    calls: list = []
+    monkeypatch.setattr(mw, "visible_gpus", lambda: ["cuda:0"])
+    monkeypatch.setattr(mw, "resolve_devices", lambda devices, where: tuple(devices))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(mw.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(mw.dist, "is_initialized", lambda: False)
+    for key, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT="29500").items():
+        monkeypatch.setenv(key, value)
+    s = md.MultiWorkerMirroredStrategy(timeout_s=5)
+    backend, kw = calls[1]
+    assert backend == "cpu:gloo,cuda:nccl"
+    assert kw["timeout"].total_seconds() == 5 + mw._WATCHDOG_GRACE_S and kw["device_id"] == torch.device("cuda:0")
+    ops = s.extended.cross_device_ops
+    assert ops._wire == torch.device("cuda:0") and ops._carried(torch.ones(1))  # gloo takes the CPU tensor
+
+
+def test_an_nccl_only_group_gets_cpu_tensors_on_the_wire_device(monkeypatch):
+    """Issue 19: in a group made with plain "nccl" (a user's), every collective call hands NCCL only
+    tensors on the wire device (the meta device stands in for the GPU here), and waits with our
+    timeout, which blocks the host and raises instead of leaving a hang to NCCL's watchdog."""
+    from mirrored.distribute import multi_worker as mw
+
+    log = fake_collectives(monkeypatch)
+    ops = mw.CollectiveAllReduce(0, 2, torch.device("meta"), timeout_s=7.0, backend="nccl")
+    cpu = torch.tensor([3.0])
+    for call in (lambda: ops.all_sum_([cpu], "sum"), lambda: ops.all_reduce(md.ReduceOp.SUM, [cpu], "reduce"),
+                 lambda: ops.gather(torch.ones(2, 1), 0, "gather"), lambda: ops.broadcast_([torch.ones(3)], "b"),
+                 lambda: ops.all_gather_row([1, 2], "row")):
+        log.clear()
+        try:
+            call()
+        except NotImplementedError as e:  # bringing a meta result back to the CPU: nothing to copy
+            assert "meta" in str(e)
+        collectives = [entry for entry in log if entry[0] != "wait"]
+        assert collectives and all(devices == ["meta"] for _, devices in collectives), log
+        assert ("wait", datetime.timedelta(seconds=7.0)) in log
+    gloo = mw.CollectiveAllReduce(0, 2, torch.device("cpu"), timeout_s=7.0)
+    log.clear()
+    gloo.all_sum_([cpu], "sum")
+    assert log == [("all_reduce", ["cpu"]), ("wait", None)]  # gloo's own timeout applies, as before
+    both = mw.CollectiveAllReduce(0, 2, torch.device("meta"), timeout_s=7.0, backend="cpu:gloo,cuda:nccl")
+    assert both._carried(torch.ones(1)) and both._carried(torch.ones(1, device="meta"))
+    assert not gloo._carried(torch.ones(1, device="meta"))  # a tensor off the wire device travels via it
+
+
+def test_an_nccl_timeout_raised_by_the_wait_names_the_rank(monkeypatch):
+    """What a timed-out blocking wait raises becomes CollectiveTimeoutError naming this rank and the op."""
+    from mirrored.distribute import multi_worker as mw
+
+    error = dist.DistBackendError("[Rank 1] Work WorkNCCL(SeqNum=5, OpType=ALLREDUCE) timed out in blocking wait.")
+    fake_collectives(monkeypatch, error)
+    ops = mw.CollectiveAllReduce(1, 2, torch.device("cpu"), timeout_s=3.0, backend="cpu:gloo,cuda:nccl")
+    with pytest.raises(md.CollectiveTimeoutError, match=r"^rank 1 of 2: all_reduce \(gradients\) \(collective #1 "
+                                                        r"of this worker\) timed out after .* \(timeout_s=3"):
+        ops.all_sum_([torch.ones(2)], "all_reduce (gradients)")
+
+
+@pytest.mark.cuda
+def test_an_nccl_group_of_one_reduces_cpu_and_gpu_values(tmp_path):  # pragma: no cover - GPU machines only
+    """On a real NCCL group (one worker, one GPU): CPU values, GPU values, gather and broadcast come
+    back right and where they were; a plain "nccl" group (no gloo for the CPU) too."""
+    for backend in ("cpu:gloo,cuda:nccl", "nccl"):
+        done = subprocess.run([sys.executable, __file__, "nccl_of_one", str(tmp_path), backend],
+                              env={**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
+                              capture_output=True, text=True, timeout=LAUNCH_DEADLINE_S)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        res = json.loads((tmp_path / "rank0.json").read_text())
+        assert "crash" not in res, res["crash"]
+        assert res == {"sum_cpu": [[3.0], "cpu"], "sum_gpu": [[2.0, 4.0], "cuda:0"], "count": [5, "cpu"],
+                       "gather": [[1.0, 1.0], "cpu"], "broadcast": [[7.0], "cpu"], "mean_cpu": [1.5, "cpu"]}, res
 
 
 @pytest.mark.slow
@@ -592,8 +742,21 @@ def scenario_hang(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
         return {"error_type": type(e).__name__, "error": str(e), "elapsed_s": time.monotonic() - started}
 
 
+def scenario_rank0_exits(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
+    s.reduce("sum", torch.ones(1))
+    if rank == 0:  # the store's host goes without a word, once rank 1 waits in the next collective
+        time.sleep(1.0)
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        s.reduce("sum", torch.ones(2))
+        return {"error_type": None}
+    except Exception as e:  # noqa: BLE001
+        return {"error_type": type(e).__name__, "error": str(e), "elapsed_s": time.monotonic() - started}
+
+
 SCENARIOS = {"collectives": scenario_collectives, "training": scenario_training, "hang": scenario_hang,
-             "fit": scenario_fit}
+             "fit": scenario_fit, "rank0_exits": scenario_rank0_exits}
 
 
 def never_arrives() -> dict:
@@ -605,12 +768,43 @@ def never_arrives() -> dict:
 OUT_DIR = Path(".")
 
 
+def nccl_of_one(backend: str) -> dict:
+    """One worker on cuda:0 in a group of `backend`: values on the CPU and on the GPU."""
+    torch.cuda.set_device(0)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                            device_id=torch.device("cuda:0"))
+    s = md.MultiWorkerMirroredStrategy(timeout_s=COLLECTIVE_TIMEOUT_S)
+    ops = s.extended.cross_device_ops
+    out = {}
+    total = ops.all_reduce(md.ReduceOp.SUM, [torch.tensor([3.0])], "sum")[0]
+    out["sum_cpu"] = [total.tolist(), str(total.device)]
+    total = ops.all_reduce(md.ReduceOp.SUM, [torch.tensor([2.0, 4.0], device="cuda:0")], "sum")[0]
+    out["sum_gpu"] = [total.tolist(), str(total.device)]
+    n = torch.tensor([5])
+    ops.all_sum_([n], "count")
+    out["count"] = [n.item(), str(n.device)]
+    g = ops.gather(torch.ones(2), 0, "gather")
+    out["gather"] = [g.tolist(), str(g.device)]
+    b = torch.tensor([7.0])
+    ops.broadcast_([b], "broadcast")
+    out["broadcast"] = [b.tolist(), str(b.device)]
+    mean = ops.all_reduce(md.ReduceOp.MEAN, [torch.tensor(1.5)], "mean")[0]
+    out["mean_cpu"] = [mean.item(), str(mean.device)]
+    dist.destroy_process_group()
+    return out
+
+
 def _worker_main(scenario: str, out_dir: str) -> None:
     global OUT_DIR
     OUT_DIR = Path(out_dir)
     rank = int(os.environ["RANK"])
     result: dict
     try:
+        if scenario == "nccl_of_one":
+            result = nccl_of_one(sys.argv[3])
+            (OUT_DIR / f"rank{rank}.json").write_text(json.dumps(result))
+            sys.stdout.flush()
+            os._exit(0)
         if scenario == "training":  # a process group made before the strategy: the strategy joins it
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         if scenario == "never_arrives":

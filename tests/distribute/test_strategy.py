@@ -247,3 +247,26 @@ def test_new_conformance_paths_leave_no_reference_cycle():
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_replicas_run_in_the_callers_grad_and_autocast_modes():
+    """torch keeps grad and autocast modes per thread; replica threads would run with grad on and no
+    autocast whatever the caller set. As torch's DataParallel does, the caller's modes reach every
+    replica: `with torch.no_grad(): strategy.run(f)` builds no graph anywhere."""
+    s = md.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+
+    def probe():
+        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+                torch.get_autocast_dtype("cpu"))
+
+    local = s.experimental_local_results
+    assert set(local(s.run(probe))) == {(True, False, False, torch.get_autocast_dtype("cpu"))}
+    with torch.no_grad():
+        assert {r[0] for r in local(s.run(probe))} == {False}
+    with torch.inference_mode():
+        assert {r[:2] for r in local(s.run(probe))} == {(False, True)}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert {r[2:] for r in local(s.run(probe))} == {(True, torch.bfloat16)}
+        w = torch.randn(3, 3)
+        assert {t.dtype for t in local(s.run(lambda: torch.randn(2, 3) @ w))} == {torch.bfloat16}
+    assert set(local(s.run(probe))) == {(True, False, False, torch.get_autocast_dtype("cpu"))}  # nothing leaks

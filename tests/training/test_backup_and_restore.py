@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from safetensors.torch import load_file
 
 SCRIPT = textwrap.dedent('''
@@ -73,7 +75,7 @@ class _Crash(Exception):
 
 
 def _fit_in_process(backup, crash_at_batch=None, steps_per_epoch=None, schedule=False, endless=None,
-                    save_freq=2):
+                    save_freq=2, histories=None, optimizer=None):
     """Model.fit of a small net on 2 CPU replicas; raises _Crash after `crash_at_batch` batches. The
     data repeats endlessly with steps_per_epoch (unless endless=False), else it is 10 batches."""
     import torch
@@ -88,8 +90,8 @@ def _fit_in_process(backup, crash_at_batch=None, steps_per_epoch=None, schedule=
     strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     with strategy.scope():
         model = mr.Model(torch.nn.Linear(3, 2))
-        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
-                      loss="sparse_categorical_crossentropy")
+        model.compile(optimizer=optimizer or mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     rates = []
 
     class Crash(mr.callbacks.Callback):
@@ -105,9 +107,11 @@ def _fit_in_process(backup, crash_at_batch=None, steps_per_epoch=None, schedule=
     if schedule:
         callbacks.insert(0, mr.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5))
     try:
-        model.fit(ds, epochs=4, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
+        history = model.fit(ds, epochs=4, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
     except _Crash:
         return None, rates
+    if histories is not None:
+        histories.append(history.history)
     return torch.cat([p.detach().flatten() for p in model.module.parameters()]), rates
 
 
@@ -145,3 +149,30 @@ def test_a_learning_rate_a_callback_changed_is_resumed(tmp_path):
     assert _fit_in_process(tmp_path / "backup", crash_at_batch=21, schedule=True)[0] is None  # epoch 2, step 1
     got, got_rates = _fit_in_process(tmp_path / "backup", schedule=True)
     assert got_rates == want_rates[20:] and (got == want).all()
+
+
+def test_a_resumed_epoch_reports_the_metrics_of_the_uninterrupted_one(tmp_path):
+    """The backup holds the epoch's metrics so far, and the resumed epoch goes on from them (issue 13:
+    they were reset, so a resumed epoch's loss and accuracy covered only the steps after the resume)."""
+    plain, resumed = [], []
+    _fit_in_process(tmp_path / "plain", histories=plain)
+    assert _fit_in_process(tmp_path / "backup", crash_at_batch=13)[0] is None  # backed up at epoch 1, step 2
+    _fit_in_process(tmp_path / "backup", histories=resumed)
+    for key in ("loss", "accuracy"):
+        assert resumed[0][key] == pytest.approx(plain[0][key][1:], rel=1e-6), key
+
+
+def test_the_optimizer_options_resume_mid_accumulation_with_their_schedule(tmp_path):
+    """Keras 3's options carry over a backup taken half-way through a gradient accumulation: the step
+    count (which drives the schedule), each replica's accumulated gradients, the moving averages."""
+    import mirrored as mr
+
+    def optimizer():
+        schedule = mr.optimizers.schedules.PiecewiseConstantDecay([6, 14], [0.2, 0.1, 0.05])
+        return mr.optimizers.SGD(learning_rate=schedule, momentum=0.9, gradient_accumulation_steps=2, use_ema=True,
+                                 ema_momentum=0.8)
+
+    want, _ = _fit_in_process(tmp_path / "plain", optimizer=optimizer())
+    assert _fit_in_process(tmp_path / "backup", crash_at_batch=16, save_freq=3, optimizer=optimizer())[0] is None
+    got, _ = _fit_in_process(tmp_path / "backup", save_freq=3, optimizer=optimizer())  # from batch 15: odd
+    assert (got == want).all()

@@ -22,7 +22,7 @@ from mirrored.training.callbacks import (
     BackupAndRestore, Callback, CallbackList, CSVLogger, EarlyStopping, History,
     LearningRateScheduler, ModelCheckpoint, ProgbarLogger, ReduceLROnPlateau, TensorBoard,
     TerminateOnNaN)
-from mirrored.training.checkpoint import load_checkpoint, save_checkpoint
+from mirrored.training.checkpoint import save_checkpoint
 
 
 class DummyOptimizer:
@@ -39,7 +39,6 @@ class DummyModel:
         self.weights = [np.zeros(2)]
         self.calls: list[tuple] = []
         self.history = None
-        self._resume_at = None
 
     def get_weights(self):
         return [w.copy() for w in self.weights]
@@ -55,16 +54,6 @@ class DummyModel:
     def save_weights(self, path):
         self.calls.append(("save_weights", str(path)))
         Path(path).write_text("weights")
-
-    def _save_training_state(self, path, epoch, step):
-        self.calls.append(("save_state", epoch, step))
-        save_checkpoint(path, {"model/w": torch.tensor(self.weights[0])}, {"epoch": epoch, "step": step})
-
-    def _restore_training_state(self, path):
-        tensors, meta = load_checkpoint(path)
-        self.weights = [tensors["model/w"].numpy()]
-        self.calls.append(("restore_state", meta["epoch"], meta["step"]))
-        return meta["epoch"], meta["step"]
 
 
 def _begin(callback: Callback, model: DummyModel | None = None, **params) -> DummyModel:
@@ -265,9 +254,8 @@ def test_reduce_lr_rejects_bad_arguments_and_models_without_optimizer():
     rlr = ReduceLROnPlateau()
     model = DummyModel()
     model.optimizer = None
-    _begin(rlr, model)
-    with pytest.raises(RuntimeError, match="compile"):
-        rlr.on_epoch_end(0, {"val_loss": 1.0})
+    with pytest.raises(RuntimeError, match="compile"):  # at the start of fit, not after the first epoch
+        _begin(rlr, model)
 
 
 def test_learning_rate_scheduler_two_and_one_argument_schedules():
@@ -806,68 +794,109 @@ def test_tensorboard_event_accumulator_reads_our_files(tmp_path):
 # BackupAndRestore
 
 
-def _backup_fit(callback: BackupAndRestore, model: DummyModel, epochs: int, steps: int,
+class BackupModel(torch.nn.Module):
+    """What BackupAndRestore asks of a Model: the model itself (a trackable), its metrics, and fit's
+    EpochIterator; each step adds 1 to its one weight, so the weights count the steps trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.metrics: list = []
+        self.calls: list[tuple] = []
+        self._epoch_iterator = None
+
+
+class SpyBackup(BackupAndRestore):
+    """Records where fit was (the EpochIterator's epoch and step) at each backup."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.saves: list[tuple[int, int]] = []
+
+    def _backup(self) -> None:
+        super()._backup()
+        state = self.model._epoch_iterator.get_state()
+        self.saves.append((state["epoch"], state["step"]))
+
+
+def _backup_fit(callback: BackupAndRestore, model: BackupModel, epochs: int, steps: int,
                 crash_at: tuple[int, int] | None = None) -> None:
-    """A fit() loop as Model.fit runs it, optionally dying before step crash_at=(epoch, batch)."""
-    model._resume_at = None
+    """A fit() loop as Model.fit runs it over `steps` batches an epoch, optionally dying before step
+    crash_at=(epoch, batch)."""
+    from mirrored.training.epochs import EpochIterator
+
+    import mirrored as mr
+
+    batches = [torch.full((1, 1), float(i)) for i in range(steps)]
+    model._epoch_iterator = it = EpochIterator(mr.OneDeviceStrategy("cpu:0").experimental_distribute_dataset(batches))
     callback.set_model(model)
     callback.on_train_begin({})
-    start_epoch, skip = model._resume_at or (0, 0)
-    for epoch in range(start_epoch, epochs):
+    for epoch in it.epochs(epochs):
         callback.on_epoch_begin(epoch)
-        for batch in range(skip, steps):
+        for batch, group in it.steps():
             if (epoch, batch) == crash_at:
                 return  # the process dies: no on_train_end
+            assert float(group[0][0]) == batch  # the data resumes at the step fit resumes at
             model.calls.append(("step", epoch, batch))
+            with torch.no_grad():
+                model.w += 1
             callback.on_train_batch_end(batch, {"loss": 1.0})
-        skip = 0
+        it.end_epoch()
         callback.on_epoch_end(epoch, {"loss": 1.0})
     callback.on_train_end({})
 
 
 def test_backup_saves_each_epoch_and_deletes_after_success(tmp_path):
     backup = tmp_path / "backup"
-    model = DummyModel()
-    _backup_fit(BackupAndRestore(backup), model, epochs=2, steps=2)
-    assert [c for c in model.calls if c[0] != "step"] == [("save_state", 1, 0), ("save_state", 2, 0)]
+    callback = SpyBackup(backup)
+    _backup_fit(callback, BackupModel(), epochs=2, steps=2)
+    assert callback.saves == [(1, 0), (2, 0)]  # at each epoch's end: the next epoch, none of its steps done
     assert not backup.exists()
 
 
 def test_backup_restores_after_a_crash_and_resumes_at_the_next_epoch(tmp_path):
     backup = tmp_path / "backup"
-    first = DummyModel()
+    first = BackupModel()
     _backup_fit(BackupAndRestore(backup), first, epochs=3, steps=2, crash_at=(1, 1))
     assert (backup / "training_state.safetensors").exists()
 
-    second = DummyModel()
-    _backup_fit(BackupAndRestore(backup), second, epochs=3, steps=2)
-    assert second.calls[0] == ("restore_state", 1, 0)
-    assert second.calls[1] == ("step", 1, 0)  # epoch 0 is not run again
-    assert second.calls[-1] == ("save_state", 3, 0)
+    second, callback = BackupModel(), SpyBackup(backup)
+    _backup_fit(callback, second, epochs=3, steps=2)
+    assert second.calls[0] == ("step", 1, 0)  # epoch 0 is not run again
+    assert second.w.item() == 2 + 4  # the weights of the backup (2 steps), then 4 more steps
+    assert callback.saves[-1] == (3, 0)
     assert not backup.exists()
 
 
 def test_backup_every_n_steps_resumes_inside_an_epoch(tmp_path):
     backup = tmp_path / "backup"
-    first = DummyModel()
-    _backup_fit(BackupAndRestore(backup, save_freq=2), first, epochs=2, steps=3, crash_at=(1, 1))
-    saves = [c for c in first.calls if c[0] == "save_state"]
-    assert saves == [("save_state", 0, 2), ("save_state", 1, 1)]  # step 4 overall = epoch 1, 1 step in
+    first = SpyBackup(backup, save_freq=2)
+    _backup_fit(first, BackupModel(), epochs=2, steps=3, crash_at=(1, 1))
+    assert first.saves == [(0, 2), (1, 1)]  # step 4 overall = epoch 1, 1 step in
 
-    second = DummyModel()
-    _backup_fit(BackupAndRestore(backup, save_freq=2), second, epochs=2, steps=3)
-    assert second.calls[:2] == [("restore_state", 1, 1), ("step", 1, 1)]
-    assert ("save_state", 1, 3) in second.calls  # 2 more steps since the restored save
+    second_model, second = BackupModel(), SpyBackup(backup, save_freq=2)
+    _backup_fit(second, second_model, epochs=2, steps=3)
+    assert second_model.calls[0] == ("step", 1, 1)
+    assert second_model.w.item() == 4 + 2
+    assert second.saves[0] == (1, 3)  # 2 more steps since the restored save
 
 
 def test_backup_keeps_the_file_with_delete_checkpoint_false_and_never_removes_user_files(tmp_path):
     backup = tmp_path / "backup"
-    model = DummyModel()
-    _backup_fit(BackupAndRestore(backup, delete_checkpoint=False), model, epochs=1, steps=1)
+    _backup_fit(BackupAndRestore(backup, delete_checkpoint=False), BackupModel(), epochs=1, steps=1)
     assert (backup / "training_state.safetensors").exists()
     (backup / "notes.txt").write_text("mine")
-    _backup_fit(BackupAndRestore(backup), DummyModel(), epochs=1, steps=1)
+    _backup_fit(BackupAndRestore(backup), BackupModel(), epochs=1, steps=1)
     assert sorted(os.listdir(backup)) == ["notes.txt"]
+
+
+def test_backup_of_another_run_is_refused_with_what_to_do(tmp_path):
+    backup = tmp_path / "backup"
+    _backup_fit(BackupAndRestore(backup), BackupModel(), epochs=2, steps=2, crash_at=(1, 0))
+    other = BackupModel()
+    other.extra = torch.nn.Linear(2, 2)  # another model: weights the backup does not hold
+    with pytest.raises(AssertionError, match=r"BackupAndRestore: cannot resume .*delete it to start afresh"):
+        _backup_fit(BackupAndRestore(backup), other, epochs=2, steps=2)
 
 
 def test_backup_needs_a_mirrored_model(tmp_path):

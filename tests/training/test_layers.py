@@ -399,3 +399,77 @@ def test_model_with_sync_batchnorm_on_nhwc_images_under_bf16():
         torch.testing.assert_close(model.module.state_dict()[key], want, rtol=5e-3, atol=2e-3,
                                    msg=lambda m: f"{key}: {m}")
     model.check_in_sync()
+
+
+def _as_the_cuda_kernel_checks(real):
+    """native_batch_norm_backward with the CUDA kernel's preconditions, which the CPU kernel skips:
+    save_mean and save_invstd defined (an internal assert there), and a defined weight whenever the
+    weight gradient is asked for (it is allocated from the weight's options)."""
+    def checked(dy, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask):
+        if save_mean is None or save_invstd is None:
+            raise RuntimeError("save_mean should always be defined (the CUDA kernel's assert)")
+        if (mask[1] or mask[2]) and weight is None:
+            raise RuntimeError("the CUDA kernel sizes grad_weight from an undefined weight")
+        if not train and (running_mean is None or running_var is None) and save_mean.numel() == 0:
+            raise RuntimeError("eval-mode backward without running statistics")
+        return real(dy, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask)
+    return checked
+
+
+@pytest.mark.parametrize("kind", ["conv", "mlp"])  # the mlp's last BatchNorm has affine=False
+def test_backward_meets_the_cuda_kernels_preconditions(kind, monkeypatch):
+    """Issue 19: the backward passed save_mean=None/save_invstd=None (the CUDA kernel asserts) and,
+    with affine=False, asked for the gradient of an undefined weight. With the kernel call checked
+    as CUDA checks it, 2 replicas still match one BatchNorm on the whole batch."""
+    monkeypatch.setattr(torch.ops.aten, "native_batch_norm_backward",
+                        _as_the_cuda_kernel_checks(torch.ops.aten.native_batch_norm_backward))
+    net = _conv_net() if kind == "conv" else _mlp()
+    ref = copy.deepcopy(net)
+    batches = _batches(kind)
+    want_out, want_grad = _reference(ref, batches)
+    strategy, mnet, _, got_out, got_grad = _mirrored(net, batches, 2)
+    for got, want in zip(got_out, want_out):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    for got, want in zip(got_grad, want_grad):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=GRAD_ATOL)
+    for key, want in ref.state_dict().items():
+        torch.testing.assert_close(mnet.replicas[0].state_dict()[key], want, rtol=RTOL, atol=ATOL)
+    strategy.check_in_sync(mnet)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("affine", [True, False])
+def test_sync_batchnorm_on_cuda_matches_batchnorm(affine):  # pragma: no cover - GPU machines only
+    """On the CUDA kernels, a GPU replica and a CPU replica (one GPU suffices) match one BatchNorm on
+    the whole batch: outputs, input and parameter gradients, running statistics."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(4, affine=affine).cuda()
+    ref = copy.deepcopy(bn)
+    x = (torch.randn(8, 4, 5, 5, device="cuda") * 2 + 3).to(memory_format=torch.channels_last)
+    dy = torch.randn(8, 4, 5, 5, device="cuda")
+    xr = x.clone().requires_grad_()
+    want_out = ref(xr)
+    want_out.backward(dy)
+    strategy = mr.MirroredStrategy(devices=["cuda:0", "cpu:0"])
+    with strategy.scope():
+        mbn = strategy.mirror(convert_sync_batchnorm(bn))
+    devices = [torch.device("cuda:0"), torch.device("cpu")]
+
+    def step():
+        r = mr.get_replica_context().replica_id_in_sync_group
+        xb = x[4 * r:4 * r + 4].to(devices[r]).requires_grad_()
+        out = mbn(xb)
+        out.backward(dy[4 * r:4 * r + 4].to(devices[r]))
+        return out.detach(), xb.grad
+
+    out, grad = strategy.run(step)
+    assert [o.device for o in out.values] == devices
+    torch.testing.assert_close(torch.cat([o.cpu() for o in out.values]), want_out.detach().cpu(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat([g.cpu() for g in grad.values]), xr.grad.cpu(), rtol=1e-4, atol=1e-5)
+    for replica in mbn.replicas:
+        for key, want in ref.state_dict().items():
+            torch.testing.assert_close(replica.state_dict()[key].cpu(), want.cpu(), rtol=1e-5, atol=1e-6)
+    if affine:  # each replica holds the gradient of its own part (no optimizer step all-reduced them)
+        for name in ("weight", "bias"):
+            total = sum(getattr(m, name).grad.cpu() for m in mbn.replicas)
+            torch.testing.assert_close(total, getattr(ref, name).grad.cpu(), rtol=1e-4, atol=1e-4)

@@ -144,7 +144,7 @@ def test_label_out_of_range_names_the_replica():
     labels = torch.zeros(16, dtype=torch.long)
     labels[15] = 5
     with in_replica(1, 2), pytest.raises(ValueError) as err:
-        SparseCategoricalCrossentropy()(labels, logits)
+        SparseCategoricalCrossentropy(reduction="sum")(labels, logits)
     assert str(err.value) == (
         "sparse_categorical_crossentropy: label 5 (example 15 of replica 1's batch) is outside [0, 5) for logits "
         "of shape (16, 5). Labels are class ids 0..4: check the dataset's num_classes and the model's num_classes=."
@@ -424,3 +424,94 @@ def test_under_a_real_strategy(batch):
     with pytest.raises(ValueError, match=r"label 7 \(example 3 of replica 1's batch\) is outside \[0, 5\)"):
         strategy.run(step, args=parts)
     del strategy
+
+
+# --- the custom-loop footgun (issue 13) -----------------------------------------------------------------
+
+def test_a_mean_loss_in_strategy_run_on_several_replicas_warns_once_naming_the_fix(batch):
+    """TF 2.21 (Keras 3) gives an N-times update silently here: each replica averages over its own part
+    and the optimizer sums the replicas' gradients. The warning comes once per loss object."""
+    logits, labels, _ = batch
+    loss = SparseCategoricalCrossentropy()
+    with in_replica(0, 2), pytest.warns(UserWarning) as record:
+        loss(labels, logits)
+        loss(labels, logits)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "2 replicas" in message and "2 times too large" in message
+    assert 'reduction="none" and mr.losses.compute_average_loss' in message and 'reduction="sum"' in message
+    assert record[0].filename == __file__  # points at the caller's line
+
+
+@pytest.mark.parametrize("case", ["reduction none", "reduction sum", "one replica", "outside run", "per_example"])
+def test_no_replica_mean_warning_where_the_sum_is_right(batch, case):
+    logits, labels, _ = batch
+    reduction = {"reduction none": "none", "reduction sum": "sum"}.get(case, "sum_over_batch_size")
+    loss = MeanSquaredError(reduction=reduction) if case != "per_example" else MeanSquaredError()
+    target = torch.zeros_like(logits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if case == "outside run":
+            with in_cross_replica():
+                loss(target, logits)
+            loss(target, logits)
+        elif case == "per_example":
+            with in_replica(1, 2):
+                loss.per_example(target, logits)
+        else:
+            with in_replica(0, 1 if case == "one replica" else 3):
+                loss(target, logits)
+
+
+def test_fit_never_triggers_the_replica_mean_warning():
+    """fit takes per-example losses and divides by the global batch itself (issue 13)."""
+    import mirrored as mr
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 4, generator=g), torch.randint(0, 3, (12,), generator=g)
+    with mr.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+        model = mr.Model(nn.Linear(4, 3))
+        model.compile(optimizer="sgd", loss=SparseCategoricalCrossentropy(), metrics=["accuracy"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.fit(x, y, batch_size=6, epochs=1, verbose=0, validation_data=(x, y))
+        model.evaluate(x, y, batch_size=6, verbose=0)
+
+
+# --- configs (issue 13) ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("loss", [
+    SparseCategoricalCrossentropy(from_logits=False, ignore_class=2, axis=1, reduction="sum", name="sce"),
+    CategoricalCrossentropy(label_smoothing=0.1), BinaryCrossentropy(from_logits=False, label_smoothing=0.2),
+    MeanSquaredError(reduction="none"), MeanAbsoluteError(name="l1"), losses.get(losses.mean_absolute_error),
+], ids=lambda loss: type(loss).__name__)
+def test_configs_round_trip_through_json_and_compute_the_same(loss, batch):
+    import json
+
+    logits, labels, weights = batch
+    config = json.loads(json.dumps(losses.serialize(loss)))
+    again = losses.deserialize(config)
+    assert type(again) is type(loss) and again.get_config() == loss.get_config()
+    assert losses.get(config).get_config() == loss.get_config()
+    y_true, y_pred = torch.zeros_like(logits), logits
+    if isinstance(loss, SparseCategoricalCrossentropy):
+        y_true, y_pred = labels, torch.softmax(logits, dim=1)
+    elif isinstance(loss, CategoricalCrossentropy):
+        y_true = F.one_hot(labels, 5).float()
+    elif isinstance(loss, BinaryCrossentropy):
+        y_true, y_pred = F.one_hot(labels, 5).float(), torch.sigmoid(logits)
+    close(again(y_true, y_pred, weights), loss(y_true, y_pred, weights), rtol=0, atol=0)
+
+
+def test_losses_without_a_config_say_so_and_unknown_classes_are_refused():
+    assert losses.serialize(losses.get(lambda y_true, y_pred: (y_pred - y_true).abs())) is None
+    assert losses.serialize(losses.get(nn.CrossEntropyLoss())) is None
+
+    class Mine(MeanSquaredError):
+        pass
+
+    assert losses.serialize(Mine()) is None  # a subclass is not ours: it might compute something else
+    with pytest.raises(ValueError, match=r"unknown class 'Mine'.*Only mirrored's own classes"):
+        losses.deserialize({"class_name": "Mine", "config": {}})
+    with pytest.raises(ValueError, match="fn='print' is not one of"):
+        losses.deserialize({"class_name": "LossFunctionWrapper", "config": {"fn": "print"}})

@@ -494,3 +494,45 @@ def test_accuracy_skips_nan_scores_as_tf_argmax_does():
     m = SparseCategoricalAccuracy()
     m.update_state(torch.tensor([2, 1]), torch.tensor([[0.1, float("nan"), 0.5], [0.9, 0.2, 0.1]]))
     approx(m.result(), 0.5)
+
+
+# --- configs (issue 13) ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("metric", [
+    metrics.Accuracy(name="acc"), metrics.SparseCategoricalAccuracy(), metrics.CategoricalAccuracy(name="cat"),
+    metrics.BinaryAccuracy(threshold=0.3, from_logits=True), metrics.SparseTopKCategoricalAccuracy(k=2),
+    metrics.Precision(thresholds=0.4, from_logits=True), metrics.Recall(thresholds=0.6),
+    metrics.AUC(num_thresholds=50, curve="PR", summation_method="majoring"), metrics.Mean(name="m"),
+    metrics.Sum(), metrics.get("accuracy"), metrics.MeanMetricWrapper(metrics.sparse_categorical_accuracy),
+], ids=lambda m: type(m).__name__)
+def test_configs_round_trip_through_json_and_measure_the_same(metric, classification):
+    """get_config holds the settings, not the state: the rebuilt metric starts empty and, fed the same
+    batches, reports what the original reports."""
+    import json
+
+    logits, labels = torch.as_tensor(classification[0]), torch.as_tensor(classification[1])
+    config = json.loads(json.dumps(metrics.serialize(metric)))
+    again = metrics.deserialize(config)
+    assert type(again) is type(metric) and again.get_config() == metric.get_config()
+    assert metrics.get(config).get_config() == metric.get_config()
+    binary_labels, scores = (labels % 2).float(), logits[:, 0]
+    args = {metrics.Accuracy: (labels, logits.argmax(dim=1)),
+            metrics.CategoricalAccuracy: (torch.nn.functional.one_hot(labels, logits.shape[1]).float(), logits),
+            metrics.BinaryAccuracy: (binary_labels, scores), metrics.Precision: (binary_labels, scores),
+            metrics.Recall: (binary_labels, torch.sigmoid(scores)), metrics.AUC: (binary_labels, torch.sigmoid(scores)),
+            metrics.Mean: (scores,), metrics.Sum: (scores,)}.get(type(metric), (labels, logits))
+    metric.reset_state()
+    for m in (metric, again):
+        m.update_state(*args)
+    assert float(again.result()) == float(metric.result())
+
+
+def test_metrics_without_a_config_say_so_and_unknown_functions_are_refused():
+    assert metrics.serialize(metrics.MeanMetricWrapper(lambda y_true, y_pred: y_pred)) is None
+
+    class Mine(metrics.Mean):
+        pass
+
+    assert metrics.serialize(Mine()) is None
+    with pytest.raises(ValueError, match="fn='eval' is not one of"):
+        metrics.deserialize({"class_name": "MeanMetricWrapper", "config": {"fn": "eval", "name": "x"}})

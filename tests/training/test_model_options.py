@@ -145,7 +145,7 @@ def test_torch_optimizers_and_loss_modules_train_like_the_reference(case):
     _assert_weights_match(model, ref)  # Adam too: measured within 1.2e-7 relative
     np.testing.assert_allclose(history.history["loss"], want, rtol=1e-6)
     if case == "sgd instance":
-        assert all(type(opt) is torch.optim.SGD and opt.param_groups[0]["momentum"] == 0.9
+        assert all(isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.9
                    for opt in model._mopt.replicas)
 
 
@@ -451,14 +451,27 @@ def test_load_rebuilds_an_mr_models_network_without_module(tmp_path):
 
 
 def test_load_never_rebuilds_a_loss_object_with_other_settings(tmp_path):
-    """A loss or metric passed as an object is recorded by its repr only. Load used to rebuild the
-    loss by name with default settings (from_logits=False came back as True) and metrics with default
-    thresholds; now a loss object is an error that says to load with compile=False, and metric
-    objects are left out with a warning."""
+    """Load used to rebuild a loss object by name with default settings (from_logits=False came back as
+    True) and metrics with default thresholds. Objects with a config now come back with their settings
+    (issue 13); one without a config (a class of the user's) is an error that says to load with
+    compile=False, and such metrics are left out with a warning."""
     path = tmp_path / "model.safetensors"
     with _strategy().scope():
         model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=10))
-        model.compile(loss=mr.losses.SparseCategoricalCrossentropy(from_logits=False))
+        model.compile(loss=mr.losses.SparseCategoricalCrossentropy(from_logits=False),
+                      metrics=["accuracy", mr.metrics.Precision(thresholds=0.3)])
+    model.save(path)
+    with _strategy().scope():
+        loaded = mr.Model.load(path)
+    assert loaded._loss.from_logits is False and loaded._metrics[1].thresholds == 0.3
+
+    class MyLoss(mr.losses.SparseCategoricalCrossentropy):
+        pass
+
+    class MyMetric(mr.metrics.Mean):
+        pass
+
+    model.compile(loss=MyLoss(from_logits=False))
     model.save(path)
     with _strategy().scope(), pytest.raises(ValueError, match=r"from_logits=False.*Load with compile=False"):
         mr.Model.load(path)
@@ -466,9 +479,9 @@ def test_load_never_rebuilds_a_loss_object_with_other_settings(tmp_path):
         loaded = mr.Model.load(path, compile=False)
     for a, b in zip(loaded.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
-    model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy", mr.metrics.Precision(thresholds=0.3)])
+    model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy", MyMetric(name="mine")])
     model.save(path)
-    with _strategy().scope(), pytest.warns(UserWarning, match=r"metrics Precision\(.*compiled without them"):
+    with _strategy().scope(), pytest.warns(UserWarning, match=r"metrics MyMetric\(.*compiled without them"):
         loaded = mr.Model.load(path)
     assert [m.name for m in loaded.metrics] == ["loss", "accuracy"]
 

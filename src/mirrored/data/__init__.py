@@ -1,8 +1,13 @@
-"""mirrored.data: input pipelines with the tf.data API (Dataset) on torch tensors."""
+"""mirrored.data: input pipelines with the tf.data API (Dataset) on torch tensors.
+
+`mr.data.images` (decode, resize, convert) and `mr.data.tfrecord` (TFRecord files and
+tf.train.Example, without TensorFlow) are submodules, importable as attributes of this package."""
+from mirrored.data import images as images
+from mirrored.data import tfrecord as tfrecord
 from mirrored.data.dataset import AUTOTUNE as AUTOTUNE
 from mirrored.data.dataset import INFINITE_CARDINALITY as INFINITE_CARDINALITY
 from mirrored.data.dataset import UNKNOWN_CARDINALITY as UNKNOWN_CARDINALITY
 from mirrored.data.dataset import Dataset as Dataset
 from mirrored.data.dataset import TensorSpec as TensorSpec
 
-# The lead adds the re-exports of images.py and tfrecord.py (written by another engineer) here.
+__all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "TensorSpec", "images", "tfrecord"]

@@ -2,14 +2,18 @@
 
 `plan(tensors, bytes_per_pack)` groups tensors of one dtype and device, in order, into buckets of
 at most `bytes_per_pack` bytes (a tensor larger than that gets a bucket of its own); `pack` copies
-them into one flat buffer and `unpack` hands back views of it. A `Layout` is the plan for tensors
-of one signature (which are packed, which are read where they lie); its `buffers()` can be kept
-and reused step after step, so a training step allocates nothing. Uses torch only.
+them into one flat buffer on the device of the tensors it is given (a plan made from one replica's
+tensors serves the others, each on its own device), and `unpack` hands back views of it. A
+`Layout` is the plan for tensors of one signature (which are packed, which are read where they
+lie); each replica makes its own from its own tensors, so its buffers lie on its device. Its
+`buffers()` can be kept and reused step after step, so a training step allocates nothing. Uses
+torch only.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,13 +36,16 @@ class Bucket:
         self.offsets.append(self.numel)
         self.numel += tensor.numel()
 
-    def new_buffer(self) -> Tensor:
-        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+    def new_buffer(self, device: torch.device | None = None) -> Tensor:
+        """An uninitialised flat buffer for this bucket, on `device` (the planned one when None)."""
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device if device is None else device)
 
     def pack(self, tensors: Sequence[Tensor | None], out: Tensor | None = None) -> Tensor:
-        """Copies this bucket's tensors into `out` (a new buffer when None) and returns it."""
+        """Copies this bucket's tensors into `out` and returns it. A new buffer (out=None) lies on the
+        device of the tensors packed, not the planned one: a plan made from replica 0's tensors packs
+        replica 1's on replica 1's device (NCCL needs one buffer per GPU)."""
         if out is None:
-            out = self.new_buffer()
+            out = self.new_buffer(tensors[self.indices[0]].device if self.indices else None)
         for i, off in zip(self.indices, self.offsets):
             t = tensors[i]
             n = t.numel()
@@ -61,14 +68,17 @@ def _shaped(flat: Tensor, shape: Sequence[int]) -> Tensor:
     return flat.view(*shape) if shape else flat.view(())
 
 
-def plan(tensors: Sequence[Tensor | None], bytes_per_pack: int) -> list[Bucket]:
-    """Buckets for `tensors` (None entries are left out), at most `bytes_per_pack` bytes each."""
-    open_buckets: dict[tuple[torch.dtype, torch.device], Bucket] = {}
+def plan(tensors: Sequence[Tensor | None], bytes_per_pack: int,
+         groups: Sequence[Hashable] | None = None) -> list[Bucket]:
+    """Buckets for `tensors` (None entries are left out), at most `bytes_per_pack` bytes each.
+    `groups[i]`, when given, also keeps tensors of different groups apart (a plan for several
+    replicas groups by every replica's device of tensor i, so no bucket mixes devices anywhere)."""
+    open_buckets: dict[tuple[Any, ...], Bucket] = {}
     done: list[Bucket] = []
     for i, t in enumerate(tensors):
         if t is None:
             continue
-        key = (t.dtype, t.device)
+        key = (t.dtype, t.device) if groups is None else (t.dtype, t.device, groups[i])
         b = open_buckets.get(key)
         size = t.numel() * t.element_size()
         if b is not None and b.numel and (b.numel * t.element_size() + size) > bytes_per_pack:
@@ -89,7 +99,8 @@ def signature(tensors: Sequence[Tensor | None]) -> tuple:
 class Layout:
     """Where the tensors of one signature travel: small ones packed into flat buckets, ones of
     `direct_numel` elements or more read where they lie (packing them would only copy). Holds no
-    buffers: `buffers()` makes a set, which the caller may keep and reuse step after step."""
+    buffers: `buffers()` makes a set, which the caller may keep and reuse step after step, on the
+    devices of the tensors the layout was made from."""
 
     def __init__(self, tensors: Sequence[Tensor | None], bytes_per_pack: int, direct_numel: int):
         small = [t if t is not None and t.numel() < direct_numel else None for t in tensors]

@@ -5,8 +5,9 @@ tree over device pairs; `NcclAllReduce` calls NCCL across GPUs; `InMemoryAllRedu
 CPU replicas, sums straight into the replicas' output buffers on all cores, allocating nothing.
 The public `reduce` and `batch_reduce` (cross-replica context, on PerReplica values) validate once
 and call `_all_sum`; `all_reduce` is what replica threads call from inside a step, and it writes
-the results through `_reduce_into`. Uses devices.py, values.py, replicas.py (Rendezvous) and
-buckets.py.
+the results through `_reduce_into`. Each replica's tensors stay on its device: packed buffers,
+what NCCL receives (one buffer per GPU) and the results. Uses devices.py, values.py, replicas.py
+(Rendezvous) and buckets.py.
 """
 from __future__ import annotations
 
@@ -121,8 +122,11 @@ class CrossDeviceOps:
         return Mirrored([reduced[min(i, len(reduced) - 1)].to(torch_device(d)) for i, d in enumerate(devices)])
 
     def _sum_packed(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
-        """`_all_sum` over buckets instead of tensor by tensor."""
-        plan = buckets.plan(per_replica[0], self.bytes_per_pack)
+        """`_all_sum` over buckets instead of tensor by tensor. Each replica packs into buffers on its
+        own device, so each gets its results there (and NCCL gets one buffer per GPU); a bucket
+        holds tensors that lie on one device in every replica."""
+        devices = [tuple(lst[j].device for lst in per_replica) for j in range(len(per_replica[0]))]
+        plan = buckets.plan(per_replica[0], self.bytes_per_pack, groups=devices)
         flats = [[b.pack(tensors) for b in plan] for tensors in per_replica]
         summed_flats = self._all_sum(flats)
         out: list[list[Tensor | None]] = []
@@ -228,7 +232,11 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
 
 
 class NcclAllReduce(CrossDeviceOps):
-    """All-reduce across GPUs with NCCL (torch.cuda.nccl), one call per bucket."""
+    """All-reduce across GPUs with NCCL (torch.cuda.nccl), one call per bucket.
+
+    NCCL takes one CUDA tensor per distinct GPU. Where a reduction's tensors are not that (a
+    PerReplica of CPU values given to strategy.reduce, a dtype NCCL lacks) it sums them as
+    HierarchicalCopyAllReduce does instead, so every result still lands on its replica's device."""
 
     def __init__(self, num_packs: int = 1, bytes_per_pack: int = 25 * 2**20):
         super().__init__(bytes_per_pack)
@@ -249,12 +257,46 @@ class NcclAllReduce(CrossDeviceOps):
                              "Use HierarchicalCopyAllReduce() instead.")
 
     def _all_sum(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
+        out = [[t.clone() for t in lst] for lst in per_replica]
+        self._nccl_sum(out, out)
+        return out
+
+    def _reduce_into(self, inputs: list[list[Tensor]], outputs: list[list[Tensor]], reduce_op: ReduceOp) -> None:
+        # NCCL writes each replica's output on its own GPU: no copies (in place where, as for
+        # gradients, the outputs are the inputs).
+        self._nccl_sum(inputs, outputs)
+        if reduce_op is ReduceOp.MEAN:  # floats only: the strategy sums integers and divides into float64
+            n = len(inputs)
+            for outs in outputs:
+                for out in outs:
+                    out.div_(n)
+
+    @staticmethod
+    def _nccl_sum(inputs: list[list[Tensor]], outputs: list[list[Tensor]]) -> None:
+        """outputs[r][j] = sum over r of inputs[r][j]; NCCL where column j suits it, else a tree."""
         import torch.cuda.nccl as nccl
 
-        out = [[t.clone() for t in lst] for lst in per_replica]
-        for column in zip(*out):
-            nccl.all_reduce(list(column))
-        return out
+        for j, column in enumerate(zip(*inputs)):
+            outs = [lst[j] for lst in outputs]
+            if nccl_can_reduce(column):
+                nccl.all_reduce(list(column), outs)
+            else:
+                sums = HierarchicalCopyAllReduce()._all_sum([[t] for t in column])
+                for out, total in zip(outs, sums):
+                    out.copy_(total[0])
+
+
+_NCCL_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+                          torch.int8, torch.uint8})
+
+
+def nccl_can_reduce(column: Sequence[Tensor]) -> bool:
+    """Whether torch.cuda.nccl.all_reduce takes these tensors: one dense contiguous CUDA tensor per
+    distinct GPU, of one dtype NCCL sums."""
+    devices = [t.device for t in column]
+    return (all(d.type == "cuda" for d in devices) and len(set(devices)) == len(devices)
+            and all(t.dtype == column[0].dtype and t.dtype in _NCCL_DTYPES and t.is_contiguous()
+                    and t.layout == torch.strided for t in column))
 
 
 class InMemoryAllReduce(CrossDeviceOps):

@@ -212,6 +212,46 @@ class DistributedIterator:
         return Optional.empty() if batch is _END else Optional.from_value(batch)
 
 
+    # ---- resuming (mr.train.Checkpoint, Model.fit's BackupAndRestore) --------------------------------
+    def get_state(self) -> dict[str, Any]:
+        """Where this iterator is, as JSON: the dataset's get_state() from before this pass began (None for
+        a dataset without one) and the batches handed out since. Take it between steps."""
+        _, pass_state = getattr(self, "_resume", (None, None))
+        return {"dataset": pass_state, "drawn": self._step}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continues where get_state() was taken, on an iterator of the same dataset (in another process
+        too): restores the dataset's state, starts the pass again and reads past the batches already
+        handed out. A dataset without get_state()/set_state() is re-read from its start."""
+        if getattr(self, "_resume", None) is None:
+            raise TypeError("DistributedIterator.set_state: only an iterator of strategy.experimental_distribute_"
+                            "dataset(...) can be restored.")
+        if not isinstance(state, dict) or not isinstance(state.get("drawn"), int) or state["drawn"] < 0:
+            raise ValueError(f"DistributedIterator.set_state: expected the dict get_state() returned, got "
+                             f"{state!r:.200}.")
+        dataset, _ = self._resume
+        if isinstance(dataset, Iterator):
+            raise ValueError(f"DistributedIterator.set_state: the dataset is a one-shot iterator "
+                             f"({type(dataset).__name__}), which cannot be read again from its start; distribute "
+                             "a dataset that can be iterated again (an mr.data.Dataset, a list) to restore it.")
+        if state.get("dataset") is not None:
+            if not hasattr(dataset, "set_state"):
+                raise ValueError(f"DistributedIterator.set_state: the state holds a dataset state, but this "
+                                 f"iterator's dataset ({type(dataset).__name__}) has no set_state(); restore into an "
+                                 "iterator of the same dataset.")
+            dataset.set_state(state["dataset"])
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+        self._resume = (dataset, state.get("dataset"))
+        self._source, self._ahead = iter(dataset), []
+        for i in range(state["drawn"]):
+            if next(self._source, _END) is _END:
+                raise ValueError(f"DistributedIterator.set_state: the state is {state['drawn']} batches into the "
+                                 f"pass, but the dataset ran out after {i}; restore into an iterator of the same "
+                                 "dataset.")
+        self._step = state["drawn"]
+
 class Optional:
     """A value that may be missing (tf.experimental.Optional): `has_value()`, then `get_value()`."""
 
@@ -293,7 +333,12 @@ class DistributedDataset:
         self._options = options
 
     def __iter__(self) -> DistributedIterator:
-        return DistributedIterator(self._strategy, self._passes.start(), self._options)
+        # The dataset's state before a pass starts is where DistributedIterator.get_state() resumes.
+        source = self._passes.source
+        pass_state = source.get_state() if hasattr(source, "get_state") else None
+        it = DistributedIterator(self._strategy, self._passes.start(), self._options)
+        it._resume = (source, pass_state)
+        return it
 
     def __len__(self) -> int:
         """The number of global batches, where the dataset knows it (see cardinality())."""

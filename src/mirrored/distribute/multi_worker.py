@@ -8,11 +8,18 @@ without it the strategy is a single worker, as TF's is without TF_CONFIG. TF_CON
 used to join workers: one naming several tasks, without RANK, is refused with the torchrun launch
 that would join them, rather than letting every task train alone as rank 0.
 
-`CollectiveAllReduce` does the talking (gloo on CPU, NCCL on GPU): the gradient all-reduce of a
-mirrored optimizer (flat buckets, one collective each), `ReplicaContext.all_reduce`, and the
-cross-replica `reduce`, `gather` and `check_in_sync`. Every worker must make the same collective
-calls in the same order, as with DDP. A collective that fails or times out raises an error naming
-this rank, the op and, when the rendezvous store can tell, the ranks that did not arrive.
+`CollectiveAllReduce` does the talking: the gradient all-reduce of a mirrored optimizer (flat
+buckets, one collective each), `ReplicaContext.all_reduce`, and the cross-replica `reduce`,
+`gather` and `check_in_sync`. CPU workers use gloo; GPU workers a "cpu:gloo,cuda:nccl" group, so
+CUDA tensors go by NCCL and CPU values (a count made with torch.tensor(len(y))) by gloo; in a group
+that has no backend for a tensor's device (a user's plain "nccl" group) it travels through a copy on
+the worker's device and back. Every worker must make the same collective calls in the same order,
+as with DDP. A collective that fails or times out raises an error naming this rank, the op and,
+when the rendezvous store can tell, the ranks that did not arrive (when the store itself is gone,
+rank 0, its host). On NCCL, whose plain wait() does not block the host, every wait is given
+`timeout_s`, which blocks it and raises that error in the caller; NCCL's watchdog, which would
+instead abort the process with torch's own message, is given _WATCHDOG_GRACE_S more (in a group
+the user made, its own timeout applies to the watchdog).
 Builds on strategy.py (the Strategy it subclasses) and the rest of distribute/, and torch.distributed.
 """
 from __future__ import annotations
@@ -26,7 +33,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,10 +51,11 @@ from mirrored.distribute.values import Mirrored, ReduceOp
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 _DEFAULT_BYTES_PER_PACK = 25 * 2**20  # DDP's bucket_cap_mb default
 _PROBE_S = 2.0  # after a collective fails, how long to wait for the other ranks to report theirs
+# An NCCL group's watchdog aborts the whole process when a collective outlives the group's timeout;
+# ours waits timeout_s and raises an error naming the rank, so the watchdog is given this much longer.
+_WATCHDOG_GRACE_S = 60.0
 _MAX_DIMS = 8  # gather exchanges shapes in a fixed-size header (a collective needs equal sizes)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)  # numbered in headers
@@ -194,12 +202,23 @@ def _local_device(devices: Sequence[str | torch.device] | str | torch.device | N
 
 
 def _backend_for(device: Device, implementation: str) -> str:
+    """The process group's backend. On GPUs it is NCCL for CUDA tensors and gloo for CPU ones: a
+    training step reduces CPU values too (a count made with torch.tensor(len(y))), which NCCL alone
+    refuses."""
     if implementation == "NCCL" and not device.startswith("cuda"):
         raise ValueError(f"MultiWorkerMirroredStrategy: implementation NCCL needs a GPU, but this worker's device "
                          f"is {device}. Use implementation \"AUTO\" or \"RING\" (gloo) on CPUs.")
     if implementation == "RING":
         return "gloo"
-    return "nccl" if device.startswith("cuda") else "gloo"
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+
+
+def _device_types_of(backend: str) -> frozenset[str]:
+    """The device types a process group of `backend` takes tensors on: "nccl" CUDA only, "gloo" the
+    CPU (its CUDA support is partial), "cpu:gloo,cuda:nccl" each type it names."""
+    if ":" in backend:
+        return frozenset(part.split(":")[0].strip() for part in backend.split(","))
+    return frozenset({"cuda"} if backend == "nccl" else {"cpu"} if backend == "gloo" else {"cpu", "cuda"})
 
 
 def _digest(data: bytes) -> int:
@@ -227,7 +246,8 @@ class CollectiveAllReduce(CrossDeviceOps):
     every worker must make the same calls, in the same order."""
 
     def __init__(self, rank: int, world_size: int, wire_device: torch.device, timeout_s: float,
-                 bytes_per_pack: int = _DEFAULT_BYTES_PER_PACK, store: tuple[str, int] | None = None):
+                 bytes_per_pack: int = _DEFAULT_BYTES_PER_PACK, store: tuple[str, int] | None = None,
+                 backend: str = "gloo"):
         super().__init__(bytes_per_pack)
         self.rank = rank
         self.world_size = world_size
@@ -235,19 +255,35 @@ class CollectiveAllReduce(CrossDeviceOps):
         self._timeout_s = timeout_s
         self._store = store  # (MASTER_ADDR, MASTER_PORT): asked which ranks arrived, after a failure
         self._calls = 0
+        # Whether the group takes CPU tensors as they are (gloo does; an NCCL-only group does not).
+        self._takes_cpu = "cpu" in _device_types_of(backend)
+        # NCCL's wait() only orders streams: a host that then reads a result whose collective never
+        # completes hangs until the watchdog kills the process, and no error of ours is raised. A wait
+        # with a timeout blocks the host and raises in this thread instead (the group's own watchdog
+        # timeout is set longer, see _WATCHDOG_GRACE_S).
+        self._wait_timeout = datetime.timedelta(seconds=timeout_s) if "nccl" in backend else None
 
     def __repr__(self) -> str:
         return (f"CollectiveAllReduce(rank={self.rank}, world_size={self.world_size}, "
                 f"bytes_per_pack={self.bytes_per_pack})")
 
     # ---- the collectives ------------------------------------------------------------------------
+    def _carried(self, t: Tensor) -> bool:
+        """Whether the process group takes `t` where it lies; else it travels through a copy on the
+        wire device (a CPU count on an NCCL-only group; a GPU tensor on gloo, whose CUDA support is
+        partial, or on another GPU than the one NCCL is bound to)."""
+        return t.device == self._wire or (t.device.type == "cpu" and self._takes_cpu)
+
+    def _on_wire(self, t: Tensor) -> Tensor:
+        return t if self._carried(t) else t.to(self._wire)
+
     def all_sum_(self, flats: Sequence[Tensor], what: str) -> None:
         """Sums each flat buffer over the workers, in place (every bucket in flight at once)."""
-        def call() -> None:
-            for work in [dist.all_reduce(f, async_op=True) for f in flats]:
-                work.wait()
-
-        self._call(what, call)
+        sent = [self._on_wire(f) for f in flats]
+        self._call(what, lambda: [dist.all_reduce(f, async_op=True) for f in sent])
+        for f, wire in zip(flats, sent):
+            if wire is not f:
+                f.copy_(wire)
 
     def all_reduce(self, reduce_op: ReduceOp, tensors: Sequence[Tensor], what: str,
                    check_shapes: bool = True) -> list[Tensor]:
@@ -267,7 +303,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         """Every rank's `row` (the same length everywhere), in rank order."""
         mine = torch.tensor(list(row), dtype=dtype, device=self._wire)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._call(what, lambda: dist.all_gather(rows, mine))
+        self._call(what, lambda: [dist.all_gather(rows, mine, async_op=True)])
         return [r.tolist() for r in rows]
 
     def gather(self, t: Tensor, axis: int, what: str) -> Tensor:
@@ -293,10 +329,10 @@ class CollectiveAllReduce(CrossDeviceOps):
             pad_shape = list(t.shape)
             pad_shape[axis] = max(sizes) - t.shape[axis]
             wire = torch.cat([wire, wire.new_zeros(pad_shape)], dim=axis)
-        wire = wire.contiguous()
+        wire = self._on_wire(wire.contiguous())
         parts = [torch.empty_like(wire) for _ in range(self.world_size)]
-        self._call(what, lambda: dist.all_gather(parts, wire))
-        out = torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, sizes)], dim=axis)
+        self._call(what, lambda: [dist.all_gather(parts, wire, async_op=True)])
+        out = torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, sizes)], dim=axis).to(t.device)
         return out.view(torch.bool) if t.dtype == torch.bool else out
 
     def broadcast_(self, tensors: Sequence[Tensor], what: str) -> None:
@@ -304,18 +340,13 @@ class CollectiveAllReduce(CrossDeviceOps):
         with torch.no_grad():
             plan = buckets.plan(tensors, self.bytes_per_pack)
             flats = [b.pack(tensors) for b in plan]
-            wires = [f.view(torch.uint8) if f.dtype == torch.bool else f for f in flats]
-
-            def call() -> None:
-                for work in [dist.broadcast(w, src=0, async_op=True) for w in wires]:
-                    work.wait()
-
-            self._call(what, call)
+            wires = [self._on_wire(f.view(torch.uint8) if f.dtype == torch.bool else f) for f in flats]
+            self._call(what, lambda: [dist.broadcast(w, src=0, async_op=True) for w in wires])
             if self.rank == 0:
                 return
             views: list[Tensor | None] = [None] * len(tensors)
-            for b, flat in zip(plan, flats):
-                b.unpack(flat, views)
+            for b, flat, wire in zip(plan, flats, wires):
+                b.unpack(flat if wire.device == flat.device else wire.to(flat.device).view(flat.dtype), views)
             for t, v in zip(tensors, views):
                 t.copy_(v)
 
@@ -323,7 +354,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         """One small all-reduce (MAX of +digest and -digest equals them only where every rank agrees)."""
         digest = _shape_digest(tensors)
         mine = torch.tensor([digest, -digest], dtype=torch.int64, device=self._wire)
-        self._call(f"{what} (shape check)", lambda: dist.all_reduce(mine, op=dist.ReduceOp.MAX))
+        self._call(f"{what} (shape check)", lambda: [dist.all_reduce(mine, op=dist.ReduceOp.MAX, async_op=True)])
         if mine.tolist() == [digest, -digest]:
             return
         rows = self.all_gather_row([len(tensors), sum(t.numel() for t in tensors)], f"{what} (shape report)")
@@ -348,11 +379,17 @@ class CollectiveAllReduce(CrossDeviceOps):
         return [self._to_destinations([t], dest) for t, (_, dest) in zip(reduced, value_destination_pairs)]
 
     # ---- failures ---------------------------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
+    def _call(self, what: str, issue: Callable[[], list[Any]]) -> None:
+        """Issues collectives (`issue` returns their works) and waits for them; a failure or timeout
+        becomes an error naming this rank, `what`, and the ranks that did not arrive."""
         self._calls += 1
         started = time.monotonic()
         try:
-            return fn()
+            for work in issue():
+                if self._wait_timeout is None:
+                    work.wait()
+                else:
+                    work.wait(timeout=self._wait_timeout)
         except RuntimeError as e:  # torch.distributed's errors (DistBackendError, gloo's) are RuntimeErrors
             failure = self._failure(what, e, time.monotonic() - started)
             if failure is e:
@@ -394,14 +431,25 @@ class CollectiveAllReduce(CrossDeviceOps):
                 reported |= {r for r in range(self.world_size) if r not in reported and store.check([f"{prefix}{r}"])}
                 time.sleep(0.05)
         except (RuntimeError, OSError):  # DistStoreError / DistNetworkError are RuntimeErrors
-            return (f"The rendezvous store at {addr}:{port} does not answer, so which rank is missing is unknown "
-                    "(rank 0 hosts it unless torchrun does: rank 0 may have exited). ")
+            return _store_gone(addr, port)
         missing = [r for r in range(self.world_size) if r not in reported]
         if missing:
             return (f"Rank(s) {', '.join(map(str, missing))} did not reach a collective within {grace_s:g} s of this "
                     "failure: exited, crashed or stuck elsewhere (see their logs). ")
         return ("Every rank reached a failing collective, so they may have called different collectives (run with "
                 "TORCH_DISTRIBUTED_DEBUG=DETAIL to compare them). ")
+
+
+def _store_gone(addr: str, port: int) -> str:
+    """What a survivor can tell when the rendezvous store no longer answers: its host is gone, and
+    that host is rank 0 (torch.distributed's env:// rendezvous), or under torchrun the agent of rank
+    0's machine, which outlives a crashed worker but not a lost machine."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return (f"Rank 0's machine is likely what is missing: the rendezvous store at {addr}:{port}, which "
+                "torchrun's agent there hosts, does not answer (the machine or its torchrun exited, or the "
+                "network to it failed). ")
+    return (f"Rank 0 is likely the missing worker: it hosts the rendezvous store at {addr}:{port}, which does "
+            "not answer (rank 0 exited or crashed; see its log). ")
 
 
 class ClusterResolver(NamedTuple):
@@ -416,8 +464,9 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     Launch one process per device with torchrun; each takes cuda:LOCAL_RANK, or cpu:0 without GPUs
     (`devices=[one device]` chooses). The default process group is created from torchrun's
-    environment (NCCL for GPUs, gloo for CPUs, `timeout_s` for its collectives), or an existing one
-    is used (its own timeout then applies). Without RANK in the environment this is a single worker.
+    environment ("cpu:gloo,cuda:nccl" for GPUs, gloo for CPUs, `timeout_s` for its collectives), or an
+    existing one is used (its own timeout then applies to gloo and to NCCL's watchdog; our waits on
+    NCCL still time out after `timeout_s`). Without RANK in the environment this is a single worker.
 
     Contract, as DDP's: every worker runs the same program on the same model. `mirror(module)`
     broadcasts rank 0's parameters and buffers, so the workers start identical whatever their seeds;
@@ -453,17 +502,19 @@ class MultiWorkerMirroredStrategy(Strategy):
         backend = _backend_for(device, options.implementation)
         if joined:
             backend = str(dist.get_backend())
-            if backend == "nccl" and not device.startswith("cuda"):
+            if "cpu" not in _device_types_of(backend) and not device.startswith("cuda"):
                 raise ValueError(f"MultiWorkerMirroredStrategy: the existing process group uses NCCL, which cannot "
                                  f"reduce tensors on this worker's device {device}. Pass devices=[\"cuda:N\"], or "
                                  "create the group with backend=\"gloo\".")
         elif launch.rank is not None:
             if device.startswith("cuda"):
                 torch.cuda.set_device(torch_device(device))  # NCCL binds the group to the current device
+            nccl = "nccl" in backend
+            group_timeout_s = timeout_s + (_WATCHDOG_GRACE_S if nccl else 0)  # see CollectiveAllReduce
             try:
                 dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                        timeout=datetime.timedelta(seconds=timeout_s),
-                                        device_id=torch_device(device) if backend == "nccl" else None)
+                                        timeout=datetime.timedelta(seconds=group_timeout_s),
+                                        device_id=torch_device(device) if nccl else None)
             except RuntimeError as e:  # the rendezvous: a worker that never starts, a wrong address
                 raise RuntimeError(
                     f"MultiWorkerMirroredStrategy: rank {rank} of {world} could not join the other workers at "
@@ -475,9 +526,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._rank, self._world_size, self._backend = rank, world, backend
         self._first_replica_id = rank  # one replica per worker: replica_id_in_sync_group == rank
         store = (launch.master_addr, launch.master_port) if launch.master_addr and launch.master_port else None
-        wire = torch_device(device) if backend == "nccl" else torch.device("cpu")
+        wire = torch_device(device) if backend is not None and "nccl" in backend else torch.device("cpu")
         self._collectives = CollectiveAllReduce(rank, world, wire, timeout_s,
-                                                options.bytes_per_pack or _DEFAULT_BYTES_PER_PACK, store)
+                                                options.bytes_per_pack or _DEFAULT_BYTES_PER_PACK, store,
+                                                backend or "gloo")
         super().__init__((device,), self._collectives, timeout_s)
 
     def _log_created(self) -> None:

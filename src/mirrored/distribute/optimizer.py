@@ -131,11 +131,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
                                "where it would update replica 0's copy only. Call it inside strategy.run(step_fn): "
                                "each replica all-reduces its gradients, then updates.")
         self._refuse_in_no_sync(ctx, "step")
-        examples = self._take_examples(ctx)
         # An optimizer built by an mr.optimizers recipe with gradient accumulation keeps a step's gradients
-        # local until its update step: then one all-reduce sends the sum of all of them.
+        # local until its update step: then one all-reduce sends the sum of all of them (and "mean"
+        # weighs by the examples of all of them).
         accumulate = getattr(self.optimizer, "accumulate_gradients", None)
+        examples = None
         if accumulate is None or accumulate():
+            examples = self._take_examples(ctx)
             self._reduce(ctx, examples)
         result = self.optimizer.step()
         self.finish_step(weight=examples)

@@ -8,6 +8,8 @@ Uses every other module of `distribute/` but multi_worker.py.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import math
 import threading
@@ -171,7 +173,7 @@ class Strategy:
         # last reference stops its replica threads at once instead of at the next cyclic GC.
         return StrategyExtended(self)
 
-    def scope(self) -> _Scope:
+    def scope(self) -> AbstractContextManager[Strategy]:
         """Variables, mirrored modules and metrics created in this block are mirrored on every replica.
         The object may be entered again, and nested in itself."""
         return _Scope(self)
@@ -218,13 +220,14 @@ class Strategy:
             return self._run_inline(fn, args, kwargs)
         step = replicas.Rendezvous(self._devices, self._timeout_s)
         journals = [rollback.StepJournal() for _ in self._devices]
+        modes = _caller_modes()
 
         def task(replica_id: int) -> Any:
             ctx = ReplicaContext(self, replica_id)
             ctx._step = step
             ctx._journal = journals[replica_id]
             try:
-                with context.push(self, ctx):
+                with context.push(self, ctx), _entered(modes):
                     result = fn(*select_replica(replica_id, args), **select_replica(replica_id, kwargs))
             except BaseException as e:
                 if not isinstance(e, replicas._Released):
@@ -571,6 +574,33 @@ class Strategy:
         from mirrored.distribute.input import DistributedDatasetsFromFunction
 
         return DistributedDatasetsFromFunction(self, dataset_fn, options)
+
+
+def _caller_modes() -> tuple[Any, ...]:
+    """The caller's thread-local autograd and autocast modes, which replica threads do not inherit
+    (torch keeps them per thread): `with torch.no_grad(): strategy.run(f)` must run f without grad
+    on every replica, as torch's DataParallel propagates them. Empty in the common case (grad on,
+    no inference mode, no autocast), which costs nothing per replica."""
+    modes: list[Any] = []
+    if torch.is_inference_mode_enabled():
+        modes.append(torch.inference_mode())
+    elif not torch.is_grad_enabled():
+        modes.append(torch.no_grad())
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            modes.append(torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type)))
+    return tuple(modes)
+
+
+@contextlib.contextmanager
+def _entered(modes: tuple[Any, ...]) -> Iterator[None]:
+    if not modes:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(copy.copy(mode))  # a context manager object is entered once per thread
+        yield
 
 
 def _bitwise_equal(a: Tensor, b: Tensor) -> bool:

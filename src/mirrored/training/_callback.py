@@ -190,3 +190,13 @@ def optimizer_of(where: str, model: Any) -> Any:
     return optimizer
 
 
+def settable_learning_rate(where: str, model: Any) -> Any:
+    """The model's optimizer, if callbacks may set its rate; a TypeError now, before training, when a
+    schedule sets it (Keras refuses too, but only when the callback first sets it)."""
+    optimizer = optimizer_of(where, model)
+    schedule = getattr(optimizer, "_schedule", None)
+    if schedule is not None:
+        raise TypeError(f"{where}: the optimizer's learning_rate is the schedule {schedule!r}, which sets the rate "
+                        f"every step, so {where} cannot set it (Keras refuses too). Use one of them: compile with a "
+                        "float learning_rate for the callback, or drop the callback and keep the schedule.")
+    return optimizer

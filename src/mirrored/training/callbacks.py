@@ -9,7 +9,8 @@ optimizer.learning_rate, save, save_weights, get_weights, set_weights) and the r
 batch size, for the progress bar's throughput; it is not a metric. Messages a callback prints
 because its `verbose` asks for them go to stdout like the progress bar (as in Keras); everything
 else goes through logging and warnings. The base class and shared helpers are in _callback.py,
-ProgbarLogger in _progbar.py, TensorBoard in _tensorboard.py. Uses numpy, and checkpoint.py for paths.
+ProgbarLogger in _progbar.py, TensorBoard in _tensorboard.py. Uses numpy, checkpoint.py for paths,
+and mr.train's Checkpoint (tracking.py) for BackupAndRestore.
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from mirrored.training import checkpoint
+from mirrored.training import checkpoint, tracking
 from mirrored.training._callback import (
     NOT_METRICS, Callback, Logs, StepCounter, check_mode, check_save_freq, improved, monitor_value,
-    optimizer_of, resolve_mode, say)
+    optimizer_of, resolve_mode, say, settable_learning_rate)
 from mirrored.training._progbar import ProgbarLogger
 from mirrored.training._tensorboard import TensorBoard
 
@@ -265,13 +266,15 @@ class ModelCheckpoint(Callback):
 
 
 class BackupAndRestore(Callback):
-    """Lets an interrupted fit() resume where it stopped: saves the whole training state (weights,
-    optimizer, RNG, data position) to `backup_dir` every epoch or every `save_freq` steps, and at
-    the start of fit() restores a backup left there by a run that did not finish.
+    """Lets an interrupted fit() resume where it stopped: saves the whole training state to
+    `backup_dir` every epoch or every `save_freq` steps, and at the start of fit() restores a backup
+    left there by a run that did not finish.
 
-    Saving goes through model._save_training_state(path, epoch=, step=), which writes atomically;
-    (epoch, step) is where to resume: the epoch to run next and how many of its steps are done.
-    After a fit() that ends normally the backup is deleted (unless delete_checkpoint=False).
+    The backup is an mr.train.Checkpoint (one file, written atomically) of the model (weights and
+    optimizer, with its step count), its metrics, the random generators and fit's EpochIterator
+    (the epoch, the steps done in it and the place in the data), which the restore moves to where
+    the backup was taken, as Keras's callback sets model._initial_epoch. After a fit() that ends
+    normally the backup is deleted (unless delete_checkpoint=False).
     """
 
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
@@ -285,34 +288,35 @@ class BackupAndRestore(Callback):
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.path = os.path.join(self.backup_dir, _BACKUP_FILE)
-        self._current_epoch = 0
+        self._checkpoint: tracking.Checkpoint | None = None
         self._steps = StepCounter(save_freq) if save_freq != "epoch" else None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        for method in ("_save_training_state", "_restore_training_state"):
-            if not callable(getattr(self.model, method, None)):
-                raise TypeError(f"BackupAndRestore needs a mirrored Model (with {method}()); "
-                                f"got {type(self.model).__name__}.")
-        epoch, step = 0, 0
+        fit = getattr(self.model, "_epoch_iterator", None)
+        if fit is None:
+            raise TypeError(f"BackupAndRestore needs a mirrored Model's fit() (one with an epoch iterator); "
+                            f"got {type(self.model).__name__}.")
+        self._checkpoint = tracking.Checkpoint(model=self.model, metrics=list(self.model.metrics), fit=fit,
+                                               rng=tracking.RandomState())
         if os.path.exists(self.path):
-            epoch, step = self.model._restore_training_state(self.path)
-            self.model._resume_at = (epoch, step)
+            try:
+                self._checkpoint.read(self.path).assert_consumed()
+            except (ValueError, AssertionError) as e:
+                raise type(e)(f"BackupAndRestore: cannot resume from {self.path}: {e} It holds another run's "
+                              "state (another model, optimizer or metrics, or an older mirrored's backup); "
+                              "delete it to start afresh.") from e
             logger.info("BackupAndRestore: resuming from %s at epoch %d, step %d",
-                        self.path, epoch + 1, step)
-        self._current_epoch = epoch
+                        self.path, fit.initial_epoch + 1, fit.step)
         if self._steps is not None:
-            self._steps = StepCounter(self.save_freq, last_batch=step - 1)
-
-    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
-        self._current_epoch = epoch
+            self._steps = StepCounter(self.save_freq, last_batch=fit.step - 1)
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         if self._steps is not None and self._steps.due(batch):
-            self._backup(self._current_epoch, batch + 1)
+            self._backup()
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self.save_freq == "epoch":
-            self._backup(epoch + 1, 0)
+            self._backup()
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if not self.delete_checkpoint:
@@ -326,9 +330,9 @@ class BackupAndRestore(Callback):
         except OSError:
             pass
 
-    def _backup(self, epoch: int, step: int) -> None:
+    def _backup(self) -> None:
         os.makedirs(self.backup_dir, exist_ok=True)
-        self.model._save_training_state(self.path, epoch=epoch, step=step)
+        self._checkpoint.write(self.path)  # where fit is now: after this batch, or (at an epoch's end) the next epoch
 
     def __repr__(self) -> str:
         return f"BackupAndRestore({self.backup_dir!r}, save_freq={self.save_freq!r})"
@@ -449,6 +453,7 @@ class ReduceLROnPlateau(Callback):
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._reset()
+        settable_learning_rate("ReduceLROnPlateau", self.model)
         self._direction = resolve_mode("ReduceLROnPlateau", self.monitor, self.mode, self.model)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
@@ -497,6 +502,9 @@ class LearningRateScheduler(Callback):
         self.schedule = schedule
         self.verbose = verbose
         self._takes_lr = _accepts_two_args(schedule)
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        settable_learning_rate("LearningRateScheduler", self.model)
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         optimizer = optimizer_of("LearningRateScheduler", self.model)

@@ -2,18 +2,28 @@
 
 save_checkpoint() writes tensors and a JSON-able dict (kept in the safetensors header under
 "mirrored") to a temporary file beside `path`, fsyncs it and renames it over `path`, so a crash
-leaves either the old checkpoint or the new one. load_checkpoint() reads it back with safetensors
-only: nothing in a checkpoint can run code. optimizer_state_to_flat()/optimizer_state_from_flat()
-and capture_rng_state()/restore_rng_state() turn a torch optimizer's state_dict and the RNG states
-into tensors + JSON for it; load_state_dict() gives the model weights as a plain state_dict.
-Uses torch, safetensors, json, os (and random/numpy for the RNG states they own).
+leaves either the old checkpoint or the new one; the temporary file of a writer that was killed
+(kill -9, power loss) is removed by the next save into that folder. load_checkpoint() reads it
+back with safetensors only: nothing in a checkpoint can run code, and a file that is not what it
+claims (damaged, truncated, forged lengths, not a regular file) raises CheckpointError naming it.
+optimizer_state_to_flat()/optimizer_state_from_flat() and capture_rng_state()/restore_rng_state()
+turn a torch optimizer's state_dict and the RNG states into tensors + JSON for it;
+load_state_dict() gives the model weights as a plain state_dict. Whether a file fits the model it
+is loaded into is checked in checkpoint_checks.py. Uses torch, safetensors and the stdlib (and
+numpy for the RNG state it owns).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
+import re
+import socket
+import stat
 import struct
+import time
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -25,8 +35,10 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
-    "capture_rng_state", "load_checkpoint", "load_state_dict", "optimizer_state_from_flat",
+    "CheckpointError", "capture_rng_state", "load_checkpoint", "load_state_dict", "optimizer_state_from_flat",
     "optimizer_state_to_flat", "restore_rng_state", "save_checkpoint",
 ]
 
@@ -35,6 +47,23 @@ _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit; a larger "header" means
 # JSON cannot hold tensors or tuples: they are written as one-key objects with these tags.
 _TENSOR_TAG = "__tensor__"
 _TUPLE_TAG = "__tuple__"
+# safetensors dtype names and their bytes per element: a header's offsets must agree with them.
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1,
+                "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
+                "F32": 4, "C64": 8, "I64": 8, "U64": 8, "F64": 8}
+_MAX_DIMS = 64  # more dimensions than any tensor has: a forged shape, refused before it is used
+# Temporary files are ".<name>.<host>-<pid>.<random>.tmp": the host and pid say whose they are, so
+# a later save can tell a dead writer's leftovers from a live writer's file (see _remove_stale_temps).
+_TEMP_RE = re.compile(r"^\..+\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)\.[0-9a-f]{12}\.tmp$")
+# Another host's temporary file cannot be checked for a live writer; one untouched this long is
+# taken as abandoned (a writer rewrites its file continuously until the rename).
+_FOREIGN_TEMP_AGE_S = 3600.0
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be loaded: damaged, truncated, forged, foreign, or not matching
+    what it is loaded into. The message names the file and what is wrong. (A missing file raises
+    FileNotFoundError, a directory IsADirectoryError, as open() does.)"""
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,7 +96,9 @@ def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, Tensor],
                         f"`metadata`.") from e
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp_path = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    _remove_stale_temps(directory)
+    tmp_path = os.path.join(directory, f".{os.path.basename(path)}.{_HOST}-{os.getpid()}."
+                                       f"{uuid.uuid4().hex[:12]}.tmp")
     try:
         mode = _new_file_mode(path, tmp_path)
         safetensors.torch.save_file(flat, tmp_path, metadata=header)
@@ -81,6 +112,56 @@ def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, Tensor],
             pass
         raise
     _fsync_directory(directory)  # makes the rename itself survive a crash
+
+
+def _host_tag() -> str:
+    return hashlib.sha1(socket.gethostname().encode("utf-8", "replace")).hexdigest()[:8]
+
+
+_HOST = _host_tag()  # this machine, in temporary file names (hashed: host names may hold dots)
+
+
+def _remove_stale_temps(directory: str) -> None:
+    """Removes the temporary files that killed writers left in `directory`: only names of ours,
+    and only those whose writer is gone (its pid is not alive here; for another host's file, not
+    written for _FOREIGN_TEMP_AGE_S). A writer saving into the same folder is never disturbed."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        match = _TEMP_RE.match(name)
+        if match is None:
+            continue
+        full = os.path.join(directory, name)
+        try:
+            if match["host"] == _HOST:
+                if _pid_alive(int(match["pid"])):
+                    continue
+            elif time.time() - os.lstat(full).st_mtime < _FOREIGN_TEMP_AGE_S:
+                continue
+            if not stat.S_ISREG(os.lstat(full).st_mode):
+                continue
+            os.unlink(full)
+            logger.info("removed %s, the temporary file of a checkpoint save that was killed", full)
+        except OSError as e:  # gone already, or not ours to remove: the save itself goes on
+            logger.debug("could not remove stale temporary file %s: %s", full, e)
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill(pid, 0) terminates the process on Windows: assume it alive
+        return True
+    if pid <= 0:  # no writer has pid 0; kill(0, 0) would ask about our own process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    except OverflowError:  # no such pid can exist
+        return False
+    return True
 
 
 def _new_file_mode(path: str, tmp_path: str) -> int:
@@ -145,89 +226,192 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def load_checkpoint(path: str | os.PathLike,
-                    device: str | torch.device = "cpu") -> tuple[dict[str, Tensor], dict[str, Any]]:
+def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu", *,
+                    where: str = "load_checkpoint") -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The tensors (on `device`) and JSON metadata of a file written by save_checkpoint().
 
-    Reads with safetensors only, never pickle or torch.load.
+    Reads with safetensors only, never pickle or torch.load. A file that cannot be read raises
+    CheckpointError (a ValueError) naming it, its errors prefixed with `where`.
     """
     path = os.fspath(path)
-    tensors, header = _read(path, device, "load_checkpoint")
+    tensors, header = _read(path, device, where)
     if _METADATA_KEY not in header:
-        raise ValueError(
-            f"load_checkpoint({path!r}): a safetensors file without mirrored's metadata (it was "
+        raise CheckpointError(
+            f"{where}({path!r}): a safetensors file without mirrored's metadata (it was "
             f"not written by save_checkpoint()/Model.save()). For its weights alone use "
             f"load_state_dict({path!r}, prefix=\"\"), or safetensors.torch.load_file().")
     try:
         metadata = json.loads(header[_METADATA_KEY])
-    except json.JSONDecodeError as e:
-        raise ValueError(f"load_checkpoint({path!r}): the metadata under {_METADATA_KEY!r} is not "
-                         f"valid JSON ({e}); the file is damaged. Use an older checkpoint.") from e
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where}({path!r}): the metadata under {_METADATA_KEY!r} is "
+                              f"not valid JSON ({type(e).__name__}: {str(e)[:200]}); the file is "
+                              f"damaged. Use an older checkpoint.") from None
     if not isinstance(metadata, dict):
-        raise ValueError(f"load_checkpoint({path!r}): the metadata is a "
-                         f"{type(metadata).__name__}, expected a JSON object; the file was not "
-                         f"written by save_checkpoint().")
+        raise CheckpointError(f"{where}({path!r}): the metadata is a "
+                              f"{type(metadata).__name__}, expected a JSON object; the file was not "
+                              f"written by save_checkpoint().")
     return tensors, metadata
 
 
-def load_state_dict(path: str | os.PathLike, prefix: str = "model/") -> dict[str, Tensor]:
+def load_state_dict(path: str | os.PathLike, prefix: str = "model/", *,
+                    where: str = "load_state_dict") -> dict[str, Tensor]:
     """The tensors of a checkpoint whose names start with `prefix`, prefix removed: the model's
     weights as a state_dict for a plain nn.Module (`net.load_state_dict(load_state_dict(path))`)."""
     path = os.fspath(path)
-    tensors, _ = _read(path, "cpu", "load_state_dict")
+    tensors, _ = _read(path, "cpu", where)
     state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
     if not state:
         some = ", ".join(sorted(tensors)[:5]) or "none"
-        raise ValueError(f"load_state_dict({path!r}, prefix={prefix!r}): no tensor name starts "
-                         f"with {prefix!r} (names: {some}{', ...' if len(tensors) > 5 else ''}). "
-                         f"Pass the prefix the file uses, or prefix=\"\" for all tensors.")
+        raise CheckpointError(f"{where}({path!r}, prefix={prefix!r}): no tensor name starts "
+                              f"with {prefix!r} (names: {some}{', ...' if len(tensors) > 5 else ''}). "
+                              f"Pass the prefix the file uses, or prefix=\"\" for all tensors.")
     return state
 
 
 def _read(path: str, device: str | torch.device, where: str) -> tuple[dict[str, Tensor], dict]:
-    """Tensors and header metadata of a safetensors file, with errors that say what the file is."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{where}({path!r}): no such file. Check the path; a checkpoint "
-                                f"is written by Model.save(), ModelCheckpoint or save_checkpoint().")
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"{where}({path!r}): this is a directory; pass the checkpoint "
-                                f"file inside it (e.g. {os.path.join(path, 'model.safetensors')}).")
-    _check_safetensors_header(path, where)
+    """Tensors and header metadata of a safetensors file, with errors that say what the file is.
+
+    The header is parsed and checked here first (JSON, dtypes, shapes, offsets that add up to the
+    file's size), so every tensor safetensors then allocates is backed by bytes of the file: a
+    forged length or shape is refused before it reaches the allocator."""
+    metadata = _check_safetensors_header(path, where)
     try:
         with safetensors.safe_open(path, framework="pt", device=str(device)) as f:
-            header = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except safetensors.SafetensorError as e:
-        raise ValueError(f"{where}({path!r}): not a readable safetensors file ({e}). It may be "
-                         f"truncated or damaged; use another checkpoint.") from e
-    return tensors, header
+    except Exception as e:
+        raise CheckpointError(f"{where}({path!r}): not a readable safetensors file ({e}). It may be "
+                              f"truncated or damaged; use another checkpoint.") from e
+    except BaseException as e:  # a panic inside safetensors' Rust code (pyo3's PanicException)
+        if type(e).__name__ != "PanicException":
+            raise
+        raise CheckpointError(f"{where}({path!r}): safetensors could not read the file ({e}); it "
+                              f"is damaged. Use another checkpoint.") from None
+    return tensors, metadata
 
 
-def _check_safetensors_header(path: str, where: str) -> None:
-    # safetensors layout: uint64 little-endian header size N, then N bytes of JSON starting "{".
-    with open(path, "rb") as f:
-        start = f.read(9)
-    size = os.path.getsize(path)
-    if len(start) == 9:
-        (header_bytes,) = struct.unpack("<Q", start[:8])
-        if header_bytes <= min(size - 8, _MAX_HEADER_BYTES) and start[8:9] == b"{":
-            return
-    # Not safetensors: say what it looks like. (Only now, since a valid header size may itself
-    # begin with the bytes checked here.)
-    if start[:4] == b"PK\x03\x04" or start[:1] == b"\x80":
-        problem = ("it looks like a torch.save()/pickle file, which mirrored never loads because "
-                   "unpickling can run arbitrary code")
-    elif len(start) < 9:
-        problem = f"it is only {size} bytes long"
-    elif start[8:9] == b"{" and header_bytes <= _MAX_HEADER_BYTES:
-        raise ValueError(f"{where}({path!r}): the checkpoint is truncated or damaged: its safetensors header "
-                         f"claims {header_bytes} bytes but the file holds {size - 8} after the size field. "
-                         "Use another copy (a backup, an earlier checkpoint) or train again.")
-    else:
-        problem = "its first bytes are not a safetensors header"
-    raise ValueError(f"{where}({path!r}): not a safetensors checkpoint: {problem}. Load it "
-                     f"with the tool that wrote it and re-save it with Model.save() or "
-                     f"save_checkpoint().")
+def _open_regular(path: str, where: str) -> int:
+    """A read descriptor for `path` if it is a regular file. Opened non-blocking and checked with
+    fstat, so a named pipe or a device is refused at once instead of blocking the reader forever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where}({path!r}): no such file. Check the path; a checkpoint is "
+                                f"written by Model.save(), ModelCheckpoint or save_checkpoint().") from None
+    except IsADirectoryError:
+        fd = None
+    mode = os.fstat(fd).st_mode if fd is not None else stat.S_IFDIR
+    if stat.S_ISDIR(mode):
+        if fd is not None:
+            os.close(fd)
+        raise IsADirectoryError(f"{where}({path!r}): this is a directory; pass the checkpoint file "
+                                f"inside it (e.g. {os.path.join(path, 'model.safetensors')}).")
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise CheckpointError(f"{where}({path!r}): this is {kind}, not a checkpoint file; only regular "
+                              f"files are read. Pass the .safetensors file itself.")
+    return fd
+
+
+def _check_safetensors_header(path: str, where: str) -> dict[str, str]:
+    """The header's __metadata__ after checking the whole header; CheckpointError naming the file
+    and the first problem otherwise."""
+    fd = _open_regular(path, where)
+    try:
+        size = os.fstat(fd).st_size
+        start = os.pread(fd, 9, 0)
+        header_bytes = struct.unpack("<Q", start[:8])[0] if len(start) >= 8 else None
+        plausible = (header_bytes is not None and len(start) == 9 and start[8:9] == b"{"
+                     and header_bytes <= _MAX_HEADER_BYTES)
+        if plausible and header_bytes <= size - 8:
+            raw = os.pread(fd, header_bytes, 8)
+    finally:
+        os.close(fd)
+    if not plausible:
+        # Not safetensors: say what it looks like. (Only now, since a valid header size may itself
+        # begin with the bytes checked here.)
+        if start[:4] == b"PK\x03\x04" or start[:1] == b"\x80":
+            problem = ("it looks like a torch.save()/pickle file, which mirrored never loads because "
+                       "unpickling can run arbitrary code")
+        elif len(start) < 9:
+            problem = f"it is only {size} byte{'s' if size != 1 else ''} long"
+        elif start[8:9] == b"{":
+            problem = (f"its header claims {header_bytes} bytes, more than the "
+                       f"{_MAX_HEADER_BYTES} safetensors allows")
+        else:
+            problem = "its first bytes are not a safetensors header"
+        raise CheckpointError(f"{where}({path!r}): not a safetensors checkpoint: {problem}. Load it "
+                              f"with the tool that wrote it and re-save it with Model.save() or "
+                              f"save_checkpoint().")
+    if header_bytes > size - 8:
+        raise CheckpointError(
+            f"{where}({path!r}): the checkpoint is truncated or damaged: its safetensors header "
+            f"claims {header_bytes} bytes but the file holds {size - 8} after the size field. "
+            "Use another copy (a backup, an earlier checkpoint) or train again.")
+    damaged = (f"{where}({path!r}): the checkpoint is damaged: its safetensors header")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{damaged} is not valid JSON ({type(e).__name__}: {str(e)[:200]}). Use "
+                              f"another copy (a backup, an earlier checkpoint) or train again.") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{damaged} is a JSON {type(header).__name__}, not an object. Use another copy.")
+    _check_header_entries(header, size - 8 - header_bytes, path, where)
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{damaged}'s __metadata__ is not a mapping of strings. Use another copy.")
+    return metadata
+
+
+def _check_header_entries(header: dict, data_bytes: int, path: str, where: str) -> None:
+    """Every tensor entry has a known dtype, a shape of whole numbers and offsets that match them,
+    and the entries tile the data section exactly (what safetensors itself requires)."""
+    damaged = f"{where}({path!r}): the checkpoint is damaged: its safetensors header"
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise CheckpointError(f"{damaged} entry for {name!r} is not a tensor description "
+                                  f"(dtype, shape, data_offsets). Use another copy.")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
+            raise CheckpointError(f"{damaged} gives tensor {name!r} the dtype {dtype!r:.50}, which "
+                                  f"mirrored does not read ({', '.join(_DTYPE_BYTES)}). Use another copy.")
+        if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
+                or not all(_is_count(d) for d in shape)):
+            raise CheckpointError(f"{damaged} gives tensor {name!r} the shape {shape!r:.80}; a shape "
+                                  f"is a list of at most {_MAX_DIMS} whole numbers >= 0. Use another copy.")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
+                or offsets[0] > offsets[1]):
+            raise CheckpointError(f"{damaged} gives tensor {name!r} the data offsets {offsets!r:.80}, not "
+                                  "[begin, end] with 0 <= begin <= end. Use another copy.")
+        if offsets[1] > data_bytes:
+            raise CheckpointError(f"{where}({path!r}): the checkpoint is truncated or damaged: tensor {name!r} "
+                                  f"ends at data byte {offsets[1]} but the file holds {data_bytes} bytes of "
+                                  "data. Use another copy (a backup, an earlier checkpoint) or train again.")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * _DTYPE_BYTES[dtype] != offsets[1] - offsets[0]:
+            raise CheckpointError(f"{damaged} gives tensor {name!r} the shape {shape} of {dtype} "
+                                  f"({numel * _DTYPE_BYTES[dtype]} bytes) but {offsets[1] - offsets[0]} "
+                                  "bytes of data. Use another copy.")
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise CheckpointError(f"{damaged}'s tensor {name!r} starts at data byte {begin} where the "
+                                  f"previous one ends at {end}. Use another copy.")
+        end = stop
+    if end != data_bytes:
+        raise CheckpointError(f"{damaged} describes {end} bytes of tensor data but the file holds "
+                              f"{data_bytes}. Use another copy.")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -74,15 +74,20 @@ class _SyncBatchNormFn(torch.autograd.Function):
         x, weight, mean, var = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         c = x.shape[1]
+        invstd = torch.rsqrt(var + ctx.eps)
         if x.numel():
-            # One fused pass: sum(dy * (x - mean) * invstd) and sum(dy).
+            # One fused pass: sum(dy * (x - mean) * invstd) and sum(dy), as the "weight" and "bias"
+            # gradients of a training-mode batch norm given our global mean and invstd. The CUDA kernel
+            # asserts that save_mean/save_invstd are defined (the CPU one does not), and it sizes the
+            # weight gradient from the weight: without an affine weight, ones stand in (the weight
+            # gradient does not depend on the weight's value).
+            ones = weight if weight is not None else torch.ones(c, dtype=x.dtype, device=x.device)
             _, dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True])
+                dy, x, ones, None, None, mean, invstd, True, ctx.eps, [False, True, True])
         else:  # the kernel fails on an empty batch; this replica still joins the all-reduce below
             dy_xhat = sum_dy = x.new_zeros(c)
         dx = None
         if need_x:  # the same on every replica: every replica all-reduces, or none does
-            invstd = torch.rsqrt(var + ctx.eps)
             sums = ctx.replica_ctx.all_reduce(md.ReduceOp.SUM, torch.cat([sum_dy, dy_xhat]))
             k = invstd if weight is None else weight * invstd
             # With xhat = (x - mean) * invstd and sums over the GLOBAL batch of N values per channel:

@@ -4,11 +4,18 @@ Models return logits, so every crossentropy here defaults to `from_logits=True`.
 `__call__(y_true, y_pred, sample_weight=None)` returns the reduced loss (Keras's reductions);
 `per_example(y_true, y_pred)` returns one loss per example for a distributed loop, which sums and
 divides by the GLOBAL batch size itself: `compute_average_loss` (tf.nn.compute_average_loss).
-`get(identifier)` turns a name, a loss object, a torch.nn loss module or a function into a loss.
+`get(identifier)` turns a name, a loss object, a config, a torch.nn loss module or a function into a
+loss. Loss objects have Keras's get_config()/from_config(); serialize()/deserialize() turn one into
+JSON and back, from this module's classes only.
 
-Uses torch only; the replica context (for the replica count and the replica id in errors) is
-looked up at call time in mirrored.distribute.context when that module is loaded, so this module
-never imports mirrored.distribute.
+Called inside `strategy.run` on several replicas, a loss object with the default mean reduction
+averages over one replica's batch; a mirrored optimizer then SUMs the replicas' gradients, which
+makes the update N times too large (TF 2.21 does so silently). The first such call warns, naming the
+fix. Model.fit never calls loss objects that way: it takes `per_example` losses.
+
+Uses torch only (and _config.py, on first use of a config); the replica context (for the replica
+count and the replica id in errors) is looked up at call time in mirrored.distribute.context when
+that module is loaded, so this module never imports mirrored.distribute.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import copy
 import re
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,10 +42,12 @@ __all__ = [
     "binary_crossentropy",
     "categorical_crossentropy",
     "compute_average_loss",
+    "deserialize",
     "get",
     "mean_absolute_error",
     "mean_squared_error",
     "scale_regularization_loss",
+    "serialize",
     "sparse_categorical_crossentropy",
 ]
 
@@ -360,6 +369,7 @@ class Loss:
         self.reduction = reduction
         self.from_logits = from_logits
         self._checks_left = _PROBABILITY_CHECK_CALLS if from_logits else 0
+        self._mean_checked = reduction != "sum_over_batch_size"  # the replica-mean warning, once per object
 
     def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
         raise NotImplementedError
@@ -389,6 +399,8 @@ class Loss:
 
     def __call__(self, y_true: Any, y_pred: Tensor, sample_weight: Tensor | float | None = None) -> Tensor:
         """The loss reduced with `self.reduction`, after weighting each example by sample_weight."""
+        if not self._mean_checked:
+            self._check_replica_mean()
         losses, warning = self._checked(y_true, y_pred)
         if warning:
             warnings.warn(warning, UserWarning, stacklevel=2)
@@ -398,6 +410,22 @@ class Loss:
         if self.reduction == "sum":
             return losses.sum()
         return losses.sum() / self._denominator(y_true, losses)
+
+    def _check_replica_mean(self) -> None:
+        """Warns (once per loss object) when a mean over one replica's batch is taken inside strategy.run
+        on several replicas: the gradients a mirrored optimizer sums would be N times the mean's."""
+        ctx = _replica_context()
+        if ctx is None:
+            return  # outside strategy.run: the batch is the whole batch (Keras's own loops, evaluation)
+        self._mean_checked = True  # racy across replica threads: at worst two of them warn
+        n = int(ctx.num_replicas_in_sync)
+        if n > 1:
+            warnings.warn(
+                f"{self.name}: called inside strategy.run on {n} replicas with reduction=\"sum_over_batch_size\", "
+                "which averages over this replica's part of the batch only. A mirrored optimizer SUMs the "
+                f"replicas' gradients, so the update would be {n} times too large (TF 2.21 does this silently). "
+                "Use reduction=\"none\" and mr.losses.compute_average_loss(losses, global_batch_size=GLOBAL), or "
+                "reduction=\"sum\" and divide by the global batch size.", UserWarning, stacklevel=3)
 
     def _denominator(self, y_true: Any, losses: Tensor) -> int | Tensor:
         """The count "sum_over_batch_size" divides by; at least 1, so an empty batch gives 0."""
@@ -410,6 +438,14 @@ class Loss:
         labels = torch.as_tensor(y_true)
         ignore = getattr(self, "ignore_class", None)
         return (labels != ignore).sum() if ignore is not None else torch.tensor(labels.numel(), device=labels.device)
+
+    def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config)."""
+        return {"name": self.name, "reduction": self.reduction}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Loss:
+        return cls(**config)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, reduction={self.reduction!r})"
@@ -440,6 +476,10 @@ class SparseCategoricalCrossentropy(Loss):
             return max(losses.numel(), 1)
         return self.kept(y_true).clamp(min=1)
 
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "from_logits": self.from_logits, "ignore_class": self.ignore_class,
+                "axis": self.axis}
+
     def __repr__(self) -> str:
         return (f"SparseCategoricalCrossentropy(from_logits={self.from_logits}, ignore_class={self.ignore_class}, "
                 f"reduction={self.reduction!r})")
@@ -463,6 +503,10 @@ class CategoricalCrossentropy(Loss):
     def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
         return categorical_crossentropy(y_true, y_pred, self.from_logits, self.label_smoothing, self.axis)
 
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "from_logits": self.from_logits, "label_smoothing": self.label_smoothing,
+                "axis": self.axis}
+
     def __repr__(self) -> str:
         return (f"CategoricalCrossentropy(from_logits={self.from_logits}, label_smoothing={self.label_smoothing}, "
                 f"reduction={self.reduction!r})")
@@ -480,6 +524,9 @@ class BinaryCrossentropy(Loss):
 
     def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
         return binary_crossentropy(y_true, y_pred, self.from_logits, self.label_smoothing)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "from_logits": self.from_logits, "label_smoothing": self.label_smoothing}
 
     def __repr__(self) -> str:
         return (f"BinaryCrossentropy(from_logits={self.from_logits}, label_smoothing={self.label_smoothing}, "
@@ -522,6 +569,22 @@ class LossFunctionWrapper(Loss):
                              "per example (shape (batch, ...)).")
         return losses
 
+    def get_config(self) -> dict[str, Any]:
+        """Only for this module's loss functions, which are rebuilt by name; another function has no config."""
+        name = getattr(self.fn, "__name__", None)
+        if _LOSS_FUNCTIONS.get(name) is not self.fn:
+            raise NotImplementedError(f"loss {self.name!r} wraps {self.fn!r}, which is not one of mr.losses' "
+                                      "functions, so no config can rebuild it.")
+        return {**super().get_config(), "fn": name}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Loss:
+        config = dict(config)
+        name = config.pop("fn", None)
+        if name not in _LOSS_FUNCTIONS:
+            raise ValueError(f"LossFunctionWrapper config: fn={name!r} is not one of {', '.join(_LOSS_FUNCTIONS)}.")
+        return cls(_LOSS_FUNCTIONS[name], **config)
+
 
 def _snake_case(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
@@ -547,6 +610,10 @@ class TorchLossWrapper(Loss):
             _check_labels_in_range(self.name, y_true, y_pred, y_pred.shape[1], self.module.ignore_index)
         return self.module(y_pred, y_true)
 
+    def get_config(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{self!r}: a torch.nn loss module has no config; load with compile=False and "
+                                  "compile(...) with it again.")
+
     def __repr__(self) -> str:
         return f"TorchLossWrapper({self.module!r}, reduction={self.reduction!r})"
 
@@ -560,11 +627,30 @@ _LOSSES: dict[str, type[Loss]] = {
     "mean_absolute_error": MeanAbsoluteError,
     "mae": MeanAbsoluteError,
 }
+_LOSS_CLASSES: dict[str, type[Loss]] = {cls.__name__: cls for cls in (*_LOSSES.values(), LossFunctionWrapper)}
+_LOSS_FUNCTIONS: dict[str, Callable[..., Tensor]] = {fn.__name__: fn for fn in (
+    sparse_categorical_crossentropy, categorical_crossentropy, binary_crossentropy, mean_squared_error,
+    mean_absolute_error)}
 
 
-def get(identifier: str | Loss | nn.Module | Callable[[Any, Tensor], Tensor]) -> Loss:
+def serialize(loss: Loss) -> dict[str, Any] | None:
+    """{"class_name": ..., "config": ...} (JSON), or None for a loss no config can rebuild (a subclass of
+    yours, a torch.nn module, a function of your own)."""
+    from mirrored.training import _config  # here: this module imports without the rest of mirrored
+
+    return _config.to_config(loss, _LOSS_CLASSES)
+
+
+def deserialize(config: Mapping[str, Any]) -> Loss:
+    """The loss serialize() described, rebuilt from this module's classes by name."""
+    from mirrored.training import _config
+
+    return _config.from_config(config, _LOSS_CLASSES, "loss")
+
+
+def get(identifier: str | Loss | Mapping[str, Any] | nn.Module | Callable[[Any, Tensor], Tensor]) -> Loss:
     """A loss object from a name in _LOSSES (crossentropies with from_logits=True), a Loss (returned
-    as is), a torch.nn loss module (wrapped, see TorchLossWrapper), or a function
+    as is), a serialize() config, a torch.nn loss module (wrapped, see TorchLossWrapper), or a function
     fn(y_true, y_pred) -> per-example losses."""
     if isinstance(identifier, Loss):
         return identifier
@@ -574,6 +660,8 @@ def get(identifier: str | Loss | nn.Module | Callable[[Any, Tensor], Tensor]) ->
         except KeyError:
             raise ValueError(f"unknown loss {identifier!r}. Known names: {', '.join(_LOSSES)}; or pass a loss "
                              "object, a torch.nn loss module, or a function(y_true, y_pred).") from None
+    if isinstance(identifier, Mapping):
+        return deserialize(identifier)
     if isinstance(identifier, nn.Module):
         if not hasattr(identifier, "reduction"):
             raise TypeError(

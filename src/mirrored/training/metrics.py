@@ -7,19 +7,22 @@ in `mirrored` Variables created with synchronization=ON_READ and aggregation=SUM
 inside strategy.run, and `result()` in cross-replica context computes from the copies' sum. Counts
 and sums are float64, so counts stay exact to 2**53 and one step's rounding does not drift a long
 epoch's mean; results are float32. `get(identifier, loss_name=None)` resolves Keras names,
-including "accuracy", whose meaning depends on the loss.
+including "accuracy", whose meaning depends on the loss. Metrics have Keras's get_config() /
+from_config() (settings, not state); serialize()/deserialize() turn one into JSON and back, from
+this module's classes only.
 
-Uses torch and the public names of mirrored.distribute (Variable and its enums).
+Uses torch, the public names of mirrored.distribute (Variable and its enums) and _config.py.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from mirrored.distribute.variables import Variable, VariableAggregation, VariableSynchronization
+from mirrored.training import _config
 from mirrored.training.losses import _broadcast_sample_weight
 
 __all__ = [
@@ -38,7 +41,9 @@ __all__ = [
     "accuracy",
     "binary_accuracy",
     "categorical_accuracy",
+    "deserialize",
     "get",
+    "serialize",
     "sparse_categorical_accuracy",
     "sparse_top_k_categorical_accuracy",
 ]
@@ -91,6 +96,14 @@ class Metric:
         """update_state(*args, **kwargs), then result()."""
         self.update_state(*args, **kwargs)
         return self.result()
+
+    def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); not the state."""
+        return {"name": self.name}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Metric:
+        return cls(**config)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -179,6 +192,26 @@ class MeanMetricWrapper(Mean):
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         super().update_state(self._fn(y_true, y_pred, **self._fn_kwargs), sample_weight)
+
+    def get_config(self) -> dict[str, Any]:
+        """Only for this module's functions, rebuilt by name; another function has no config."""
+        if type(self) is not MeanMetricWrapper:  # the named wrappers take their settings, not a function
+            return {"name": self.name, **self._fn_kwargs}
+        name = getattr(self._fn, "__name__", None)
+        if _METRIC_FUNCTIONS.get(name) is not self._fn:
+            raise NotImplementedError(f"metric {self.name!r} wraps {self._fn!r}, which is not one of mr.metrics' "
+                                      "functions, so no config can rebuild it.")
+        return {"fn": name, "name": self.name, **self._fn_kwargs}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Metric:
+        if cls is not MeanMetricWrapper:
+            return cls(**config)
+        config = dict(config)
+        name = config.pop("fn", None)
+        if name not in _METRIC_FUNCTIONS:
+            raise ValueError(f"MeanMetricWrapper config: fn={name!r} is not one of {', '.join(_METRIC_FUNCTIONS)}.")
+        return cls(_METRIC_FUNCTIONS[name], **config)
 
     def __repr__(self) -> str:
         args = "".join(f", {k}={v!r}" for k, v in self._fn_kwargs.items())
@@ -386,6 +419,9 @@ class Precision(_Binary):
         self.true_positives.assign_add((weights * (predicted & positive)).sum())
         self.false_positives.assign_add((weights * (predicted & ~positive)).sum())
 
+    def get_config(self) -> dict[str, Any]:
+        return {"thresholds": self.thresholds, "name": self.name, "from_logits": self.from_logits}
+
     def result(self) -> Tensor:
         tp = self.true_positives.read_value()
         return _divide_no_nan(tp, tp + self.false_positives.read_value()).to(_RESULT_DTYPE)
@@ -408,6 +444,9 @@ class Recall(_Binary):
         predicted = probs > self.thresholds
         self.true_positives.assign_add((weights * (predicted & positive)).sum())
         self.false_negatives.assign_add((weights * (~predicted & positive)).sum())
+
+    def get_config(self) -> dict[str, Any]:
+        return {"thresholds": self.thresholds, "name": self.name, "from_logits": self.from_logits}
 
     def result(self) -> Tensor:
         tp = self.true_positives.read_value()
@@ -491,6 +530,10 @@ class AUC(_Binary):
             heights = torch.maximum(y[:-1], y[1:])
         return (widths * heights).sum().to(_RESULT_DTYPE)
 
+    def get_config(self) -> dict[str, Any]:
+        return {"num_thresholds": self.num_thresholds, "curve": self.curve, "summation_method": self.summation_method,
+                "name": self.name, "from_logits": self.from_logits}
+
     def __repr__(self) -> str:
         return (f"AUC(num_thresholds={self.num_thresholds}, curve={self.curve!r}, summation_method="
                 f"{self.summation_method!r}, name={self.name!r}, from_logits={self.from_logits})")
@@ -550,6 +593,24 @@ _ACCURACY_FOR_LOSS: dict[str, Callable[[str, bool], Metric]] = {
 # Made from a name, these threshold sigmoid(logits) by default, since our models return logits.
 _TAKE_FROM_LOGITS = ("binary_accuracy", "precision", "recall", "auc")
 
+_METRIC_CLASSES: dict[str, type[Metric]] = {cls.__name__: cls for cls in (
+    Accuracy, SparseCategoricalAccuracy, CategoricalAccuracy, BinaryAccuracy, SparseTopKCategoricalAccuracy,
+    Precision, Recall, AUC, Mean, Sum, MeanMetricWrapper)}
+_METRIC_FUNCTIONS: dict[str, Callable[..., Tensor]] = {fn.__name__: fn for fn in (
+    accuracy, sparse_categorical_accuracy, categorical_accuracy, binary_accuracy, sparse_top_k_categorical_accuracy,
+    _accuracy_by_shape)}
+
+
+def serialize(metric: Metric) -> dict[str, Any] | None:
+    """{"class_name": ..., "config": ...} (JSON), or None for a metric no config can rebuild (a subclass of
+    yours, a function of your own)."""
+    return _config.to_config(metric, _METRIC_CLASSES)
+
+
+def deserialize(config: Mapping[str, Any]) -> Metric:
+    """The metric serialize() described, rebuilt from this module's classes by name (its state starts empty)."""
+    return _config.from_config(config, _METRIC_CLASSES, "metric")
+
 
 def get(identifier: str | Metric | Callable[..., Tensor], loss_name: str | None = None,
         from_logits: bool = True) -> Metric:
@@ -579,6 +640,8 @@ def get(identifier: str | Metric | Callable[..., Tensor], loss_name: str | None 
         return _METRICS[key](name=identifier)
     if isinstance(identifier, type) and issubclass(identifier, Metric):
         return identifier()
+    if isinstance(identifier, Mapping):
+        return deserialize(identifier)
     if callable(identifier):
         return MeanMetricWrapper(identifier)
     raise TypeError(f"metrics.get: cannot make a metric from {identifier!r} ({type(identifier).__name__}). "

@@ -5,12 +5,13 @@ on all of them (`strategy.run`). Loss scaling is exact: per-example losses are s
 the number of examples in the GLOBAL step (the real count, so an uneven last batch weighs right),
 which makes N replicas give one device's update. Keras on TF instead averages per-replica means in
 that last batch; we do not, on purpose. Metrics keep sync-on-read state: each replica accumulates,
-a read sums across replicas. Uses the public surface of `mirrored.distribute` and `mirrored.data`.
+a read sums across replicas. fit's epochs and its place in the data are an EpochIterator
+(epochs.py), which BackupAndRestore saves and restores. Uses the public surface of
+`mirrored.distribute` and `mirrored.data`.
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
 import time
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 import mirrored.distribute as md
 from mirrored.training import callbacks as callbacks_lib
-from mirrored.training import checkpoint, losses, metrics as metrics_lib, optimizers
+from mirrored.training import checkpoint, checkpoint_checks, epochs as epochs_lib, losses, metrics as metrics_lib, optimizers
 from mirrored.training.layers import has_sync_batchnorm
 
 logger = logging.getLogger(__name__)
@@ -121,9 +122,6 @@ def _weights_like(sw: Any, per_example: Tensor) -> Any:
     return sw
 
 
-_END = object()
-
-
 def _check_validation_freq(freq: Any) -> None:
     """Keras's validation_freq: validate every `freq` epochs (an int >= 1), or after the epochs
     listed (1-based, e.g. [1, 5, 10]). Checked before training, not after the first epoch."""
@@ -137,51 +135,6 @@ def _check_validation_freq(freq: Any) -> None:
 
 def _should_validate(epoch: int, freq: int | Iterable[int]) -> bool:
     return (epoch + 1) % freq == 0 if isinstance(freq, int) else epoch + 1 in freq
-
-
-class _Continuing:
-    """An epoch's iterator resumes where the previous epoch's stopped (Keras's steps_per_epoch);
-    once the data runs out, the next epoch starts a new pass. For BackupAndRestore it knows where
-    it is: the dataset's state when the current pass began, and how many batches it has drawn."""
-
-    def __init__(self, iterable: Iterable[Any], dataset: Any):
-        self._iterable = iterable
-        self._dataset = dataset if hasattr(dataset, "get_state") else None
-        self._it: Iterator[Any] | None = None
-        self.pass_state: Any = None
-        self.drawn = 0
-
-    def iterator(self) -> Iterator[Any]:
-        if self._it is None:
-            self.pass_state = self._dataset.get_state() if self._dataset is not None else None
-            self.drawn = 0
-            self._it = iter(self._iterable)
-        return self._it
-
-    def draw(self) -> Any:
-        """The next batch of the current pass, counted; _END once it ran out (the next draw starts a
-        new pass)."""
-        batch = next(self.iterator(), _END)
-        if batch is _END:
-            self._it, self.pass_state, self.drawn = None, None, 0
-        else:
-            self.drawn += 1
-        return batch
-
-    def position(self) -> dict[str, Any]:
-        """Where the next batch comes from; after a pass ran out, the start of the next one."""
-        if self._it is None:
-            return {"state": self._dataset.get_state() if self._dataset is not None else None, "drawn": 0}
-        return {"state": self.pass_state, "drawn": self.drawn}
-
-    def seek(self, position: dict[str, Any]) -> None:
-        """Replays the saved pass up to where it was (its batches are read again, not trained on)."""
-        if self._dataset is not None and position["state"] is not None:
-            self._dataset.set_state(position["state"])
-        self._it = None
-        for _ in range(position["drawn"]):
-            if self.draw() is _END:
-                return
 
 
 class Model:
@@ -212,13 +165,9 @@ class Model:
         self._compiled = False
         self.stop_training = False
         self.history: Any = None
-        self._resume_at: tuple[int, int] | None = None
-        self._pending_data_state: Any = None
-        self._epoch_data_state: Any = None
-        self._fit_dataset: Any = None
-        self._fit_source: Any = None  # what fit draws batches from: the distributed dataset, or a _Continuing
-        self._pending_position: dict[str, Any] | None = None  # a _Continuing's place, from a backup
-        self._epoch_start_lr: float | None = None  # the learning rate before this epoch's on_epoch_begin
+        # fit's epochs and place in the data, during fit; callbacks (BackupAndRestore) use its get_state /
+        # set_state, and its initial_epoch is Keras's model._initial_epoch.
+        self._epoch_iterator: epochs_lib.EpochIterator | None = None
         self._precision: str | None = None
         self._predict_like: tuple[torch.Size, torch.dtype] | None = None  # an output row's shape and dtype
         self._scalers: list[Any] = []
@@ -287,6 +236,10 @@ class Model:
             raise ValueError(f"compile(steps_per_execution={steps_per_execution!r}): give an integer >= 1.")
         if precision not in (None, "fp32", "bf16", "fp16"):
             raise ValueError(f"compile(precision={precision!r}): use None/\"fp32\", \"bf16\" or \"fp16\".")
+        if precision == "fp16" and getattr(optimizers.get(optimizer), "gradient_accumulation_steps", None):
+            raise ValueError("compile(precision=\"fp16\") with gradient_accumulation_steps: the loss scale may skip "
+                             "the update that k steps of gradients build up to. Use precision=\"bf16\", or no "
+                             "gradient accumulation.")
         devices = self.distribute_strategy.extended.worker_devices
         if precision == "fp16" and not all(d.startswith("cuda") for d in devices):
             raise ValueError("compile(precision=\"fp16\") needs CUDA devices (fp16 with loss scaling); on CPU use "
@@ -306,11 +259,14 @@ class Model:
         self._steps_per_execution = steps_per_execution
         self._precision = None if precision == "fp32" else precision
         self._scalers = [torch.amp.GradScaler("cuda") for _ in devices] if precision == "fp16" else []
-        # Names rebuild exactly; objects are recorded by their repr, so that load() can say what to pass.
-        self._compile_config = {"optimizer": self.optimizer.get_config(), "loss": loss if isinstance(loss, str) else
-                                {"object": repr(self._loss)}, "metrics": [m if isinstance(m, str) else
-                                                                          {"object": repr(m)} for m in (metrics or [])],
-                                "precision": precision}
+        # Names and configs rebuild exactly; an object without a config is recorded by its repr, so that load()
+        # can say what to pass.
+        self._compile_config = {
+            "optimizer": _config_or_repr(self.optimizer, self.optimizer, optimizers.serialize),
+            "loss": _config_or_repr(loss, self._loss, losses.serialize),
+            "metrics": [_config_or_repr(m, compiled, metrics_lib.serialize)
+                        for m, compiled in zip(metrics or [], self._metrics)],
+            "precision": precision}
         self._compiled = True
 
     def _require_compiled(self, what: str) -> None:
@@ -391,7 +347,10 @@ class Model:
             if share is not None:
                 with torch.no_grad():
                     self._track(y, logits, share, sw, count, regularization)
-            opt.reduce_gradients()
+            # With gradient_accumulation_steps, a step that only accumulates keeps its gradients local: one
+            # all-reduce per update. Then step() clips the reduced gradients and applies the schedule and EMA.
+            if opt.optimizer.accumulate_gradients():
+                opt.reduce_gradients()
             if scaler is not None:
                 scaler.step(opt.optimizer)
                 scaler.update()
@@ -463,36 +422,6 @@ class Model:
                             f"batch_size=); got {type(x).__name__}.")
         return x
 
-    def _batches(self, dist: Iterable[Any] | _Continuing, steps: int | None,
-                 skip: int = 0) -> Iterator[list[tuple[Any, int]]]:
-        """Groups of `steps_per_execution` (x, y, sw) distributed batches with their global sizes
-        (the distributed iterator's: on a multi-worker strategy the local parts are not all of it)."""
-        continuing = isinstance(dist, _Continuing)
-        it = dist.iterator() if continuing else iter(dist)  # (the one a continuing draw() reads in this pass)
-        group: list[tuple[Any, int]] = []
-        # Stops after `steps` batches without drawing one more (which a continuing iterator would lose).
-        # Resumed mid-epoch, a fresh pass draws the `skip` batches already trained on again; a continuing
-        # iterator was put back where it was (_Continuing.seek), so it starts at step `skip`.
-        first = skip if continuing else 0
-        for i in itertools.count(first) if steps is None else range(first, steps):
-            batch = dist.draw() if continuing else next(it, _END)
-            if batch is _END and continuing and i == first == 0:
-                # The previous epoch took the pass's last batch; this epoch starts the next pass (an
-                # empty dataset yields nothing here either).
-                batch = dist.draw()
-                it = dist.iterator()  # the new pass's: it knows each batch's global size
-            if batch is _END:
-                break
-            if i < skip:
-                continue
-            x, y, sw = _unpack(batch)
-            group.append(((x, y, sw), it.global_batch_size))
-            if len(group) == self._steps_per_execution:
-                yield group
-                group = []
-        if group:
-            yield group
-
     # ---- fit / evaluate / predict ------------------------------------------------------------------------
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
             verbose: Any = "auto", callbacks: Sequence[Any] | None = None, validation_data: Any = None,
@@ -511,56 +440,55 @@ class Model:
             else:
                 val = self._as_dataset(validation_data, None, None, None, False, "fit(validation_data)")
         strategy = self.distribute_strategy
-        self._fit_dataset = dataset
-        dist = strategy.experimental_distribute_dataset(dataset)
         # Keras: with steps_per_epoch, each epoch continues the previous one's iterator (so ds.repeat()
         # with steps_per_epoch sees all the data); without it, every epoch is a fresh full pass.
-        source = _Continuing(dist, dataset) if steps_per_epoch is not None else dist
-        self._fit_source = source
         _check_ends(dataset, steps_per_epoch, "fit", "steps_per_epoch")
         if val is not None:
             _check_ends(val, validation_steps, "fit(validation_data)", "validation_steps")
-        steps = steps_per_epoch if steps_per_epoch is not None else _len_or_none(dataset)
+        epoch_iterator = epochs_lib.EpochIterator(
+            strategy.experimental_distribute_dataset(dataset), steps_per_epoch=steps_per_epoch,
+            steps_per_execution=self._steps_per_execution, initial_epoch=initial_epoch,
+            learning_rate=self._settable_learning_rate)
         verbose = 1 if verbose == "auto" else verbose
         cbs = callbacks_lib.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=self,
-                                         verbose=verbose, epochs=epochs, steps=steps)
+                                         verbose=verbose, epochs=epochs, steps=epoch_iterator.num_batches)
         self.stop_training = False
-        self._resume_at = None
-        cbs.on_train_begin()
-        start_epoch, skip = initial_epoch, 0
-        if self._resume_at is not None:
-            start_epoch, skip = self._resume_at
-            if isinstance(source, _Continuing):
-                # (A backup without a position, from before positions were saved: a new pass, less `skip`.)
-                source.seek(self._pending_position or {"state": self._pending_data_state, "drawn": skip})
-                self._pending_data_state = None  # the position holds the pass's own state
-        self._pending_position = None
-        for m in self._net.replicas:
-            m.train()
+        self._epoch_iterator = epoch_iterator
+        try:
+            cbs.on_train_begin()  # BackupAndRestore may move the iterator to where a run stopped
+            if epoch_iterator.resume_learning_rate is not None:
+                self.optimizer.learning_rate = epoch_iterator.resume_learning_rate
+            for m in self._net.replicas:
+                m.train()
+            epoch_logs = self._fit_epochs(epoch_iterator, epochs, cbs, dataset, val, validation_steps,
+                                          validation_freq)
+            if self.optimizer.use_ema and epochs > 0:  # as Keras, before on_train_end
+                for opt in self._mopt.replicas:
+                    opt.finalize_variable_values()
+            cbs.on_train_end(epoch_logs)
+        finally:
+            self._epoch_iterator = None
+        return self.history
+
+    def _fit_epochs(self, epoch_iterator: epochs_lib.EpochIterator, epochs: int, cbs: Any, dataset: Any, val: Any,
+                    validation_steps: int | None, validation_freq: Any) -> dict[str, float]:
+        strategy = self.distribute_strategy
         epoch_logs: dict[str, float] = {}
-        for epoch in range(start_epoch, epochs):
-            self.reset_metrics()
-            if self._pending_data_state is not None and hasattr(dataset, "set_state"):
-                dataset.set_state(self._pending_data_state)
-                self._pending_data_state = None
-            self._epoch_data_state = dataset.get_state() if hasattr(dataset, "get_state") else None
-            self._epoch, self._step_in_epoch = epoch, skip
-            self._epoch_start_lr = self.optimizer.learning_rate
+        for epoch in epoch_iterator.epochs(epochs):
+            if not epoch_iterator.step:  # a resumed epoch goes on with the metrics restored with it
+                self.reset_metrics()
             cbs.on_epoch_begin(epoch)
             logs: dict[str, float] = {}
-            step = skip
-            for group in self._batches(source, steps, skip=skip):
+            for step, group in epoch_iterator.steps():
                 cbs.on_train_batch_begin(step)
-                strategy.run(self._train_replica, args=([b for b, _ in group], [n for _, n in group]))
-                step += len(group)
-                self._step_in_epoch = step
+                strategy.run(self._train_replica, args=([_unpack(b) for b, _ in group], [n for _, n in group]))
                 logs = self._logs()
-                cbs.on_train_batch_end(step - 1, {**logs, "num_examples": sum(n for _, n in group)})
+                cbs.on_train_batch_end(step + len(group) - 1, {**logs, "num_examples": sum(n for _, n in group)})
                 if self.stop_training:
                     break
-            if step == 0 and steps != 0:  # (a resumed epoch may have nothing left to do)
+            if epoch_iterator.step == 0 and epoch_iterator.num_batches != 0:  # (a resumed epoch may be done)
                 raise _no_batches("fit", dataset, f"epoch {epoch + 1}")
-            skip = 0
+            epoch_iterator.end_epoch()
             epoch_logs = dict(logs) if logs else self._logs()
             # As Keras: validation runs (through the fit callbacks' test hooks) even in the epoch that
             # a callback stopped, so its end has val_* logs for EarlyStopping, checkpoints and History.
@@ -572,8 +500,11 @@ class Model:
             cbs.on_epoch_end(epoch, epoch_logs)
             if self.stop_training:
                 break
-        cbs.on_train_end(epoch_logs)
-        return self.history
+        return epoch_logs
+
+    def _settable_learning_rate(self) -> float | None:
+        """The optimizer's rate, which a resumed fit sets back; None with a schedule, which sets it itself."""
+        return None if self.optimizer._schedule is not None else self.optimizer.learning_rate
 
     def _evaluate(self, dataset: Iterable[Any], steps: int | None, cbs: Any) -> dict[str, float]:
         strategy = self.distribute_strategy
@@ -582,11 +513,13 @@ class Model:
         self.reset_metrics()
         if cbs is not None:
             cbs.on_test_begin()
+        batches = epochs_lib.EpochIterator(strategy.experimental_distribute_dataset(dataset), steps_per_epoch=steps,
+                                           steps_per_execution=self._steps_per_execution)
         i = -1
-        for i, group in enumerate(self._batches(strategy.experimental_distribute_dataset(dataset), steps)):
+        for i, (_, group) in enumerate(batches.steps()):
             if cbs is not None:
                 cbs.on_test_batch_begin(i)
-            strategy.run(self._test_replica, args=([b for b, _ in group], [n for _, n in group]))
+            strategy.run(self._test_replica, args=([_unpack(b) for b, _ in group], [n for _, n in group]))
             if cbs is not None:
                 cbs.on_test_batch_end(i, self._logs())
         if i < 0 and steps != 0:
@@ -684,7 +617,9 @@ class Model:
         meta: dict[str, Any] = {"format": _FORMAT, "replicas": self.distribute_strategy.num_replicas_in_sync,
                                 "model_config": getattr(self.module, "_mirrored_config", None)}
         if with_optimizer and self._mopt is not None:
-            opt_tensors, opt_meta = checkpoint.optimizer_state_to_flat(self._mopt.state_dict())
+            # (each replica's accumulated gradients too: they are its own)
+            state = optimizers.replicas_state_dict(self._mopt.replicas)
+            opt_tensors, opt_meta = checkpoint.optimizer_state_to_flat(state)
             tensors.update(opt_tensors)
             meta["optimizer"] = opt_meta
             meta["compile"] = self._compile_config
@@ -700,14 +635,18 @@ class Model:
         checkpoint.save_checkpoint(path, tensors, meta)
 
     def load_weights(self, path: str | Path) -> None:
-        """Loads the weights of a checkpoint saved on any number of replicas into every replica."""
-        self._net.load_state_dict(checkpoint.load_state_dict(path))
+        """Loads the weights of a checkpoint saved on any number of replicas into every replica; every
+        tensor's name, shape and dtype is checked first (CheckpointError naming the file otherwise)."""
+        state = checkpoint.load_state_dict(path, where="Model.load_weights")
+        origin = checkpoint_checks.Origin(f"Model.load_weights({str(path)!r})")
+        self._net.load_state_dict(checkpoint_checks.state_dict(origin, state, self.module.state_dict(), prefix=""))
 
-    def _load_optimizer(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        if self._mopt is not None and "optimizer" in meta:
-            self._mopt.load_state_dict(checkpoint.optimizer_state_from_flat(tensors, meta["optimizer"]))
+    def _load_optimizer(self, state: dict[str, Any] | None) -> None:
+        """Loads a state checked by checkpoint_checks (None: the file has none) into every replica."""
+        if state is not None and self._mopt is not None:
+            optimizers.load_replicas_state_dict(self._mopt.replicas, state)
             groups = self._mopt.replicas[0].param_groups
-            if groups and self.optimizer is not None:
+            if groups and self.optimizer is not None and self.optimizer._schedule is None:
                 # The saved rate, which a callback may have changed (LearningRateScheduler, ReduceLROnPlateau),
                 # is in the torch optimizer's groups; callbacks read and write it through the recipe.
                 self.optimizer.learning_rate = groups[0]["lr"]
@@ -716,92 +655,81 @@ class Model:
     def load(cls, path: str | Path, module: nn.Module | None = None, compile: bool = True) -> Model:
         """A Model from `save()`'s file. Pass `module=` (an instance of the same architecture) unless the
         model came from `mr.models`, whose name and arguments the file records. Never unpickles."""
-        tensors, meta = checkpoint.load_checkpoint(path)
+        tensors, meta = checkpoint.load_checkpoint(path, where="Model.load")
+        origin = checkpoint_checks.Origin(f"Model.load({str(path)!r})")
         if meta.get("format") != _FORMAT:
-            raise ValueError(f"Model.load({str(path)!r}): not a mirrored Model file (format {meta.get('format')!r}).")
+            raise checkpoint.CheckpointError(f"Model.load({str(path)!r}): not a mirrored Model file (format "
+                                             f"{meta.get('format')!r:.60}).")
+        # Everything the file says is checked before it is used: the architecture before it is built.
+        checkpoint_checks.model_metadata(origin, meta)
         if module is None:
             config = meta.get("model_config")
             if not config:
-                raise ValueError(f"Model.load({str(path)!r}): the file does not record how to build the module "
-                                 "(it was not made by mr.models). Pass module=YourNet(...) to load the weights into.")
-            from mirrored import models
-
-            module = models.get(config["name"], **config.get("kwargs", {}))
+                raise checkpoint.CheckpointError(
+                    f"Model.load({str(path)!r}): the file does not record how to build the module (it was not "
+                    "made by mr.models). Pass module=YourNet(...) to load the weights into.")
+            module = checkpoint_checks.build_module(origin, config, tensors)
+        state = checkpoint_checks.state_dict(origin, tensors, module.state_dict())
         model = cls(module)
-        model._net.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
+        model._net.load_state_dict(state)
         cfg = meta.get("compile")
-        if compile and cfg and isinstance(cfg.get("loss"), dict):  # a loss object: training with another is wrong
-            raise ValueError(
-                f"Model.load({str(path)!r}): the model was compiled with the loss {cfg['loss']['object']}, an "
-                "object whose settings the file does not hold (only names rebuild exactly). Load with "
-                "compile=False and call model.compile(...) with it again; the weights load either way.")
-        objects = [m["object"] for m in (cfg or {}).get("metrics", []) if isinstance(m, dict)]
-        if compile and objects:
-            warnings.warn(f"Model.load({str(path)!r}): the metrics {', '.join(objects)} were objects whose settings "
-                          "the file does not hold; the model is compiled without them. Load with compile=False and "
-                          "compile(...) again to have them.", UserWarning, stacklevel=2)
-        if compile and cfg and isinstance(cfg.get("loss"), str):
-            opt_cfg = dict(cfg["optimizer"])
-            name = opt_cfg.pop("name")
-            # A torch.optim class by its name: ours are named after theirs (SGD, Adam, AdamW, RMSprop), and
-            # compile takes torch.optim classes too; never a pickle.
-            torch_cls = getattr(torch.optim, name, None)
-            if not (isinstance(torch_cls, type) and issubclass(torch_cls, torch.optim.Optimizer)):
-                raise ValueError(f"Model.load({str(path)!r}): the model was compiled with the optimizer {name!r}, "
-                                 "which load cannot rebuild (not one of mirrored's or torch.optim's). Load with "
-                                 "compile=False and compile(...) again; the weights load either way.")
-            opt = optimizers.Optimizer(torch_cls, opt_cfg.pop("learning_rate"), name, **opt_cfg)
-            model.compile(optimizer=opt, loss=cfg["loss"], metrics=[m for m in cfg["metrics"] if isinstance(m, str)],
-                          precision=cfg.get("precision"))
-            model._load_optimizer(tensors, meta)
+        if compile and cfg:
+            try:
+                model._compile_from_config(cfg, str(path))
+            except (TypeError, KeyError) as e:  # settings from the file: a damaged file, or another version's
+                raise checkpoint.CheckpointError(
+                    f"Model.load({str(path)!r}): cannot compile with the settings the file records ({e}). Load "
+                    "with compile=False and compile(...) yourself; the weights load either way.") from e
+            model._load_optimizer(checkpoint_checks.model_optimizer_state(origin, tensors, meta, model))
         return model
 
-    # ---- interrupted runs (BackupAndRestore) --------------------------------------------------------
-    def _save_training_state(self, path: str | Path, epoch: int, step: int) -> None:
-        """Everything a resumed fit needs to continue exactly: weights, optimizer, RNG, data order, metrics."""
-        tensors, meta = self._state_tensors(with_optimizer=True)
-        rng_tensors, rng_meta = checkpoint.capture_rng_state()
-        tensors.update({f"rng/{k}": v for k, v in rng_tensors.items()})
-        for i, m in enumerate(self.metrics):
-            for j, var in enumerate(getattr(m, "variables", [])):
-                for r, t in enumerate(var.values):
-                    tensors[f"metrics/{i}/{j}/{r}"] = t.detach()
-        # Mid-epoch, the resumed run replays this epoch's order (as it was when the epoch began) and skips
-        # `step` batches; at an epoch boundary it needs the order of the next epoch: the state now.
-        data_state = self._epoch_data_state
-        if step == 0 and hasattr(self._fit_dataset, "get_state"):
-            data_state = self._fit_dataset.get_state()
-        # The resumed run calls on_epoch_begin(epoch) again, so it needs the rate from before that call: a
-        # schedule of the current rate (LearningRateScheduler) would otherwise apply this epoch's change twice.
-        resume_lr = self.optimizer.learning_rate if step == 0 else self._epoch_start_lr
-        meta.update({"epoch": int(epoch), "step": int(step), "rng": rng_meta, "data_state": data_state,
-                     "resume_lr": resume_lr})
-        if isinstance(self._fit_source, _Continuing):  # with steps_per_epoch, epochs share one pass's iterator
-            meta["pass"] = self._fit_source.position()
-        checkpoint.save_checkpoint(path, tensors, meta)
-
-    def _restore_training_state(self, path: str | Path) -> tuple[int, int]:
-        tensors, meta = checkpoint.load_checkpoint(path)
-        self._net.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
-        self._load_optimizer(tensors, meta)
-        checkpoint.restore_rng_state({k[len("rng/"):]: v for k, v in tensors.items() if k.startswith("rng/")},
-                                     meta["rng"])
-        self._pending_data_state = meta.get("data_state")
-        self._pending_position = meta.get("pass")
-        if meta.get("resume_lr") is not None and self.optimizer is not None:
-            self.optimizer.learning_rate = meta["resume_lr"]
-        if meta.get("replicas") == self.distribute_strategy.num_replicas_in_sync:
-            for i, m in enumerate(self.metrics):
-                for j, var in enumerate(getattr(m, "variables", [])):
-                    for r, t in enumerate(var.values):
-                        key = f"metrics/{i}/{j}/{r}"
-                        if key in tensors:
-                            with torch.no_grad():
-                                t.copy_(tensors[key])
-        return int(meta["epoch"]), int(meta["step"])
+    def _compile_from_config(self, cfg: dict[str, Any], path: str) -> None:
+        """compile() as save() recorded it: names, and configs rebuilt from mirrored's own classes by name."""
+        loss = cfg.get("loss")
+        if isinstance(loss, dict) and "object" in loss:  # training with another loss would be wrong
+            raise ValueError(
+                f"Model.load({path!r}): the model was compiled with the loss {loss['object']}, an object without a "
+                "config (a class or function of your own), so the file cannot rebuild it. Load with compile=False "
+                "and call model.compile(...) with it again; the weights load either way.")
+        metrics, dropped = [], []
+        for m in cfg.get("metrics", []):
+            if isinstance(m, dict) and "object" in m:
+                dropped.append(m["object"])
+            else:
+                metrics.append(metrics_lib.deserialize(m) if isinstance(m, dict) else m)
+        if dropped:
+            warnings.warn(f"Model.load({path!r}): the metrics {', '.join(dropped)} were objects without a config "
+                          "(classes or functions of your own); the model is compiled without them. Load with "
+                          "compile=False and compile(...) again to have them.", UserWarning, stacklevel=3)
+        self.compile(optimizer=_optimizer_from_config(cfg["optimizer"], path),
+                     loss=losses.deserialize(loss) if isinstance(loss, dict) else loss, metrics=metrics,
+                     precision=cfg.get("precision"))
 
     def __repr__(self) -> str:
         return f"Model({self.name}, replicas={self.distribute_strategy.num_replicas_in_sync})"
+
+
+def _config_or_repr(given: Any, obj: Any, serialize: Any) -> Any:
+    """What compile() records of a loss, metric or optimizer: a name as given, else the object's config
+    (serialize), else {"object": its repr}, which load() names in its error."""
+    if isinstance(given, str):
+        return given
+    return serialize(obj) or {"object": repr(obj)}
+
+
+def _optimizer_from_config(cfg: dict[str, Any], path: str) -> optimizers.Optimizer:
+    if "class_name" in cfg:
+        return optimizers.deserialize(cfg)
+    # A file from before optimizers had configs holds a torch.optim class's name (ours are named after
+    # theirs: SGD, Adam, AdamW, RMSprop) and its torch arguments; never a pickle.
+    name = cfg.get("name")
+    torch_cls = getattr(torch.optim, str(name), None) if "object" not in cfg else None
+    if not (isinstance(torch_cls, type) and issubclass(torch_cls, torch.optim.Optimizer)):
+        raise ValueError(f"Model.load({path!r}): the model was compiled with the optimizer {cfg.get('object', name)}, "
+                         "which load cannot rebuild (not one of mirrored's or torch.optim's). Load with compile=False "
+                         "and compile(...) again; the weights load either way.")
+    cfg = {k: v for k, v in cfg.items() if k != "name"}
+    return optimizers.Optimizer(torch_cls, cfg.pop("learning_rate"), str(name), **cfg)
 
 
 def _rows(x: Any) -> int:

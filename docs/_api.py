@@ -1,0 +1,231 @@
+"""The public surface of `mirrored`, read from the package itself, and the API reference pages made from it.
+
+conf.py calls `write_reference(dir)` on every build and tests/test_docs.py calls `public_names()`, so a
+name added to the package appears in the reference (and must have a docstring) without anyone editing
+the docs. What counts as public, in order:
+
+  1. `mirrored.__all__`. Its modules (mr.data, mr.losses, ...) are namespaces, documented under the
+     name users write (`mirrored.losses`, not `mirrored.training.losses`); the rest are top-level names.
+  2. A namespace's names: its `__all__`, or, where it has none, what its own source defines at top
+     level or re-exports explicitly (`from x import y as y`), minus underscored names.
+  3. A public submodule of `mirrored` or of a namespace package is a namespace of its own when its
+     `__all__` names something no earlier namespace documents (mr.data.images, mr.distribute).
+
+An object reachable under two names is documented once, under the first. Uses only the standard
+library and the package; never imports Sphinx, so the test runs without it.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = "mirrored"
+
+
+@dataclass
+class Namespace:
+    """One page of the reference: a public module path, the module behind it, and its new names."""
+
+    path: str  # what users write, e.g. "mirrored.losses"
+    module: ModuleType  # what it is, e.g. mirrored.training.losses
+    names: list[str] = field(default_factory=list)  # documented here (not documented earlier)
+    aliases: dict[str, str] = field(default_factory=dict)  # name -> where it is documented instead
+
+
+def _declared_names(module: ModuleType) -> list[str]:
+    """A module's public names: `__all__`, else its top-level definitions and explicit re-exports."""
+    declared = getattr(module, "__all__", None)
+    if declared is not None:
+        return [n for n in declared if not isinstance(getattr(module, n, None), ModuleType)]
+    source = inspect.getsource(module)
+    names: list[str] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names += [t.id for t in targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            names += [a.asname for a in node.names if a.asname is not None and a.asname == a.name]
+    return [n for n in dict.fromkeys(names) if not n.startswith("_") and hasattr(module, n)
+            and not isinstance(getattr(module, n), ModuleType)]
+
+
+def _identity(name: str, obj: Any) -> Any:
+    """What makes two names the same documented object: classes and functions by identity, constants
+    by name and value (AUTOTUNE and INFINITE_CARDINALITY are both -1, yet different names)."""
+    if inspect.isclass(obj) or inspect.isroutine(obj):
+        return ("object", id(obj))
+    return ("constant", name, repr(obj))
+
+
+def _submodules(package: ModuleType) -> list[ModuleType]:
+    if not hasattr(package, "__path__"):
+        return []
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if not info.name.startswith("_") and info.name not in ("cli",):  # cli: a program, not an API
+            found.append(importlib.import_module(f"{package.__name__}.{info.name}"))
+    return found
+
+
+def namespaces() -> list[Namespace]:
+    """Every page of the reference, in order: `mirrored`, its namespaces, then sub-namespaces."""
+    root = importlib.import_module(ROOT)
+    pages = [Namespace(ROOT, root)]
+    top_names = []
+    for name in root.__all__:
+        value = getattr(root, name)
+        if isinstance(value, ModuleType):
+            pages.append(Namespace(f"{ROOT}.{name}", value))
+        else:
+            top_names.append(name)
+    seen: dict[Any, str] = {}
+    modules_seen = {id(p.module) for p in pages}
+
+    def fill(page: Namespace, names: list[str]) -> None:
+        for name in names:
+            key = _identity(name, getattr(page.module, name))
+            if key in seen:
+                page.aliases[name] = seen[key]
+            else:
+                seen[key] = f"{page.path}.{name}"
+                page.names.append(name)
+
+    fill(pages[0], top_names)
+    for page in pages[1:]:
+        fill(page, _declared_names(page.module))
+    # Sub-namespaces: public submodules of mirrored and of namespace packages that add names.
+    parents = [(ROOT, root)] + [(p.path, p.module) for p in pages[1:] if hasattr(p.module, "__path__")]
+    for parent_path, parent in parents:
+        for sub in _submodules(parent):
+            if id(sub) in modules_seen or getattr(sub, "__all__", None) is None:
+                continue
+            page = Namespace(f"{parent_path}.{sub.__name__.rsplit('.', 1)[1]}", sub)
+            fill(page, _declared_names(sub))
+            if page.names:
+                modules_seen.add(id(sub))
+                pages.append(page)
+    return pages
+
+
+def public_names() -> dict[str, Any]:
+    """Every documented public name (its path as users write it) and its object."""
+    return {f"{page.path}.{name}": getattr(page.module, name) for page in namespaces() for name in page.names}
+
+
+def kind(obj: Any) -> str:
+    """How the reference documents `obj`: "class", "function" or "data" (a constant)."""
+    if inspect.isclass(obj):
+        return "class"
+    if callable(obj):
+        return "function"
+    return "data"
+
+
+def own_docstring(obj: Any) -> str | None:
+    """`obj`'s own docstring: not inherited from a base class, not the one dataclasses, NamedTuple or
+    Enum write for a class that has none. None for a constant (it cannot carry one)."""
+    if kind(obj) == "data":
+        return None
+    doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else getattr(obj, "__doc__", None)
+    if not isinstance(doc, str) or not doc.strip():
+        return None
+    if inspect.isclass(obj) and (doc.startswith(f"{obj.__name__}(") or doc == "An enumeration."):
+        return None  # generated by @dataclass / NamedTuple / Enum
+    return doc
+
+
+# ---- the reference pages --------------------------------------------------------------------------------
+
+def _title(text: str, char: str = "=") -> str:
+    return f"{text}\n{char * len(text)}\n"
+
+
+def _inherited_members(cls: type) -> str:
+    """Members inherited from our own base classes are shown; those of torch's (nn.Module) are not."""
+    foreign = [b.__name__ for b in cls.__mro__[1:] if not b.__module__.startswith(ROOT)]
+    return ", ".join(dict.fromkeys(foreign)) or "object"
+
+
+def _entry(path: str, obj: Any) -> str:
+    what = kind(obj)
+    if what == "class":
+        return (f".. autoclass:: {path}\n   :members:\n   :undoc-members:\n   :show-inheritance:\n"
+                f"   :inherited-members: {_inherited_members(obj)}\n")
+    if what == "function":
+        return f".. autofunction:: {path}\n"
+    return f".. autodata:: {path}\n"
+
+
+def page_filename(page: Namespace) -> str:
+    return page.path + ".rst"
+
+
+def render(page: Namespace, docstring_to_rst: Any) -> str:
+    """The reST of one reference page; `docstring_to_rst` turns a module docstring into reST."""
+    out = [_title(f"``{page.path}``"), f".. py:module:: {page.path}\n"]
+    intro = inspect.getdoc(page.module)
+    if intro:
+        out.append("\n".join(docstring_to_rst(intro.splitlines())) + "\n")
+    if page.path != page.module.__name__:
+        out.append(f"(Defined in ``{page.module.__name__}``.)\n")
+    if page.aliases:
+        also = ", ".join(f"``{name}`` (:py:obj:`{target}`)" for name, target in sorted(page.aliases.items()))
+        out.append(f"Also exports {also}.\n")
+    groups = {"class": [], "function": [], "data": []}
+    for name in sorted(page.names, key=str.lower):
+        obj = getattr(page.module, name)
+        groups[kind(obj)].append(_entry(f"{page.path}.{name}", obj))
+    for what, title in (("class", "Classes"), ("function", "Functions"), ("data", "Constants")):
+        if groups[what]:
+            out.append(_title(title, "-"))
+            out += groups[what]
+    return "\n".join(out)
+
+
+def render_index(pages: list[Namespace]) -> str:
+    lines = [_title("API reference"),
+             "Generated on every build from the package itself (``docs/_api.py``): every name in "
+             "``mirrored.__all__``, every name of its namespaces, and of the public submodules that add names. "
+             "A name added to the package appears here by itself; ``tests/test_docs.py`` fails when one has no "
+             "docstring.\n",
+             ".. toctree::\n   :maxdepth: 1\n"]
+    lines += [f"   {page_filename(p)[:-4]}" for p in pages]
+    lines.append("")
+    lines.append(_title("Namespaces", "-"))
+    for p in pages:
+        summary = (inspect.getdoc(p.module) or "").split("\n\n", 1)[0].replace("\n", " ")
+        lines.append(f"* :py:mod:`{p.path}` - {len(p.names)} names. {_escape(summary)}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(text: str) -> str:
+    return text.replace("*", r"\*").replace("|", r"\|")
+
+
+def write_reference(directory: Path, docstring_to_rst: Any) -> list[str]:
+    """Writes the reference pages into `directory` and removes pages of names that are gone; returns
+    the files. A page whose text did not change is left alone, so Sphinx does not read it again."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pages = namespaces()
+    texts = {page_filename(page): render(page, docstring_to_rst) for page in pages}
+    texts["index.rst"] = render_index(pages)
+    for stale in set(p.name for p in directory.glob("*.rst")) - set(texts):
+        (directory / stale).unlink()
+    for name, text in texts.items():
+        path = directory / name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+    return list(texts)
+
+
+def dedent_docstring(doc: str) -> list[str]:
+    return textwrap.dedent(doc).splitlines()

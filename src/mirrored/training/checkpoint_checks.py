@@ -1,0 +1,416 @@
+"""Does a checkpoint fit what it is loaded into? Checked in full before anything is assigned.
+
+Model.load, Model.load_weights and BackupAndRestore's restore read a file with checkpoint.py, then
+call these: `state_dict` (every tensor's name, shape and dtype against the module's), `optimizer_state`
+(the param groups against the optimizer's own, each state tensor against its parameter), `rng_state`
+(each state set on a fresh generator, which checks exactly what the restore will), `build_module`
+(the recorded architecture against the model factory's arguments and bounds, built on the meta
+device first so a forged size never reaches the allocator) and `model_metadata`/`training_metadata`
+(the JSON fields). A problem is a CheckpointError (a ValueError) naming the file, the key and both
+values. Uses torch, numpy, checkpoint.py and mirrored.models.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from mirrored.training.checkpoint import CheckpointError
+
+__all__ = ["Origin", "build_module", "metric_states", "model_metadata", "model_optimizer_state",
+           "optimizer_state", "rng_state", "state_dict", "training_metadata"]
+
+_TENSOR_TAG = "__tensor__"  # as checkpoint.py writes them
+_TUPLE_TAG = "__tuple__"
+_MAX_DEPTH = 32  # JSON nesting deeper than any optimizer setting: a damaged file, not recursion
+_MAX_CUDA_DEVICES = 1 << 12
+_PRECISIONS = (None, "fp32", "bf16", "fp16")
+# Optimizer state tensors are scalars (a step count) or shaped like their parameter, except these
+# (torch.optim.Adafactor's factored second moments): key -> the shape for a parameter's shape.
+_FACTORED_SHAPES = {
+    "row_var": lambda shape: (*shape[:-1], 1),
+    "col_var": lambda shape: (*shape[:-2], 1, shape[-1]),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a checkpoint is being loaded: names the file in every error, says how to fix a mismatch."""
+
+    where: str  # e.g. "Model.load('run/model.safetensors')"
+    mismatch_fix: str = "Load it into the model (and optimizer) that saved it."
+
+    def mismatch(self, problem: str) -> CheckpointError:
+        return CheckpointError(f"{self.where}: {problem}. {self.mismatch_fix}")
+
+    def damaged(self, problem: str) -> CheckpointError:
+        return CheckpointError(f"{self.where}: {problem}; the file is damaged or was not written by "
+                               "mirrored. Use another copy (a backup, an earlier checkpoint).")
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors
+
+
+def state_dict(origin: Origin, tensors: Mapping[str, Tensor], expected: Mapping[str, Any],
+               prefix: str = "model/", owner: str = "the model") -> dict[str, Tensor]:
+    """The file's tensors under `prefix` (prefix removed), once their names, shapes and dtypes match
+    `expected` (a state_dict; meta tensors will do)."""
+    got = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+    want = {k: v for k, v in expected.items() if isinstance(v, Tensor)}
+    missing = [k for k in want if k not in got]
+    unexpected = [k for k in got if k not in want]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{owner} has {_few(missing)}, which the file lacks")
+        if unexpected:
+            parts.append(f"the file holds {_few([prefix + k for k in unexpected])}, which {owner} lacks")
+        raise origin.mismatch(f"the tensors do not match {owner}: {'; '.join(parts)}")
+    for k, ref in want.items():
+        _check_tensor(origin, prefix + k, got[k], tuple(ref.shape), ref.dtype, owner)
+    return got
+
+
+def _check_tensor(origin: Origin, key: str, t: Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                  owner: str) -> None:
+    if tuple(t.shape) != shape:
+        raise origin.mismatch(f"tensor {key!r} has shape {tuple(t.shape)} in the file but {shape} in {owner}")
+    # A floating tensor loads into another floating dtype (cast, as torch's load_state_dict does);
+    # an integer count read into a float (or the reverse) is another tensor, not a rounding.
+    if t.dtype != dtype and not (t.dtype.is_floating_point and dtype.is_floating_point):
+        raise origin.mismatch(f"tensor {key!r} has dtype {t.dtype} in the file but {dtype} in {owner}")
+
+
+def _few(names: Sequence[str], n: int = 5) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def build_module(origin: Origin, config: Any, tensors: Mapping[str, Tensor]) -> nn.Module:
+    """The module the file's `model_config` records, built only once its arguments pass the model
+    factory's checks and a meta-device copy (no memory) has exactly the file's tensor shapes: so a
+    forged num_classes=10**12 is an error, not an allocation."""
+    from mirrored import models
+
+    if (not isinstance(config, dict) or not isinstance(config.get("name"), str)
+            or not isinstance(config.get("kwargs", {}), dict)):
+        raise origin.damaged(f"the recorded architecture {config!r:.200} is not "
+                             "{'name': str, 'kwargs': dict}")
+    name, kwargs = config["name"], config.get("kwargs", {})
+    try:
+        models.check_config(name, kwargs)
+        skeleton = models.skeleton(name, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise origin.damaged(f"the recorded architecture {name}({_kwargs(kwargs)}) cannot be built: {e}") from None
+    state_dict(origin, tensors, skeleton.state_dict(), owner=f"{name}({_kwargs(kwargs)})")
+    return models.get(name, **kwargs)
+
+
+def _kwargs(kwargs: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r:.40}" for k, v in kwargs.items())
+
+
+def metric_states(origin: Origin, tensors: Mapping[str, Tensor], metrics: Sequence[Any]
+                  ) -> list[tuple[Tensor, Tensor]]:
+    """(metric variable copy, saved value) pairs of a backup, each checked against its variable."""
+    pairs = []
+    for i, m in enumerate(metrics):
+        for j, var in enumerate(getattr(m, "variables", [])):
+            for r, t in enumerate(var.values):
+                key = f"metrics/{i}/{j}/{r}"
+                if key in tensors:
+                    _check_tensor(origin, key, tensors[key], tuple(t.shape), t.dtype,
+                                  f"metric {getattr(m, 'name', i)!r}")
+                    pairs.append((t, tensors[key]))
+    return pairs
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer state
+
+
+def optimizer_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Any, optimizer: torch.optim.Optimizer,
+                    param_names: Sequence[str] | None = None) -> dict[str, Any]:
+    """The state_dict for optimizer.load_state_dict(), once it fits `optimizer`: as many groups of
+    as many parameters, the same settings of the same kinds, and every state tensor a scalar or
+    shaped like its parameter. (torch checks only the group sizes; a momentum buffer of the wrong
+    shape used to load and fail in the first step.)"""
+    if (not isinstance(meta, dict) or not isinstance(meta.get("state"), dict)
+            or not isinstance(meta.get("param_groups"), list)):
+        raise origin.damaged("the optimizer metadata is not a dict with 'state' and 'param_groups'")
+    cls = type(optimizer).__name__
+    live_groups, saved_groups = optimizer.param_groups, meta["param_groups"]
+    if len(saved_groups) != len(live_groups):
+        raise origin.mismatch(f"the optimizer state has {len(saved_groups)} parameter group(s) but the "
+                              f"{cls} optimizer has {len(live_groups)}")
+    params: dict[int, tuple[Tensor, str]] = {}
+    names = iter(param_names or ())
+    groups = []
+    for g, (saved, live) in enumerate(zip(saved_groups, live_groups)):
+        key = f"optimizer param_groups[{g}]"
+        ids = saved.get("params") if isinstance(saved, dict) else None
+        if not isinstance(ids, list) or not all(_is_count(i) for i in ids):
+            raise origin.damaged(f"{key} is not a dict whose 'params' is a list of parameter indices")
+        if len(ids) != len(live["params"]):
+            raise origin.mismatch(f"{key} holds {len(ids)} parameters but the {cls} optimizer's group "
+                                  f"holds {len(live['params'])}")
+        for i, p in zip(ids, live["params"]):
+            if i in params:
+                raise origin.damaged(f"{key} lists parameter {i} twice")
+            params[i] = (p, next(names, f"parameter {i}"))
+        groups.append(_group(origin, key, saved, live, tensors, optimizer))
+    state: dict[int, dict[str, Any]] = {}
+    for index, entries in meta["state"].items():
+        pid = int(index) if isinstance(index, str) and index.isdigit() and len(index) < 19 else None
+        if pid not in params or not isinstance(entries, dict):
+            raise origin.mismatch(f"the optimizer state has an entry {index!r:.40} that is not one of the "
+                                  f"{len(params)} parameters' indices")
+        param, pname = params[pid]
+        state[pid] = {name: _state_value(origin, pid, name, value, tensors, param, pname)
+                      for name, value in entries.items()}
+    result: dict[str, Any] = {"state": state, "param_groups": groups}
+    extra = meta.get("extra", {})
+    if not isinstance(extra, dict):
+        raise origin.damaged("the optimizer metadata's 'extra' is not a dict")
+    result.update({k: _decode(origin, v, tensors, f"optimizer {k!r}") for k, v in extra.items()})
+    return result
+
+
+def model_optimizer_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Mapping[str, Any],
+                          model: Any) -> dict[str, Any] | None:
+    """optimizer_state() of a Model file for `model` (an mr.Model): checked against its replica 0's
+    optimizer and named by its module's parameters; None when either has no optimizer."""
+    mopt = model.mirrored_optimizer
+    if mopt is None or "optimizer" not in meta:
+        return None
+    names = [n for n, _ in model.module.named_parameters()]
+    return optimizer_state(origin, tensors, meta["optimizer"], mopt.replicas[0], names)
+
+
+def _group(origin: Origin, key: str, saved: dict, live: dict, tensors: Mapping[str, Tensor],
+           optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    cls = type(optimizer).__name__
+    # Settings scale the parameters' own dtype in the update: 1e308 is finite but not in float32.
+    dtype = next((p.dtype for p in live["params"] if p.is_floating_point()), torch.float32)
+    limit = torch.finfo(dtype).max
+    group: dict[str, Any] = {}
+    for name, raw in saved.items():
+        if name == "params":
+            group[name] = raw
+            continue
+        value = _decode(origin, raw, tensors, f"{key}[{name!r}]")
+        if name not in live and name not in ("initial_lr", "param_names"):  # set by lr schedulers / torch
+            raise origin.mismatch(f"{key} has the setting {name!r}, which {cls} does not have: the state "
+                                  f"was saved from another optimizer")
+        like = live.get(name, 0.0 if name == "initial_lr" else value)
+        if _number(value) is not None and not abs(_number(value)) <= limit:
+            raise origin.damaged(f"{key}[{name!r}] is {value!r}, not a finite number the parameters' "
+                                 f"{dtype} can hold")
+        if not _same_kind(value, like):
+            raise origin.mismatch(f"{key}[{name!r}] is {value!r:.60} in the file but {like!r:.60} in the "
+                                  f"{cls} optimizer, a value of another kind")
+        if name in ("lr", "initial_lr") and _number(value) is not None and not _number(value) >= 0:
+            raise origin.damaged(f"{key}[{name!r}] is {value!r}, not a learning rate >= 0")
+        group[name] = value
+    missing = [n for n in optimizer.defaults if n not in saved]
+    if missing:
+        raise origin.mismatch(f"{key} lacks the {cls} setting(s) {missing}: the state was saved from "
+                              f"another optimizer")
+    return group
+
+
+def _state_value(origin: Origin, pid: int, name: str, value: Any, tensors: Mapping[str, Tensor],
+                 param: Tensor, pname: str) -> Any:
+    where = f"optimizer state {name!r} of parameter {pid} ({pname}, shape {tuple(param.shape)})"
+    value = _decode(origin, value, tensors, where)
+    if isinstance(value, Tensor):
+        shape = tuple(value.shape)
+        expected = _FACTORED_SHAPES[name](tuple(param.shape)) if (
+            name in _FACTORED_SHAPES and param.dim() > 1) else tuple(param.shape)
+        if value.dim() != 0 and shape != expected:
+            raise origin.mismatch(f"tensor 'optimizer/state/{pid}/{name}' has shape {shape} in the file but "
+                                  f"{pname} has shape {expected}")
+        if value.dim() != 0 and value.is_floating_point() != param.is_floating_point():
+            raise origin.mismatch(f"tensor 'optimizer/state/{pid}/{name}' has dtype {value.dtype} in the "
+                                  f"file but {pname} is {param.dtype}")
+        return value
+    if not (value is None or isinstance(value, (bool, int, float))):
+        raise origin.damaged(f"{where} is {value!r:.60}; optimizer state holds tensors and numbers")
+    return value
+
+
+def _decode(origin: Origin, value: Any, tensors: Mapping[str, Tensor], where: str, depth: int = 0) -> Any:
+    """checkpoint.optimizer_state_from_flat's decoding, refusing what no optimizer saved."""
+    if depth > _MAX_DEPTH:
+        raise origin.damaged(f"{where} is nested more than {_MAX_DEPTH} levels deep")
+    if isinstance(value, list):
+        return [_decode(origin, v, tensors, where, depth + 1) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 1 and _TENSOR_TAG in value:
+            name = value[_TENSOR_TAG]
+            if not isinstance(name, str) or name not in tensors:
+                raise origin.damaged(f"{where} refers to tensor {name!r:.80}, which the file does not hold")
+            return tensors[name]
+        if len(value) == 1 and _TUPLE_TAG in value:
+            if not isinstance(value[_TUPLE_TAG], list):
+                raise origin.damaged(f"{where} is a tuple that holds no list")
+            return tuple(_decode(origin, v, tensors, where, depth + 1) for v in value[_TUPLE_TAG])
+        return {k: _decode(origin, v, tensors, where, depth + 1) for k, v in value.items()}
+    return value
+
+
+def _kind(value: Any) -> Any:
+    if value is None or isinstance(value, bool):  # flags: torch writes foreach=None, fused=None or a bool
+        return "flag"
+    if isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1):
+        return "number"
+    if isinstance(value, (tuple, list)):
+        return "sequence"
+    return type(value).__name__
+
+
+def _same_kind(saved: Any, live: Any, inside: bool = False) -> bool:
+    """Equal kinds, elementwise for sequences of one length; numbers must be finite. Inside a sequence
+    None stands for a number too (Adafactor's eps=(None, 1e-3) means "use the default")."""
+    if inside and (saved is None or live is None):
+        return True
+    if _kind(saved) != _kind(live):
+        return False
+    if _kind(saved) == "number":
+        return math.isfinite(_number(saved))
+    if isinstance(saved, (tuple, list)):
+        return len(saved) == len(live) and all(_same_kind(a, b, True) for a, b in zip(saved, live))
+    return True
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, Tensor):
+        return float(value) if value.numel() == 1 else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# --------------------------------------------------------------------------------------------
+# RNG state and the JSON fields
+
+
+def rng_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Any) -> None:
+    """Sets each saved state on a fresh generator (torch, Python, numpy), which checks exactly what
+    checkpoint.restore_rng_state() will, without touching the global ones."""
+    if not isinstance(meta, dict) or "python" not in meta or "numpy" not in meta or "torch_cpu" not in tensors:
+        raise origin.damaged("the RNG state is incomplete (it needs 'python', 'numpy' and the tensor "
+                             "'rng/torch_cpu')")
+    cpu = tensors["torch_cpu"]
+    if cpu.dtype != torch.uint8 or cpu.dim() != 1:
+        raise origin.damaged(f"tensor 'rng/torch_cpu' is {cpu.dtype} of shape {tuple(cpu.shape)}, not a "
+                             "generator state (1-D uint8)")
+    try:
+        torch.Generator().set_state(cpu)
+        version, internal, gauss_next = meta["python"]
+        if not isinstance(internal, list) or not (gauss_next is None or isinstance(gauss_next, float)):
+            raise TypeError("not (version, list, float or None)")
+        random.Random().setstate((version, tuple(internal), gauss_next))
+        kind, keys, pos, has_gauss, cached = meta["numpy"]
+        if not isinstance(keys, list) or not all(isinstance(k, int) and 0 <= k < 1 << 32 for k in keys):
+            raise TypeError("keys are not a list of 32-bit whole numbers")
+        np.random.RandomState().set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise origin.damaged(f"the RNG state cannot be restored ({type(e).__name__}: {str(e)[:160]})") from None
+    saved = meta.get("cuda_devices", 0)
+    if not _is_count(saved) or saved > _MAX_CUDA_DEVICES:
+        raise origin.damaged(f"the RNG state's cuda_devices is {saved!r:.40}, not a device count")
+    present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i in range(min(saved, present)):
+        t = tensors.get(f"cuda/{i}")
+        if t is None or t.dtype != torch.uint8 or tuple(t.shape) != tuple(torch.cuda.get_rng_state(i).shape):
+            raise origin.damaged(f"the CUDA RNG state of device {i} (tensor 'rng/cuda/{i}') is missing or "
+                                 "not a generator state")
+
+
+def model_metadata(origin: Origin, meta: Mapping[str, Any]) -> None:
+    """The fields of a Model file (saved replicas and compile settings) are of the kinds save() writes."""
+    replicas = meta.get("replicas", 1)
+    if not _is_count(replicas) or replicas < 1:
+        raise origin.damaged(f"'replicas' is {replicas!r:.40}, not a replica count")
+    cfg = meta.get("compile")
+    if cfg is None:
+        return
+    opt = cfg.get("optimizer") if isinstance(cfg, dict) else None
+    if not isinstance(opt, dict) or not isinstance(opt.get("name"), str):
+        raise origin.damaged("the compile settings are not a dict with an optimizer {'name': ...}")
+    lr = opt.get("learning_rate")
+    if _number(lr) is None or not math.isfinite(lr) or lr < 0:
+        raise origin.damaged(f"the optimizer's learning_rate is {lr!r:.40}, not a number >= 0")
+    loss = cfg.get("loss")
+    if not (isinstance(loss, str) or _is_object_note(loss)):
+        raise origin.damaged(f"the compiled loss is {loss!r:.60}, neither a name nor an object's note")
+    metrics = cfg.get("metrics", [])
+    if not isinstance(metrics, list) or not all(isinstance(m, str) or _is_object_note(m) for m in metrics):
+        raise origin.damaged(f"the compiled metrics are {metrics!r:.60}, not a list of names")
+    if cfg.get("precision") not in _PRECISIONS:
+        raise origin.damaged(f"the compiled precision is {cfg.get('precision')!r:.40}, not one of {_PRECISIONS}")
+
+
+def _is_object_note(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"object"} and isinstance(value["object"], str)
+
+
+def training_metadata(origin: Origin, meta: Mapping[str, Any], data_state_like: Any = None) -> None:
+    """The fields of a BackupAndRestore backup: where to resume (epoch, step, the data position) and the
+    rate to resume with. `data_state_like` is the fit dataset's get_state(), which the saved one must
+    match in structure (Dataset.set_state would refuse it only after training began)."""
+    for key in ("epoch", "step"):
+        if not _is_count(meta.get(key)):
+            raise origin.damaged(f"{key!r} is {meta.get(key)!r:.40}, not a whole number >= 0")
+    lr = meta.get("resume_lr")
+    if lr is not None and (_number(lr) is None or not math.isfinite(lr) or lr < 0):
+        raise origin.damaged(f"'resume_lr' is {lr!r:.40}, not a learning rate >= 0")
+    position = meta.get("pass")
+    if position is not None:
+        if not isinstance(position, dict) or set(position) != {"state", "drawn"} or not _is_count(position["drawn"]):
+            raise origin.damaged(f"'pass' is {position!r:.80}, not {{'state': ..., 'drawn': count}}")
+    if data_state_like is not None:
+        for key, value in (("data_state", meta.get("data_state")),
+                           ("pass.state", (position or {}).get("state"))):
+            if value is not None:
+                _like(origin, key, value, data_state_like, 0)
+
+
+def _like(origin: Origin, key: str, value: Any, like: Any, depth: int) -> None:
+    """`value` has the structure of `like`: the same keys, list lengths and leaf kinds, equal strings."""
+    if depth > _MAX_DEPTH:
+        raise origin.damaged(f"{key!r} is nested too deeply")
+    if isinstance(like, dict):
+        if not isinstance(value, dict) or set(value) != set(like):
+            raise origin.mismatch(f"the saved data position {key!r} is {value!r:.120} but this run's "
+                                  f"dataset has {like!r:.120}: the backup was made with another input pipeline")
+        for k in like:
+            _like(origin, f"{key}.{k}", value[k], like[k], depth + 1)
+    elif isinstance(like, list):
+        if not isinstance(value, list) or len(value) != len(like):
+            raise origin.mismatch(f"the saved data position {key!r} is {value!r:.120} but this run's "
+                                  f"dataset has {like!r:.120}: the backup was made with another input pipeline")
+        for i, (v, w) in enumerate(zip(value, like)):
+            _like(origin, f"{key}[{i}]", v, w, depth + 1)
+    elif isinstance(like, str):
+        if value != like:
+            raise origin.mismatch(f"the saved data position {key!r} is {value!r:.60} but this run's dataset "
+                                  f"has {like!r:.60}: the backup was made with another input pipeline")
+    elif isinstance(like, int) and not isinstance(like, bool):  # a seed or an epoch count
+        if (not isinstance(value, int) or isinstance(value, bool) or not -(1 << 63) <= value < 1 << 63
+                or (key.endswith("epoch") and value < 0)):
+            raise origin.damaged(f"the saved data position {key!r} is {value!r:.60}, where a whole number "
+                                 f"like {like!r:.40} belongs")
+    elif _kind(value) != _kind(like) or (isinstance(value, float) and not math.isfinite(value)):
+        raise origin.damaged(f"the saved data position {key!r} is {value!r:.60}, where a value like "
+                             f"{like!r:.40} belongs")

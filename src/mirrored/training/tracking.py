@@ -1,0 +1,440 @@
+"""`mr.train`: checkpoints for custom loops, with TF's names: Checkpoint, CheckpointManager, latest_checkpoint.
+
+    ckpt = mr.train.Checkpoint(model=mnet, optimizer=opt, iterator=dist_iterator)
+    manager = mr.train.CheckpointManager(ckpt, "ckpts", max_to_keep=3)
+    ckpt.restore(manager.latest_checkpoint)      # None on a first run: nothing is restored
+    ...
+    manager.save()                               # ckpts/ckpt-1, ckpts/ckpt-2, ...
+
+A Checkpoint saves the state of the objects it is given ("trackables"): mirrored modules
+(strategy.mirror), mirrored optimizers, mr.Model (weights and optimizer), optimizers of
+mr.optimizers once built, mr.Variable (a mirrored one's copy, a sync-on-read one's aggregate), metrics,
+objects with get_state()/set_state() (a distributed iterator, an mr.data.Dataset, fit's
+EpochIterator), plain torch modules, optimizers and tensors, and lists or dicts of these. Each value
+is saved once, from replica 0 or aggregated, so a checkpoint restores under any replica count,
+inside a strategy's scope or outside it, and into plain torch objects. One checkpoint is one file:
+safetensors plus JSON metadata, written atomically by checkpoint.py and never unpickled. Beside it a
+JSON file named "checkpoint" records the latest ones, for latest_checkpoint() and CheckpointManager
+(TF's role for its text file of that name). restore() returns a status with assert_consumed() and
+expect_partial(), as TF's; values that were not matched are logged when the status is collected,
+unless expect_partial() was called. What each kind of trackable saves is in _trackables.py.
+Uses checkpoint.py and the public names of mirrored.distribute.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+import mirrored.distribute as md
+from mirrored._files import fsync_directory
+from mirrored.training import _trackables, checkpoint
+from mirrored.training._trackables import RandomState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Checkpoint", "CheckpointLoadStatus", "CheckpointManager", "RandomState", "latest_checkpoint"]
+
+_FORMAT = "mirrored.Checkpoint/1"
+_STATE_FILE = "checkpoint"  # TF's name for the file that lists a directory's checkpoints
+
+
+# ---------------------------------------------------------------------------------------------
+# The status of a restore.
+
+class CheckpointLoadStatus:
+    """What restore() or read() matched (tf.train.Checkpoint's load status). Its checks raise
+    AssertionError, as TF's do; they return the status, so calls chain."""
+
+    def __init__(self, path: str, missing: list[str], unused: list[str], matched: int):
+        self.save_path = path
+        self._missing, self._unused, self._matched = missing, unused, matched
+        self._finalizer = None
+        if missing or unused:  # as TF: said when the status goes away, unless expect_partial() was called
+            self._finalizer = weakref.finalize(self, _log_unmatched, path, missing, unused)
+            self._finalizer.atexit = False
+
+    def assert_consumed(self) -> CheckpointLoadStatus:
+        """Every value in the checkpoint went into an object, and every object got a value."""
+        if self._missing or self._unused:
+            raise AssertionError(f"Checkpoint {self.save_path!r}: {_describe(self._missing, self._unused)} Restore "
+                                 "into the same objects under the same names; for a partial restore, skip this "
+                                 "check and call expect_partial() on the status.")
+        return self
+
+    def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
+        """Every object given got a value (the checkpoint may hold more)."""
+        if self._missing:
+            raise AssertionError(f"Checkpoint {self.save_path!r}: {_describe(self._missing, [])} Restore into the "
+                                 "same objects under the same names as were saved.")
+        return self
+
+    def assert_nontrivial_match(self) -> CheckpointLoadStatus:
+        """At least one object got a value."""
+        if not self._matched:
+            raise AssertionError(f"Checkpoint {self.save_path!r}: nothing matched. "
+                                 f"{_describe(self._missing, self._unused)}")
+        return self
+
+    def expect_partial(self) -> CheckpointLoadStatus:
+        """Silences the log of unmatched values (for a deliberately partial restore)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        return self
+
+    def __repr__(self) -> str:
+        return (f"CheckpointLoadStatus({self.save_path!r}, matched={self._matched}, missing={len(self._missing)}, "
+                f"unused={len(self._unused)})")
+
+
+class _NothingRestored(CheckpointLoadStatus):
+    """restore(None): no checkpoint yet (the usual first run of `ckpt.restore(manager.latest_checkpoint)`)."""
+
+    def __init__(self) -> None:
+        super().__init__("", [], [], 0)
+
+    def _refuse(self) -> CheckpointLoadStatus:
+        raise AssertionError("Checkpoint.restore(None): no checkpoint was given (latest_checkpoint() finds none "
+                             "before the first save), so nothing was restored.")
+
+    assert_consumed = assert_existing_objects_matched = assert_nontrivial_match = _refuse
+
+    def __repr__(self) -> str:
+        return "CheckpointLoadStatus(None: nothing restored)"
+
+
+def _describe(missing: list[str], unused: list[str]) -> str:
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} value(s) of the objects given are not in the checkpoint "
+                     f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}).")
+    if unused:
+        parts.append(f"{len(unused)} value(s) in the checkpoint went nowhere "
+                     f"({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}).")
+    return " ".join(parts)
+
+
+def _log_unmatched(path: str, missing: list[str], unused: list[str]) -> None:
+    logger.warning("Checkpoint %r was restored only in part: %s Call expect_partial() on the status of restore() "
+                   "to silence this.", path, _describe(missing, unused))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint
+
+class Checkpoint:
+    """Saves and restores named trackables (tf.train.Checkpoint): `Checkpoint(model=mnet, optimizer=opt)`.
+
+    save(prefix) writes prefix-1, prefix-2, ... (counting with save_counter, which restore() restores)
+    and records the newest in the directory's "checkpoint" file; write(path) writes exactly `path` and
+    records nothing; read(path) and restore(path) load one back. Call them outside strategy.run."""
+
+    def __init__(self, root: Any = None, **kwargs: Any):
+        object.__setattr__(self, "_trackables", {})
+        object.__setattr__(self, "_save_counter", 0)
+        if root is not None:
+            self.root = root
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):  # our own state, not a trackable
+            object.__setattr__(self, name, value)
+            return
+        if name == "save_counter":
+            raise AttributeError("Checkpoint: 'save_counter' is reserved; name the trackable otherwise.")
+        _trackables.check_name(name, "the trackable")
+        list(_trackables.entries(name, value))  # refuses what cannot be saved, now rather than at the first save
+        self._trackables[name] = value
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._trackables[name]
+        except KeyError:
+            names = ", ".join(self._trackables) or "none"
+            raise AttributeError(f"Checkpoint has no trackable {name!r} (it has {names}).") from None
+
+    @property
+    def save_counter(self) -> int:
+        """How many times save() has been called (restore() sets it from the checkpoint)."""
+        return self._save_counter
+
+    def _entries(self) -> list[tuple[str, Any, Any]]:
+        return [entry for name, obj in self._trackables.items() for entry in _trackables.entries(name, obj)]
+
+    # ---- writing --------------------------------------------------------------------------------
+    def write(self, file_path: str | os.PathLike) -> str:
+        """Writes one checkpoint file at `file_path` (atomically) and returns the path. Does not count
+        in save_counter or update the "checkpoint" file (as TF's write)."""
+        return self._write(os.fspath(file_path), "Checkpoint.write")
+
+    def save(self, file_prefix: str | os.PathLike) -> str:
+        """Writes `{file_prefix}-{save_counter + 1}`, records it as the directory's latest checkpoint,
+        and returns its path."""
+        self._save_counter += 1
+        path = self._write(f"{os.fspath(file_prefix)}-{self._save_counter}", "Checkpoint.save")
+        directory = os.path.dirname(path) or "."
+        _write_state(directory, path, [path], [time.time()], None)
+        return path
+
+    def _write(self, path: str, where: str) -> str:
+        _require_cross_replica(where)
+        if os.path.basename(path) == _STATE_FILE:
+            raise ValueError(f"{where}({path!r}): {_STATE_FILE!r} is the name of the file that lists a directory's "
+                             "checkpoints; choose another name.")
+        tensors: dict[str, Tensor] = {}
+        objects: dict[str, Any] = {}
+        for entry_path, kind, obj in self._entries():
+            entry_tensors, objects[entry_path] = kind.save(obj, entry_path)
+            tensors.update(entry_tensors)
+        meta = {"format": _FORMAT, "save_counter": self._save_counter, "objects": objects}
+        checkpoint.save_checkpoint(path, tensors, meta)
+        return path
+
+    # ---- reading ----------------------------------------------------------------------------------
+    def read(self, save_path: str | os.PathLike) -> CheckpointLoadStatus:
+        """Restores from a file written by write() or save(); save_counter is left as it is (as TF's read)."""
+        return self._read(os.fspath(save_path), "Checkpoint.read", restore_counter=False)
+
+    def restore(self, save_path: str | os.PathLike | None) -> CheckpointLoadStatus:
+        """Restores from `save_path` (e.g. latest_checkpoint(dir)), save_counter included; None restores
+        nothing (a first run), and the status's assert_consumed() says so."""
+        if save_path is None:
+            return _NothingRestored()
+        return self._read(os.fspath(save_path), "Checkpoint.restore", restore_counter=True)
+
+    def _read(self, path: str, where: str, restore_counter: bool) -> CheckpointLoadStatus:
+        _require_cross_replica(where)
+        tensors, meta = checkpoint.load_checkpoint(path)
+        if meta.get("format") != _FORMAT:
+            hint = (" It is a Model file: load it with mr.Model.load() or model.load_weights()."
+                    if str(meta.get("format", "")).startswith("mirrored.Model") else "")
+            raise ValueError(f"{where}({path!r}): not a checkpoint of mr.train.Checkpoint (format "
+                             f"{meta.get('format')!r}).{hint}")
+        saved = meta.get("objects", {})
+        missing, unused, matched, given = [], [], 0, set()
+        for entry_path, kind, obj in self._entries():
+            given.add(entry_path)
+            entry = saved.get(entry_path)
+            if entry is None:
+                missing.append(entry_path)
+                continue
+            if entry.get("kind") != kind.kind:
+                raise ValueError(f"{where}({path!r}): {entry_path} holds a {entry.get('kind')} in the checkpoint, "
+                                 f"but a {kind.kind} ({type(obj).__name__}) was given under that name.")
+            mismatch = kind.restore(obj, entry_path, tensors, entry)
+            missing += mismatch.missing
+            unused += mismatch.unused
+            matched += 1
+        unused += [p for p in saved if p not in given]
+        if restore_counter:
+            self._save_counter = int(meta.get("save_counter", 0))
+        return CheckpointLoadStatus(path, missing, unused, matched)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({', '.join(f'{k}={type(v).__name__}' for k, v in self._trackables.items())})"
+
+
+def _require_cross_replica(where: str) -> None:
+    if md.has_strategy() and md.get_replica_context() is not None:
+        raise RuntimeError(f"{where} was called inside strategy.run (replica context); call it outside, where one "
+                           "call saves or restores every replica.")
+
+
+# ---------------------------------------------------------------------------------------------
+# The "checkpoint" file: which checkpoints a directory holds, newest last (JSON, written atomically).
+
+def _write_state(directory: str, latest: str, paths: list[str], timestamps: list[float],
+                 last_preserved: float | None) -> None:
+    def relative(p: str) -> str:
+        return os.path.relpath(os.path.abspath(p), os.path.abspath(directory))
+
+    state = {"model_checkpoint_path": relative(latest), "all_model_checkpoint_paths": [relative(p) for p in paths],
+             "all_model_checkpoint_timestamps": timestamps, "last_preserved_timestamp": last_preserved}
+    os.makedirs(directory, exist_ok=True)
+    target = os.path.join(directory, _STATE_FILE)
+    tmp = os.path.join(directory, f".{_STATE_FILE}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_directory(directory)
+
+
+def _read_state(directory: str, filename: str | None = None) -> dict[str, Any] | None:
+    """The directory's "checkpoint" file with its paths made absolute (joined with the directory);
+    None when there is none."""
+    path = os.path.join(directory, filename or _STATE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        state = json.loads(text)
+        latest = state["model_checkpoint_path"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        tf_hint = (" It is TensorFlow's checkpoint list; mirrored's checkpoints are safetensors files, so use a "
+                   "directory of its own." if text.lstrip().startswith("model_checkpoint_path:") else
+                   " Delete it (the checkpoint files stay) and pass a checkpoint's path to restore() yourself.")
+        raise ValueError(f"{path}: not a checkpoint list written by mr.train ({type(e).__name__}: {e}).{tf_hint}"
+                         ) from e
+
+    def absolute(p: str) -> str:
+        return p if os.path.isabs(p) else os.path.join(directory, p)
+
+    state["model_checkpoint_path"] = absolute(latest)
+    state["all_model_checkpoint_paths"] = [absolute(p) for p in state.get("all_model_checkpoint_paths", [])]
+    return state
+
+
+def latest_checkpoint(checkpoint_dir: str | os.PathLike, latest_filename: str | None = None) -> str | None:
+    """The path of the newest checkpoint that save() or a CheckpointManager recorded in `checkpoint_dir`,
+    or None if there is none (tf.train.latest_checkpoint). A recorded file that is gone gives None and a
+    warning."""
+    directory = os.fspath(checkpoint_dir)
+    state = _read_state(directory, latest_filename)
+    if state is None:
+        return None
+    path = state["model_checkpoint_path"]
+    if not os.path.isfile(path):
+        logger.warning("latest_checkpoint(%r): the newest recorded checkpoint %s does not exist (deleted by hand?); "
+                       "returning None", directory, path)
+        return None
+    return path
+
+
+class CheckpointManager:
+    """Numbers, records and prunes a Checkpoint's saves in one directory (tf.train.CheckpointManager).
+
+    save() writes `{directory}/{checkpoint_name}-{n}` and deletes the oldest beyond max_to_keep (None
+    keeps all), except one every keep_checkpoint_every_n_hours. With step_counter and
+    checkpoint_interval, save() skips until the counter has advanced that far. A new manager on the
+    same directory carries on from the "checkpoint" file."""
+
+    def __init__(self, checkpoint: Checkpoint, directory: str | os.PathLike, max_to_keep: int | None,
+                 keep_checkpoint_every_n_hours: float | None = None, checkpoint_name: str = "ckpt",
+                 step_counter: Any = None, checkpoint_interval: int | None = None,
+                 init_fn: Callable[[], Any] | None = None):
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(f"CheckpointManager: expected an mr.train.Checkpoint, got {type(checkpoint).__name__}.")
+        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
+                                        or max_to_keep <= 0):
+            raise ValueError(f"CheckpointManager(max_to_keep={max_to_keep!r}): give a positive int, or None to keep "
+                             "every checkpoint.")
+        if checkpoint_interval is not None and step_counter is None:
+            raise ValueError("CheckpointManager(checkpoint_interval=...): pass step_counter= too, the counter the "
+                             "interval is measured in.")
+        if not isinstance(checkpoint_name, str) or not checkpoint_name or os.sep in checkpoint_name \
+                or checkpoint_name == _STATE_FILE:
+            raise ValueError(f"CheckpointManager(checkpoint_name={checkpoint_name!r}): give a file name without a "
+                             f"directory, other than {_STATE_FILE!r}, e.g. 'ckpt'.")
+        self._checkpoint = checkpoint
+        self._directory = os.fspath(directory)
+        self._max_to_keep = max_to_keep
+        self._keep_every_n_hours = keep_checkpoint_every_n_hours
+        self._prefix = os.path.join(self._directory, checkpoint_name)
+        self._step_counter = step_counter
+        self._checkpoint_interval = checkpoint_interval
+        self._last_checkpoint_step: int | None = None
+        self._init_fn = init_fn
+        self._maybe_delete: dict[str, float] = {}
+        now = time.time()
+        state = _read_state(self._directory)
+        if state is None:
+            self._latest: str | None = None
+            self._last_preserved = now - 1.0  # a little back, so that a manager made at once keeps the same view
+        else:
+            self._latest = state["model_checkpoint_path"]
+            self._last_preserved = min(float(state.get("last_preserved_timestamp") or now), now)
+            paths = state["all_model_checkpoint_paths"]
+            stamps = state.get("all_model_checkpoint_timestamps") or [self._last_preserved] * len(paths)
+            for path, stamp in zip(paths, stamps):
+                if min(stamp, now) > self._last_preserved:
+                    self._maybe_delete[path] = min(stamp, now)
+
+    directory = property(lambda self: self._directory)
+    checkpoint = property(lambda self: self._checkpoint)
+    checkpoint_interval = property(lambda self: self._checkpoint_interval)
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The newest checkpoint's path, or None: what to pass to Checkpoint.restore() to resume."""
+        return self._latest
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """The managed checkpoints, oldest first (those kept by keep_checkpoint_every_n_hours are not listed)."""
+        return list(self._maybe_delete)
+
+    def save(self, checkpoint_number: int | None = None, check_interval: bool = True) -> str | None:
+        """Writes a new checkpoint (numbered by the Checkpoint's save_counter, or checkpoint_number),
+        records it, prunes old ones, and returns its path; None when checkpoint_interval skips it."""
+        if self._checkpoint_interval is not None:
+            current = int(self._step_counter)
+            if self._last_checkpoint_step is not None:
+                if current == self._last_checkpoint_step:
+                    return None
+                if check_interval and current < self._last_checkpoint_step + self._checkpoint_interval:
+                    return None
+            self._last_checkpoint_step = current
+        ckpt = self._checkpoint
+        ckpt._save_counter += 1
+        number = ckpt._save_counter if checkpoint_number is None else int(checkpoint_number)
+        path = ckpt._write(f"{self._prefix}-{number}", "CheckpointManager.save")
+        self._maybe_delete.pop(path, None)  # saved again: it moves to the end of the queue
+        self._maybe_delete[path] = time.time()
+        self._latest = path
+        # The list names the new checkpoint before anything is deleted, and again after.
+        self._record_state()
+        self._sweep()
+        self._record_state()
+        return path
+
+    def restore_or_initialize(self) -> str | None:
+        """Restores the latest checkpoint and returns its path; without one, calls init_fn (if given) and
+        returns None."""
+        if self._latest is not None:
+            self._checkpoint.restore(self._latest)
+            if self._checkpoint_interval is not None:
+                self._last_checkpoint_step = int(self._step_counter)
+            return self._latest
+        if self._init_fn is not None:
+            self._init_fn()
+        return None
+
+    def _sweep(self) -> None:
+        if not self._max_to_keep:
+            return
+        while len(self._maybe_delete) > self._max_to_keep:
+            path, stamp = next(iter(self._maybe_delete.items()))
+            del self._maybe_delete[path]
+            if self._keep_every_n_hours and stamp - self._keep_every_n_hours * 3600.0 >= self._last_preserved:
+                self._last_preserved = stamp  # kept for good, and no longer listed
+                continue
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+
+    def _record_state(self) -> None:
+        _write_state(self._directory, self._latest, list(self._maybe_delete), list(self._maybe_delete.values()),
+                     self._last_preserved)
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({self._directory!r}, max_to_keep={self._max_to_keep}, "
+                f"latest={self._latest!r})")

@@ -1,0 +1,72 @@
+"""DistributedIterator.get_state()/set_state() (issue 13): an iterator restored from a state, in a new
+iterator of the same pipeline (as in another process), yields exactly the batches the original had
+left, as TF restores a tf.data iterator from a checkpoint."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import mirrored as mr
+import mirrored.distribute as md
+
+
+def _strategy(n: int) -> md.MirroredStrategy:
+    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=20.0)
+
+
+def _pipeline() -> mr.data.Dataset:
+    """Built afresh each call, as a restarted process builds it: the shuffle's seed fixes each pass."""
+    return mr.data.Dataset.range(23).shuffle(23, seed=3).batch(4).repeat(3)
+
+
+def _rest(iterator) -> list[list[int]]:
+    return [[int(v) for part in batch.values for v in part] if isinstance(batch, md.PerReplica)
+            else batch.tolist() for batch in iterator]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_restored_iterator_goes_on_with_the_original_batches(replicas):
+    strategy = _strategy(replicas)
+    dataset = _pipeline()
+    dist = strategy.experimental_distribute_dataset(dataset)
+    iter(dist)  # a pass before this one: the state must say which pass the iterator is on
+    original = iter(dist)
+    for _ in range(8):  # into the second repetition (6 batches a repetition)
+        next(original)
+    state = json.loads(json.dumps(original.get_state()))  # JSON, as a checkpoint holds it
+    assert state["drawn"] == 8
+    want = _rest(original)
+
+    restored = iter(strategy.experimental_distribute_dataset(_pipeline()))
+    restored.set_state(state)
+    assert restored.get_state() == state
+    assert _rest(restored) == want and len(want) == 18 - 8
+
+
+def test_a_dataset_without_state_is_replayed_from_its_start():
+    batches = [torch.full((2,), float(i)) for i in range(5)]
+    strategy = _strategy(1)
+    original = iter(strategy.experimental_distribute_dataset(batches))
+    next(original), next(original)
+    state = original.get_state()
+    assert state == {"dataset": None, "drawn": 2}
+    restored = iter(strategy.experimental_distribute_dataset(batches))
+    restored.set_state(state)
+    assert [float(b[0]) for b in restored] == [2.0, 3.0, 4.0]
+
+
+def test_states_that_do_not_fit_are_refused():
+    strategy = _strategy(1)
+    short = iter(strategy.experimental_distribute_dataset(mr.data.Dataset.range(8).batch(4)))
+    with pytest.raises(ValueError, match="the state is 5 batches into the pass, but the dataset ran out after 2"):
+        short.set_state({"dataset": None, "drawn": 5})
+    with pytest.raises(ValueError, match="expected the dict get_state"):
+        short.set_state({"drawn": -1})
+    plain = iter(strategy.experimental_distribute_dataset([torch.zeros(2)]))
+    with pytest.raises(ValueError, match="has no set_state"):
+        plain.set_state({"dataset": _pipeline().get_state(), "drawn": 0})
+    other = iter(strategy.experimental_distribute_dataset(mr.data.Dataset.range(8).batch(4)))
+    with pytest.raises(ValueError, match="Restore it into the same pipeline"):
+        other.set_state({"dataset": _pipeline().get_state(), "drawn": 0})

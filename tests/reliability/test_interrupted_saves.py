@@ -1,0 +1,147 @@
+"""Issue 17: a save killed with SIGKILL leaves the previous checkpoint intact, and the temporary file
+it was writing is removed by the next save into that folder; a live writer's file never is.
+(Today 20 of 60 killed saves left a 17-34 MB temporary file that nothing removed.)"""
+from __future__ import annotations
+
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from mirrored.training import checkpoint
+from mirrored.training.checkpoint import load_checkpoint, save_checkpoint
+
+ELEMENTS = 8 << 20  # 32 MB of float32: a save takes long enough to be killed in the middle of it
+
+WRITER = textwrap.dedent("""
+    import os, sys, torch
+    from mirrored.training import checkpoint
+    path, mode = sys.argv[1], sys.argv[2]
+    if mode == "pause":  # stop once the temporary file is written, before the rename; go on at a line on stdin
+        real_fsync = checkpoint._fsync_file
+        def paused(p):
+            real_fsync(p)
+            print("written", p, flush=True)
+            sys.stdin.readline()
+        checkpoint._fsync_file = paused
+    value = torch.full(({elements},), float(os.getpid()))
+    while True:
+        checkpoint.save_checkpoint(path, {{"w": value}}, {{"pid": os.getpid()}})
+        print("saved", flush=True)
+        if mode != "loop":
+            break
+""").format(elements=ELEMENTS)
+
+
+def _writer(tmp_path, target, mode: str) -> subprocess.Popen:
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    return subprocess.Popen([sys.executable, str(script), str(target), mode], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _line(proc: subprocess.Popen, timeout_s: float = 120) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    if not ready:
+        proc.kill()
+        pytest.fail(f"the writer printed nothing in {timeout_s} s")
+    line = proc.stdout.readline()
+    if not line:
+        pytest.fail(f"the writer ended: {proc.wait(30)} {proc.stderr.read()}")
+    return line.strip()
+
+
+def _temps(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    proc.stdout.close()
+    proc.stderr.close()
+    proc.stdin.close()
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_save_and_a_live_ones_kept(tmp_path):
+    target = tmp_path / "model.safetensors"
+    save_checkpoint(target, {"w": torch.zeros(3)}, {"version": "old"})
+    killed = _writer(tmp_path, target, "pause")
+    live = _writer(tmp_path, tmp_path / "other.safetensors", "pause")
+    try:
+        killed_temp = os.path.basename(_line(killed).split(" ", 1)[1])
+        live_temp = os.path.basename(_line(live).split(" ", 1)[1])
+        _kill(killed)
+        assert f"-{killed.pid}." in killed_temp and _temps(tmp_path) == sorted([killed_temp, live_temp])
+        assert os.path.getsize(tmp_path / killed_temp) > ELEMENTS * 4  # the whole 32 MB, left behind
+        assert load_checkpoint(target)[1] == {"version": "old"}  # the rename never happened
+
+        # Files that only look like ours, and another machine's recent temporary file, stay.
+        bystanders = [".notes.tmp", ".model.safetensors.0123456789ab.tmp", "model.safetensors.tmp",
+                      f".x.safetensors.{'f' * 8}-{killed.pid}.0123456789ab.tmp"]
+        for name in bystanders:
+            (tmp_path / name).write_bytes(b"not ours to remove")
+        save_checkpoint(tmp_path / "next.safetensors", {"w": torch.ones(2)}, {})
+        assert killed_temp not in _temps(tmp_path)
+        assert live_temp in _temps(tmp_path)
+        for name in bystanders:
+            assert (tmp_path / name).read_bytes() == b"not ours to remove", name
+
+        # The live writer finishes undisturbed.
+        live.stdin.write("go\n")
+        live.stdin.flush()
+        assert _line(live) == "saved" and live.wait(60) == 0
+        assert load_checkpoint(tmp_path / "other.safetensors")[1] == {"pid": live.pid}
+    finally:
+        for proc in (killed, live):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+    assert _temps(tmp_path) == sorted(bystanders)
+
+
+def test_another_machines_temporary_file_is_removed_once_it_is_old(tmp_path):
+    """On a shared file system the pid of another machine's writer cannot be checked: its file is
+    left alone until nothing has written it for an hour."""
+    name = f".m.safetensors.{'0' * 8}-{os.getpid()}.0123456789ab.tmp"
+    if checkpoint._HOST == "0" * 8:
+        name = name.replace("0" * 8, "1" * 8)
+    stale = tmp_path / name
+    stale.write_bytes(b"x" * 100)
+    save_checkpoint(tmp_path / "a.safetensors", {"w": torch.ones(1)}, {})
+    assert stale.exists()  # written just now: maybe a live writer over there
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    save_checkpoint(tmp_path / "a.safetensors", {"w": torch.ones(1)}, {})
+    assert not stale.exists()
+
+
+def test_saves_killed_at_random_moments_leave_no_garbage_after_the_next_save(tmp_path):
+    """SIGKILL at random points of a loop of 32 MB saves (mid-write, mid-fsync, between saves):
+    each time the checkpoint is whole (old or new) and the next save leaves no temporary file."""
+    target = tmp_path / "model.safetensors"
+    rng = random.Random(0)
+    left_behind = 0
+    for _ in range(6):
+        proc = _writer(tmp_path, target, "loop")
+        try:
+            assert _line(proc) == "saved"  # one whole save first, then a kill somewhere in the next ones
+            time.sleep(rng.uniform(0.0, 0.4))
+            _kill(proc)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+        left_behind += len(_temps(tmp_path))
+        tensors, meta = load_checkpoint(target)  # never a torn or mixed file
+        assert torch.equal(tensors["w"], torch.full((ELEMENTS,), float(meta["pid"])))
+        save_checkpoint(tmp_path / "probe.safetensors", {"w": torch.ones(1)}, {})
+        assert _temps(tmp_path) == []
+    print(f"{left_behind} of 6 killed saves left a temporary file; the next save removed each")

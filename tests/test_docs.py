@@ -1,0 +1,238 @@
+"""The documentation (docs/) cannot drift from the code.
+
+- Every public name (docs/_api.py enumerates them from the package: `mirrored.__all__`, its
+  namespaces and the public submodules that add names) has a docstring and a place in the generated
+  API reference.
+- Every code block of the guides runs: the ```python blocks of a page run in order, in one fresh
+  interpreter, as a reader would paste them. A block that cannot run in CI (a download, torchrun on
+  GPUs, a long training run) carries the line `% ci: parse-only (why)` right above its fence, and is
+  then compiled (Python) or checked with `bash -n` (shell). ```text blocks are output, not code.
+- Every `{py:...}` cross-reference of the guides names an object that exists.
+
+The site itself is built by `make docs` (Sphinx with -W: a broken reference or a malformed docstring
+fails it); these tests need no Sphinx.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+_PAGE_TIMEOUT_S = 100  # below pytest's 120 s: a hung block fails here, with its output
+
+# Public names without a docstring today. The lead writes them; this list may only shrink (a name
+# that gains a docstring must leave it: test_allowlist_is_current fails until it does).
+UNDOCUMENTED = {
+    "mirrored.data.tfrecord.BytesList",
+    "mirrored.data.tfrecord.Example",
+    "mirrored.data.tfrecord.Feature",
+    "mirrored.data.tfrecord.Features",
+    "mirrored.data.tfrecord.FloatList",
+    "mirrored.data.tfrecord.Int64List",
+}
+
+
+def _load_docs_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"_mirrored_docs_{name}", DOCS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+api = _load_docs_module("_api")
+
+
+# ---- the API reference ---------------------------------------------------------------------------------
+
+def test_every_public_name_has_a_docstring():
+    missing = sorted(name for name, obj in api.public_names().items()
+                     if api.kind(obj) != "data" and api.own_docstring(obj) is None and name not in UNDOCUMENTED)
+    assert not missing, (f"public names without a docstring: {missing}. Write one (what and why in a line or "
+                         "two, STYLE.md); the API reference is made from it.")
+
+
+def test_allowlist_is_current():
+    names = api.public_names()
+    gone = sorted(UNDOCUMENTED - set(names))
+    documented = sorted(n for n in UNDOCUMENTED & set(names) if api.own_docstring(names[n]) is not None)
+    assert not gone and not documented, (f"remove from UNDOCUMENTED: {gone + documented} (no longer public, or "
+                                         "documented now). The list may only shrink.")
+
+
+def test_every_public_name_is_in_the_reference(tmp_path):
+    written = api.write_reference(tmp_path, lambda lines: lines)
+    text = {f: (tmp_path / f).read_text() for f in written}
+    for page in api.namespaces():
+        page_text = text[api.page_filename(page)]
+        for name in page.names:
+            assert re.search(rf"^\.\. auto(class|function|data):: {re.escape(page.path)}\.{name}$", page_text,
+                             re.M), f"{page.path}.{name} is missing from {api.page_filename(page)}"
+        assert f"   {api.page_filename(page)[:-4]}" in text["index.rst"], f"{page.path} is not in the index"
+
+
+def test_reference_covers_every_namespace_of_the_package():
+    import mirrored
+
+    paths = {page.path for page in api.namespaces()}
+    namespaces = [n for n in mirrored.__all__ if type(getattr(mirrored, n)).__name__ == "module"]
+    assert namespaces, "mirrored.__all__ names no namespace: the enumeration is looking in the wrong place"
+    assert {f"mirrored.{n}" for n in namespaces} <= paths
+    assert {"mirrored", "mirrored.data", "mirrored.losses", "mirrored.distribute"} <= paths
+
+
+def test_a_name_reachable_twice_is_documented_once():
+    seen: dict[int, str] = {}
+    for path, obj in api.public_names().items():
+        if api.kind(obj) != "data":
+            assert id(obj) not in seen, f"{path} and {seen[id(obj)]} are one object documented twice"
+            seen[id(obj)] = path
+
+
+# ---- code blocks ------------------------------------------------------------------------------------------
+
+_FENCE = re.compile(r"^(`{3,})(\S*).*$")
+_MARK = re.compile(r"^% ci: parse-only \((.+)\)\s*$")
+_LANGUAGES = {"python": "python", "py": "python", "sh": "sh", "bash": "sh", "text": "text"}
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int  # 1-based line of the first line of code
+    language: str
+    code: str
+    parse_only: str | None  # the reason, when marked
+
+
+def guide_pages() -> list[Path]:
+    return sorted(p for p in DOCS.rglob("*.md") if not any(part.startswith("_") for part in
+                                                            p.relative_to(DOCS).parts))
+
+
+def blocks_of(page: Path) -> list[Block]:
+    lines = page.read_text().splitlines()
+    found, i = [], 0
+    while i < len(lines):
+        fence = _FENCE.match(lines[i])
+        if not fence or fence.group(2).startswith("{"):  # a MyST directive (toctree, include): not code
+            if fence:  # skip to its closing fence
+                i += 1
+                while i < len(lines) and lines[i].rstrip() != fence.group(1):
+                    i += 1
+            i += 1
+            continue
+        ticks, info = fence.group(1), fence.group(2)
+        mark = _MARK.match(lines[i - 1]) if i else None
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].rstrip() == ticks)
+        language = _LANGUAGES.get(info)
+        assert language, f"{page}:{i + 1}: code block language {info!r}; use one of {sorted(_LANGUAGES)}"
+        found.append(Block(page, i + 2, language, "\n".join(lines[i + 1:end]) + "\n",
+                           mark.group(1) if mark else None))
+        i = end + 1
+    return found
+
+
+def _rel(page: Path) -> str:
+    return str(page.relative_to(REPO))
+
+
+def _pages_with_runnable_python() -> list[Path]:
+    return [p for p in guide_pages() if any(b.language == "python" and not b.parse_only for b in blocks_of(p))]
+
+
+_RUNNER = """
+import json, sys
+namespace = {"__name__": "__main__"}
+for filename, line, code in json.load(sys.stdin):
+    exec(compile("\\n" * (line - 1) + code, filename, "exec"), namespace)
+"""
+
+
+@pytest.mark.parametrize("page", _pages_with_runnable_python(), ids=_rel)
+def test_python_blocks_of_a_page_run(page, tmp_path):
+    """The page's blocks in order, in one fresh interpreter, working in an empty directory; a
+    traceback names the page and its line."""
+    blocks = [(_rel(b.page), b.line, b.code) for b in blocks_of(page) if b.language == "python" and not b.parse_only]
+    done = subprocess.run([sys.executable, "-c", _RUNNER], input=json.dumps(blocks), capture_output=True, text=True,
+                          cwd=tmp_path, timeout=_PAGE_TIMEOUT_S)
+    assert done.returncode == 0, f"{_rel(page)}: a code block failed\n{done.stdout}\n{done.stderr}"
+
+
+def test_blocks_marked_parse_only_parse():
+    blocks = [b for p in guide_pages() for b in blocks_of(p) if b.parse_only]
+    assert blocks, "no parse-only block found: the marker or the page list is broken"
+    bash = shutil.which("bash")
+    for b in blocks:
+        where = f"{_rel(b.page)}:{b.line}"
+        if b.language == "python":
+            compile(b.code, where, "exec")
+        elif b.language == "sh" and bash:
+            done = subprocess.run([bash, "-n"], input=b.code, capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, f"{where}: {done.stderr}"
+
+
+def test_shell_blocks_are_marked():
+    """Shell commands (make, torchrun, a benchmark) do not run in the test: each says why."""
+    unmarked = [f"{_rel(b.page)}:{b.line}" for p in guide_pages() for b in blocks_of(p)
+                if b.language == "sh" and not b.parse_only]
+    assert not unmarked, f"shell blocks without `% ci: parse-only (why)` above them: {unmarked}"
+
+
+def test_readme_python_blocks_parse():
+    """The README's example is included in Getting started; it needs the Cassava download."""
+    for b in blocks_of(REPO / "README.md"):
+        if b.language == "python":
+            compile(b.code, f"README.md:{b.line}", "exec")
+
+
+def test_generated_benchmark_commands_parse():
+    generated = _load_docs_module("_generated").benchmark_commands(REPO / "benchmarks")
+    assert generated.count("### `benchmarks/") == len(list((REPO / "benchmarks").glob("*.py")))
+    bash = shutil.which("bash")
+    for code in re.findall(r"```sh\n(.*?)```", generated, re.S):
+        if bash:
+            done = subprocess.run([bash, "-n"], input=code, capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, done.stderr
+
+
+# ---- cross-references and the architecture page -----------------------------------------------------
+
+_ROLE = re.compile(r"\{py:(?:class|func|meth|attr|mod|obj|data|exc)\}`(?:[^`<]*<)?~?([\w.]+)>?`")
+
+
+def _resolve(path: str) -> object:
+    parts = path.split(".")
+    obj = importlib.import_module(parts[0])
+    for part in parts[1:]:
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_cross_references_of_the_guides_name_real_objects():
+    broken = []
+    for page in guide_pages():
+        for target in _ROLE.findall(page.read_text()):
+            try:
+                _resolve(target)
+            except (AttributeError, ImportError):
+                broken.append(f"{_rel(page)}: {target}")
+    assert not broken, f"cross-references to names that do not exist: {broken}"
+
+
+def test_layering_test_cites_the_architecture_page():
+    """The import rule lives in docs/architecture.md; the test that enforces it points there."""
+    page = (DOCS / "architecture.md").read_text()
+    assert "## What may import what" in page
+    layering = (REPO / "tests" / "distribute" / "test_layering.py").read_text()
+    assert "docs/architecture.md" in layering
