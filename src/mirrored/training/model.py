@@ -12,6 +12,7 @@ a read sums across replicas. fit's epochs and its place in the data are an Epoch
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
