@@ -203,9 +203,9 @@ def test_default_devices_are_the_visible_gpus(monkeypatch):
     --replicas counts GPUs where there are some. Checked with a GPU list made up for this test."""
     args = cli.build_parser().parse_args(["train"])
     monkeypatch.setattr(devices, "visible_gpus", lambda: [])
-    assert cli._strategy(args).extended.worker_devices == ("cpu:0", "cpu:1")
+    assert cli._devices(args) == ["cpu:0", "cpu:1"]
     monkeypatch.setattr(devices, "visible_gpus", lambda: ["cuda:0"])
-    assert cli._strategy(args).extended.worker_devices == ("cuda:0",)
+    assert cli._devices(args) == ["cuda:0"]
     with pytest.raises(cli.CliError, match=r"--replicas 2: only 1 GPU\(s\) are visible \(cuda:0\).*--devices "
                                           r"cpu:0,cpu:1"):
-        cli._strategy(cli.build_parser().parse_args(["train", "--replicas", "2"]))
+        cli._devices(cli.build_parser().parse_args(["train", "--replicas", "2"]))

@@ -345,20 +345,31 @@ def model_metadata(origin: Origin, meta: Mapping[str, Any]) -> None:
     cfg = meta.get("compile")
     if cfg is None:
         return
-    opt = cfg.get("optimizer") if isinstance(cfg, dict) else None
-    if not isinstance(opt, dict) or not isinstance(opt.get("name"), str):
-        raise origin.damaged("the compile settings are not a dict with an optimizer {'name': ...}")
-    lr = opt.get("learning_rate")
-    if _number(lr) is None or not math.isfinite(lr) or lr < 0:
-        raise origin.damaged(f"the optimizer's learning_rate is {lr!r:.40}, not a number >= 0")
+    if not isinstance(cfg, dict):
+        raise origin.damaged(f"the compile settings are {cfg!r:.60}, not a dict")
+    opt = cfg.get("optimizer")
+    if not (_is_config(opt) or _is_object_note(opt) or (isinstance(opt, dict) and isinstance(opt.get("name"), str))):
+        raise origin.damaged(f"the compiled optimizer is {opt!r:.60}, neither a config {{'class_name': ..., "
+                             "'config': {...}} nor an object's note")
+    options = opt.get("config", opt) if isinstance(opt, dict) else {}
+    lr = options.get("learning_rate")
+    if lr is not None and not _is_config(lr) and (_number(lr) is None or not math.isfinite(lr) or lr < 0):
+        raise origin.damaged(f"the optimizer's learning_rate is {lr!r:.40}, not a number >= 0 or a schedule")
     loss = cfg.get("loss")
-    if not (isinstance(loss, str) or _is_object_note(loss)):
-        raise origin.damaged(f"the compiled loss is {loss!r:.60}, neither a name nor an object's note")
+    if not (isinstance(loss, str) or _is_object_note(loss) or _is_config(loss)):
+        raise origin.damaged(f"the compiled loss is {loss!r:.60}, neither a name, a config nor an object's note")
     metrics = cfg.get("metrics", [])
-    if not isinstance(metrics, list) or not all(isinstance(m, str) or _is_object_note(m) for m in metrics):
-        raise origin.damaged(f"the compiled metrics are {metrics!r:.60}, not a list of names")
+    if not isinstance(metrics, list) or not all(isinstance(m, str) or _is_object_note(m) or _is_config(m)
+                                                for m in metrics):
+        raise origin.damaged(f"the compiled metrics are {metrics!r:.60}, not a list of names and configs")
     if cfg.get("precision") not in _PRECISIONS:
         raise origin.damaged(f"the compiled precision is {cfg.get('precision')!r:.40}, not one of {_PRECISIONS}")
+
+
+def _is_config(value: Any) -> bool:
+    """{"class_name": str, "config": dict}, as serialize() writes a loss, metric, optimizer or schedule."""
+    return (isinstance(value, dict) and set(value) == {"class_name", "config"} and isinstance(value["class_name"], str)
+            and isinstance(value["config"], dict))
 
 
 def _is_object_note(value: Any) -> bool:

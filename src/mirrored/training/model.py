@@ -677,7 +677,9 @@ class Model:
         if compile and cfg:
             try:
                 model._compile_from_config(cfg, str(path))
-            except (TypeError, KeyError) as e:  # settings from the file: a damaged file, or another version's
+            except checkpoint.CheckpointError:
+                raise
+            except (TypeError, KeyError, ValueError) as e:  # settings from the file: damaged, or another version's
                 raise checkpoint.CheckpointError(
                     f"Model.load({str(path)!r}): cannot compile with the settings the file records ({e}). Load "
                     "with compile=False and compile(...) yourself; the weights load either way.") from e
