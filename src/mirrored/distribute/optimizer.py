@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from mirrored.distribute.strategy import Strategy
 
 GRADIENT_REDUCTIONS = ("sum", "mean")
-_SCHEDULERS_KEY = "lr_schedulers"  # the state_dict entry with the attached schedulers' states
 
 
 class MirroredOptimizer(torch.optim.Optimizer):
@@ -56,6 +55,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
     READS = frozenset({"state_dict"})
     IN_RUN = frozenset({"step"})
     REFUSED = frozenset({"add_param_group"})
+    LR_SCHEDULERS_KEY = "lr_schedulers"  # the state_dict entry with the attached schedulers' states
 
     # torch.optim.Optimizer.__init__ is not called: this optimizer holds no parameters of its own;
     # param_groups, state and defaults are its replicas' (the properties below).
@@ -260,23 +260,30 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """Replica 0's state_dict (equal to the others'), with the attached LR schedulers' states."""
-        state = self.replicas[0].state_dict()
-        if self._schedulers:
-            state[_SCHEDULERS_KEY] = [s.state_dict() for s in self._schedulers]
-        return state
+        return {**self.replicas[0].state_dict(), **self.lr_schedulers_state_dict()}
+
+    def lr_schedulers_state_dict(self) -> dict[str, Any]:
+        """{"lr_schedulers": [the state_dict() of each attached scheduler]}, or {} without any: the part
+        state_dict() adds to the torch optimizer's, for savers that gather that part themselves. JSON."""
+        return {self.LR_SCHEDULERS_KEY: [s.state_dict() for s in self._schedulers]} if self._schedulers else {}
+
+    def load_lr_schedulers_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restores the schedulers' part of `state_dict` (nothing if it has none): into the attached
+        schedulers, in the order they were attached, and into those attached later."""
+        schedulers = state_dict.get(self.LR_SCHEDULERS_KEY)
+        if schedulers is not None:
+            self._pending_schedulers = dict(enumerate(schedulers))
+            self._load_pending()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads into every replica's optimizer (each on its device), and the LR schedulers' states into
         the attached schedulers (or into those attached later, for a model loaded before fit)."""
         self._outside_run("load_state_dict")
-        state_dict = dict(state_dict)
-        schedulers = state_dict.pop(_SCHEDULERS_KEY, None)
+        own = {k: v for k, v in state_dict.items() if k != self.LR_SCHEDULERS_KEY}
         for rid, opt in enumerate(self.replicas):
             device = torch_device(self._strategy.extended.worker_devices[rid])
-            opt.load_state_dict(_to_device(copy.deepcopy(state_dict), device))
-        if schedulers is not None:
-            self._pending_schedulers = dict(enumerate(schedulers))
-            self._load_pending()
+            opt.load_state_dict(_to_device(copy.deepcopy(own), device))
+        self.load_lr_schedulers_state_dict(state_dict)
 
     def attach_lr_scheduler(self, scheduler: Any) -> None:
         """Saves `scheduler`'s state with this optimizer's: state_dict() carries it and load_state_dict()

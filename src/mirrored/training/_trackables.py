@@ -64,10 +64,10 @@ class _Module:
 
 def _optimizers_of(obj: Any, path: str) -> list[torch.optim.Optimizer]:
     """The torch optimizers behind `obj`, one per replica (a plain torch optimizer alone)."""
+    if isinstance(obj, md.MirroredOptimizer):  # (a torch Optimizer too, over its replicas' optimizers)
+        return list(obj.replicas)
     if isinstance(obj, torch.optim.Optimizer):
         return [obj]
-    if isinstance(obj, md.MirroredOptimizer):
-        return list(obj.replicas)
     built = obj._live()  # an mr.optimizers recipe: the torch optimizers built from it
     if not built:
         raise ValueError(f"Checkpoint: {path} is {obj!r}, which has not been built into an optimizer yet. "
@@ -85,6 +85,8 @@ class _Optim:
     @staticmethod
     def save(obj: Any, path: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
         state = optimizers.replicas_state_dict(_optimizers_of(obj, path))
+        if isinstance(obj, md.MirroredOptimizer):  # the torch LR schedulers attached to it
+            state.update(obj.lr_schedulers_state_dict())
         tensors, meta = checkpoint.optimizer_state_to_flat(state, prefix=path)
         return tensors, {"kind": "optimizer", "state": meta}
 
@@ -92,7 +94,10 @@ class _Optim:
     def restore(obj: Any, path: str, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> Mismatch:
         state = checkpoint.optimizer_state_from_flat(tensors, meta["state"])
         try:
+            schedulers = state.pop(md.MirroredOptimizer.LR_SCHEDULERS_KEY, None)
             optimizers.load_replicas_state_dict(_optimizers_of(obj, path), state)
+            if isinstance(obj, md.MirroredOptimizer) and schedulers is not None:
+                obj.load_lr_schedulers_state_dict({obj.LR_SCHEDULERS_KEY: schedulers})
         except (ValueError, KeyError) as e:
             raise ValueError(f"Checkpoint.restore: {path}: the saved optimizer state does not fit this optimizer "
                              f"({e}). Restore into an optimizer over the same parameters.") from e

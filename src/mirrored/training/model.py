@@ -619,7 +619,8 @@ class Model:
                                 "model_config": getattr(self.module, "_mirrored_config", None)}
         if with_optimizer and self._mopt is not None:
             # (each replica's accumulated gradients too: they are its own)
-            state = optimizers.replicas_state_dict(self._mopt.replicas)
+            state = {**optimizers.replicas_state_dict(self._mopt.replicas),
+                     **self._mopt.lr_schedulers_state_dict()}  # (torch LR schedulers attached in fit)
             opt_tensors, opt_meta = checkpoint.optimizer_state_to_flat(state)
             tensors.update(opt_tensors)
             meta["optimizer"] = opt_meta
@@ -645,7 +646,9 @@ class Model:
     def _load_optimizer(self, state: dict[str, Any] | None) -> None:
         """Loads a state checked by checkpoint_checks (None: the file has none) into every replica."""
         if state is not None and self._mopt is not None:
-            optimizers.load_replicas_state_dict(self._mopt.replicas, state)
+            own = {k: v for k, v in state.items() if k != self._mopt.LR_SCHEDULERS_KEY}
+            optimizers.load_replicas_state_dict(self._mopt.replicas, own)
+            self._mopt.load_lr_schedulers_state_dict(state)  # (torch LR schedulers, attached now or in fit)
             groups = self._mopt.replicas[0].param_groups
             if groups and self.optimizer is not None and self.optimizer._schedule is None:
                 # The saved rate, which a callback may have changed (LearningRateScheduler, ReduceLROnPlateau),
