@@ -533,13 +533,18 @@ def test_mirrored_containers_behave_like_the_module():
         assert one.mirror(nn.Linear(2, 1)).to("cpu", torch.float64).weight.dtype == torch.float64
 
 
+class _TwoWorkers(md.MirroredStrategy):
+    """As a worker of a MultiWorkerMirroredStrategy sees it: its strategy spans 2 processes."""
+
+    num_workers = 2
+
+
 def test_new_state_is_refused_across_workers():
     """On a multi-worker strategy each worker would register its own value (mirror() broadcasts rank
     0's state; register_* does not), so they are refused there."""
-    s = strategy_of(2)
+    s = _TwoWorkers(devices=["cpu:0", "cpu:1"], timeout_s=TIMEOUT_S)
     with s.scope():
         mnet = s.mirror(nn.Linear(2, 1))
-    s._world_size = 2  # as a worker of a MultiWorkerMirroredStrategy
     for call in (lambda: mnet.register_buffer("b", torch.ones(1)), lambda: mnet.add_module("m", nn.ReLU()),
                  lambda: mnet.register_parameter("p", nn.Parameter(torch.ones(1)))):
         with pytest.raises(ValueError, match="on a multi-worker strategy: each worker would add its own"):

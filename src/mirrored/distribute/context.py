@@ -133,7 +133,7 @@ class ReplicaContext:
     def replica_id_in_sync_group(self) -> int:
         # _replica_id indexes this process's replicas (their devices, module copies); the id in the
         # sync group counts every worker's replicas before this process's too.
-        return self._strategy._first_replica_id + self._replica_id
+        return self._strategy.first_replica_id + self._replica_id
 
     @property
     def local_replica_id(self) -> int:

@@ -327,7 +327,7 @@ class MirroredModule:
     def _one_process(self, what: str) -> None:
         """New state copied within this process only: workers of a multi-worker strategy would each add
         their own (mirror() broadcasts rank 0's state; this does not)."""
-        if getattr(self._strategy, "_world_size", 1) > 1:
+        if self._strategy.num_workers > 1:
             raise ValueError(f"MirroredModule.{what} on a multi-worker strategy: each worker would add its own "
                              "value. Add it to the module before strategy.mirror(), which broadcasts rank 0's.")
 

@@ -171,7 +171,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if self._mean:
             reduced = self._weighted_mean(ctx, rid, params, grads, examples)
         else:
-            reduced = self._strategy._reduce_gradients(ctx, self._grad_buffers, params, grads)
+            reduced = self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads)
         for p, g in zip(params, reduced):
             if p.grad is not g:  # after zero_grad(set_to_none=False) backward refilled last step's views
                 p.grad = g
@@ -194,7 +194,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             dtype = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
             count = self._count_params[rid] = torch.zeros((), dtype=dtype, device=first.device, requires_grad=True)
         weight_t = torch.tensor(float(weight), dtype=count.dtype, device=count.device)
-        reduced = self._strategy._reduce_gradients(ctx, self._grad_buffers, params + [count], grads + [weight_t])
+        reduced = self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params + [count], grads + [weight_t])
         total = reduced[-1].clamp(min=1)  # 0 only where no replica had examples: the gradients are zeros then
         present = [g for g in reduced[:-1] if g is not None]
         torch._foreach_div_(present, total)
@@ -236,8 +236,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         sent = [b if first else torch.zeros_like(b) for b in ints] + [b.double() * w for b in floats]
         if floats:
             sent.append(torch.tensor(w, dtype=torch.float64, device=floats[0].device))
-        summed = self._strategy._replica_all_reduce(ctx, ReduceOp.SUM, sent, same_shapes=True)
         with torch.no_grad():
+            summed = self._strategy.all_reduce_tensors(ctx, ReduceOp.SUM, sent, check_shapes=False)
             for b, value in zip(ints, summed):
                 b.copy_(value)
             if floats:

@@ -432,7 +432,7 @@ class SyncOnReadVariable(Variable):
                     "aggregation is SUM (as in TF): it is unclear whether to change each copy or the total. "
                     "Call it inside strategy.run, or assign() the new total.")
             parts = _split_total(torch.as_tensor(_unwrap(value), dtype=self.dtype), n)
-            first = self._strategy._first_replica_id  # this process's first replica (multi-worker)
+            first = self._strategy.first_replica_id  # this process's first replica (multi-worker)
             for t, part in zip(self._values, parts[first:]):
                 _write(t, part, "assign")
             return self
