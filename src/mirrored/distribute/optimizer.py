@@ -340,7 +340,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise ValueError("MirroredOptimizer.add_param_group: each replica's optimizer holds its own copy's "
                          "parameters, so a group of one copy's parameters cannot be added to all. Build the "
-                         "groups in the optimizer: strategy.mirror_optimizer(lambda params: torch.optim.SGD(...), mnet).")
+                         "groups in the optimizer: strategy.mirror_optimizer(lambda params: torch.optim.SGD("
+                         "...), mnet).")
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a MirroredOptimizer cannot be pickled or copied (it holds a strategy's replicas); save "

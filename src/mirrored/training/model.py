@@ -139,7 +139,13 @@ def _should_validate(epoch: int, freq: int | Iterable[int]) -> bool:
 
 
 class Model:
-    """Wraps a torch.nn.Module (which returns logits) with Keras's training API, under a strategy."""
+    """Wraps a torch.nn.Module (which returns logits) with Keras's training API, under a strategy.
+
+    The module receives exactly what the data yields, in fit, evaluate, predict and model(x) alike:
+    numpy arrays, lists of numbers and tensors are taken as given; only floating-point inputs change,
+    to the module's dtype (as Keras casts to floatx), and integer labels become int64. A layout is
+    never guessed from a shape: the module declares it (mr.models' data_format), or the pipeline
+    makes it."""
 
     def __init__(self, module: nn.Module, name: str | None = None):
         if not isinstance(module, nn.Module):
