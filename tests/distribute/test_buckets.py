@@ -116,3 +116,35 @@ def test_plan_groups_keep_tensors_apart():
     tensors = [torch.ones(2), torch.ones(2), torch.ones(2)]
     plan = buckets.plan(tensors, 1 << 20, groups=["a", "b", "a"])
     assert sorted(b.indices for b in plan) == [[0, 2], [1]]
+
+
+def test_channels_last_gradients_keep_their_layout_through_the_all_reduce():
+    """Issue 19: gradients of a channels_last model were copied into row-major buffers and replaced
+    .grad, so an optimizer's foreach kernels lost their fast path (they need equal strides). Small
+    ones are now packed through views in their own layout, large ones reduced where they lie; the
+    sums equal the replicas' gradients added by hand."""
+    import mirrored as mr
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 128, 1), torch.nn.Conv2d(128, 80, 3))
+    net = net.to(memory_format=torch.channels_last)  # conv weights: 216 (packed), 1024, 92160 (direct) values
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        mnet = strategy.mirror(net)
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.0)
+    x = torch.randn(2, 3, 9, 9).to(memory_format=torch.channels_last)
+    seen = {}
+
+    def step(xb):
+        mnet(xb).square().sum().backward()
+        rid = mr.get_replica_context().replica_id_in_sync_group
+        seen[rid] = [p.grad.clone() for p in mnet.parameters()]
+        opt.step()
+
+    strategy.run(step, args=(strategy.experimental_distribute_values_from_function(lambda ctx: x[ctx.replica_id_in_sync_group:][:1]),))
+    for copy in mnet.replicas:
+        for i, p in enumerate(copy.parameters()):
+            assert p.grad.stride() == p.stride(), f"parameter {i}: {p.grad.stride()} against {p.stride()}"
+            torch.testing.assert_close(p.grad, seen[0][i] + seen[1][i], rtol=1e-6, atol=1e-6)
+    conv = [p for p in mnet.replicas[0].parameters() if p.dim() == 4]
+    assert not conv[0].is_contiguous() and conv[-1].numel() >= 1 << 16  # both paths were taken

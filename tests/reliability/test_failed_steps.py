@@ -46,11 +46,15 @@ class _Loop:
     """A TF-style custom loop: loss scaled by the global batch, mirrored SGD with momentum, a Mean
     metric updated before the update, zero_grad after it (so a failed step's gradients would leak)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, accumulate: int = 1):
         self.strategy = _strategy(n)
         with self.strategy.scope():
             self.net = self.strategy.mirror(_net())
-            self.opt = self.strategy.mirror_optimizer(torch.optim.SGD, self.net, lr=0.1, momentum=0.9)
+            if accumulate == 1:
+                self.opt = self.strategy.mirror_optimizer(torch.optim.SGD, self.net, lr=0.1, momentum=0.9)
+            else:
+                recipe = mr.optimizers.SGD(learning_rate=0.1, momentum=0.9, gradient_accumulation_steps=accumulate)
+                self.opt = self.strategy.mirror_optimizer(recipe, self.net)
             self.loss_metric = mr.metrics.Mean()
         self.fault: tuple[str, int] | None = None
 
@@ -91,6 +95,9 @@ class _Loop:
                 for k, v in st.items():
                     if isinstance(v, torch.Tensor):
                         out.setdefault(f"optimizer {i} {k}", []).append(v.clone())
+            for i, acc in enumerate(getattr(o, "_accumulators", None) or []):
+                out.setdefault(f"accumulator {i}", []).append(None if acc is None else acc.clone())
+            out.setdefault("step count", []).append(torch.tensor(getattr(o, "_micro_steps", 0)))
             for j, var in enumerate(self.loss_metric.variables):
                 out.setdefault(f"metric {j}", []).append(var.values[r].clone())
         return out
@@ -275,3 +282,28 @@ def test_replicas_returning_different_structures_fail_at_run_and_roll_back():
         assert float(metric.result()) == 0.0 and [float(v) for v in metric.count.values] == [0.0, 0.0]
     out = strategy.run(lambda: (torch.ones(1), None))  # the same structures on both: fine
     assert out[1] is None and len(strategy.experimental_local_results(out[0])) == 2
+
+
+@pytest.mark.parametrize("fault_step", [2, 3])
+def test_a_failed_step_that_only_accumulates_leaves_no_trace(fault_step):
+    """gradient_accumulation_steps=2: a step that only accumulates has no meeting of the replicas, so
+    without the journal the replica that finished it would be a step (and its gradients) ahead of the
+    one that failed (found by issue 13's review). Both the accumulating step (3) and the updating one
+    (2, counting from 0) roll back; the retried run equals a clean one bit for bit."""
+    batches = _batches() + _batches()[:2]
+    clean = _Loop(2, accumulate=2)
+    for x, y in batches:
+        clean.step(x, y)
+    want = clean.state()
+    loop = _Loop(2, accumulate=2)
+    for x, y in batches[:fault_step]:
+        loop.step(x, y)
+    before = loop.state()
+    loop.fault = ("after forward", 1)
+    with pytest.raises(Fault):
+        loop.step(*batches[fault_step])
+    loop.fault = None
+    _assert_same(loop.state(), before, f"after a failed step {fault_step} with accumulation")
+    for x, y in batches[fault_step:]:
+        loop.step(x, y)
+    _assert_same(loop.state(), want, "after retrying with accumulation")

@@ -552,3 +552,16 @@ def test_load_rebuilds_a_torch_optimizer_class_with_its_state(tmp_path):
     loaded.fit(ds, epochs=1, verbose=0)  # the Adagrad sums came back: the same next step
     for a, b in zip(loaded.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_replica_with_an_empty_part_still_steps_its_loss_scaler():
+    """Issue 19: with fp16 loss scaling, a replica whose part of a short last batch is empty never
+    called scaler.scale(), so scaler.step() failed ("_scale is None"). Checked with torch's CPU
+    GradScaler standing in for the CUDA one compile(precision="fp16") makes."""
+    x, y, _ = _data()
+    model = _model(torch.nn.Linear(5, 3))
+    model._scalers = [torch.amp.GradScaler("cpu") for _ in model.replicas]
+    ds = mr.data.Dataset.from_tensor_slices((x[:1], y[:1])).batch(1)  # one example: replica 1's part is empty
+    model.fit(ds, epochs=2, verbose=0)
+    assert [s.get_scale() for s in model._scalers] == [65536.0, 65536.0]
+    model.check_in_sync()

@@ -8,6 +8,7 @@ from mirrored.distribute.input import InputContext, InputOptions
 from mirrored.distribute.modules import MirroredModule
 from mirrored.distribute.optimizer import MirroredOptimizer
 from mirrored.distribute.multi_worker import CollectiveAllReduce, CommunicationOptions, MultiWorkerMirroredStrategy
+from mirrored.distribute.rollback import StepJournal, current_journal
 from mirrored.distribute.replicas import CollectiveMismatchError, CollectiveTimeoutError
 from mirrored.distribute.strategy import (MirroredStrategy, OneDeviceStrategy, OutOfSyncError, Strategy,
                                           ValueContext)
@@ -20,7 +21,7 @@ __all__ = [
     "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InMemoryAllReduce", "InputContext",
     "InputOptions", "Mirrored", "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable",
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "OutOfSyncError", "PerReplica", "ReduceOp",
-    "ReductionToOneDevice", "ReplicaContext", "Strategy", "SyncOnReadVariable", "ValueContext", "Variable",
-    "VariableAggregation", "VariableSynchronization", "get_replica_context", "get_strategy", "has_strategy",
+    "ReductionToOneDevice", "ReplicaContext", "StepJournal", "Strategy", "SyncOnReadVariable", "ValueContext", "Variable",
+    "VariableAggregation", "VariableSynchronization", "current_journal", "get_replica_context", "get_strategy", "has_strategy",
     "in_cross_replica_context",
 ]

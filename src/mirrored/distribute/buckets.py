@@ -28,12 +28,15 @@ class Bucket:
     indices: list[int] = field(default_factory=list)
     shapes: list[torch.Size] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    strides: list[tuple[int, ...] | None] = field(default_factory=list)  # None: row-major (contiguous)
     numel: int = 0
 
     def add(self, index: int, tensor: Tensor) -> None:
         self.indices.append(index)
         self.shapes.append(tensor.shape)
         self.offsets.append(self.numel)
+        strides = tuple(tensor.stride())
+        self.strides.append(None if strides == _row_major(tensor.shape) or dense_flat(tensor) is None else strides)
         self.numel += tensor.numel()
 
     def new_buffer(self, device: torch.device | None = None) -> Tensor:
@@ -46,19 +49,21 @@ class Bucket:
         replica 1's on replica 1's device (NCCL needs one buffer per GPU)."""
         if out is None:
             out = self.new_buffer(tensors[self.indices[0]].device if self.indices else None)
-        for i, off in zip(self.indices, self.offsets):
+        for i, off, shape, strides in zip(self.indices, self.offsets, self.shapes, self.strides):
             t = tensors[i]
-            n = t.numel()
-            dst = out[off:off + n]
-            if dst.data_ptr() != t.data_ptr() or not t.is_contiguous():  # a view of this buffer already
-                dst.copy_(t.reshape(-1))
+            region = out[off:off + t.numel()]
+            dst = region.view(shape) if strides is None else region.as_strided(shape, strides)
+            if dst.data_ptr() != t.data_ptr() or dst.stride() != t.stride():  # (not a view of this buffer already)
+                dst.copy_(t)
         return out
 
     def unpack(self, flat: Tensor, into: list[Tensor | None]) -> None:
-        """Puts views of `flat` (one per packed tensor, in its shape) into `into` at their indices."""
+        """Puts views of `flat` (one per packed tensor, in its shape) into `into` at their indices. A
+        tensor planned in a dense non-row-major layout (channels_last) gets a view in that layout, so
+        a gradient keeps its parameter's strides and the optimizer's foreach kernels their fast path."""
         parts = flat.split([shape.numel() for shape in self.shapes])  # one call for all the views
-        for i, part, shape in zip(self.indices, parts, self.shapes):
-            into[i] = _shaped(part, shape)
+        for i, part, shape, strides in zip(self.indices, parts, self.shapes, self.strides):
+            into[i] = _shaped(part, shape) if strides is None else part.as_strided(shape, strides)
 
 
 def _shaped(flat: Tensor, shape: Sequence[int]) -> Tensor:
@@ -66,6 +71,27 @@ def _shaped(flat: Tensor, shape: Sequence[int]) -> Tensor:
     if len(shape) == 1:
         return flat
     return flat.view(*shape) if shape else flat.view(())
+
+
+def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def dense_flat(t: Tensor) -> Tensor | None:
+    """A 1-D view of `t`'s elements in memory order when they fill one block without gaps or overlap
+    (row-major, or a permutation such as channels_last), else None."""
+    if t.is_contiguous():
+        return t.view(-1)
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return t.as_strided((t.numel(),), (1,))
 
 
 def plan(tensors: Sequence[Tensor | None], bytes_per_pack: int,
@@ -139,12 +165,15 @@ class LayoutBuffers:
             for (i, *_, shape), out in zip(layout.direct, direct_out):
                 self._fixed_results[i] = _shaped(out, shape)
 
-    def stage(self, tensors: Sequence[Tensor | None]) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
+    def stage(self, tensors: Sequence[Tensor | None], like: Sequence[Tensor] | None = None
+              ) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
         """Packs the small tensors (one fused copy, skipped where they already are last step's
         results: backward accumulated into them) and returns the flat (inputs, outputs) to reduce
         and the `results` they become, in the tensors' shapes. In place, a large tensor is its own
-        result when it is contiguous and shares its memory with no other large one; otherwise
-        (strided, expanded, or a gradient tied to another) it is reduced in a copy of its own."""
+        result when it is contiguous, or laid out like its `like` tensor (a gradient like its parameter:
+        channels_last), and shares its memory with no other large one; otherwise (strided, expanded,
+        or a gradient tied to another) it is reduced in a copy of its own. Every replica must then lay
+        its tensor out alike, which the replicas' copies of a parameter do, and so their gradients."""
         src = [tensors[i] for i in self.layout.packed]
         if any(s is not d for s, d in zip(src, self._packed_views)):
             torch._foreach_copy_(self._packed_views, src)  # a tensor copied onto itself is a no-op
@@ -157,9 +186,11 @@ class LayoutBuffers:
         for i, *_, shape in self.layout.direct:
             t = tensors[i]
             storage = t.untyped_storage().data_ptr()
-            if t.is_contiguous() and storage not in storages:
+            same_layout = t.is_contiguous() or (like is not None and t.stride() == like[i].stride())
+            flat = dense_flat(t) if same_layout and storage not in storages else None
+            if flat is not None:  # reduced where it lies
                 storages.add(storage)
-                inputs.append(t.view(-1))
+                inputs.append(flat)
                 results[i] = t
             else:
                 flat = t.contiguous().view(-1)

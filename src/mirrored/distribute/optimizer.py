@@ -135,12 +135,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
         # local until its update step: then one all-reduce sends the sum of all of them (and "mean"
         # weighs by the examples of all of them).
         accumulate = getattr(self.optimizer, "accumulate_gradients", None)
+        update = accumulate is None or accumulate()
         examples = None
-        if accumulate is None or accumulate():
+        if update:
             examples = self._take_examples(ctx)
             self._reduce(ctx, examples)
         result = self.optimizer.step()
-        self.finish_step(weight=examples)
+        self.finish_step(weight=examples, commit=update)
         return result
 
     def reduce_gradients(self) -> None:
@@ -200,14 +201,16 @@ class MirroredOptimizer(torch.optim.Optimizer):
         torch._foreach_div_(present, total)
         return reduced[:-1]
 
-    def finish_step(self, weight: float | None = None) -> None:
-        """Ends an update applied by every replica: syncs the buffers (see sync_buffers) and commits the
-        step, so that a failure later in the same strategy.run keeps the update and rolls back only
-        what follows it. `step()` calls it; a loop that steps `self.optimizer` itself calls it after."""
+    def finish_step(self, weight: float | None = None, commit: bool = True) -> None:
+        """Ends a step: syncs the buffers (see sync_buffers) and, after an update applied by every
+        replica (`commit`), commits the step, so that a failure later in the same strategy.run keeps
+        the update and rolls back only what follows it. A step that only accumulated gradients locally
+        is not committed: no meeting made every replica take it, so a failure rolls it back too.
+        `step()` calls it; a loop that steps `self.optimizer` itself calls it after."""
         self.sync_buffers(weight)
         self._opt_called = True  # a torch LR scheduler's check that the optimizer stepped before it
         journal = journal_of(self._replica())
-        if journal is not None:
+        if journal is not None and commit:
             journal.commit()
 
     def sync_buffers(self, weight: float | None = None) -> None:

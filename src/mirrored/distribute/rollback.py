@@ -13,6 +13,7 @@ the error reaches the caller. Uses torch only.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,11 +49,12 @@ class _ModuleNote:
 class StepJournal:
     """What one replica's step changed first, to put back if the step fails."""
 
-    __slots__ = ("_modules", "_tensors", "_grads_only")
+    __slots__ = ("_modules", "_tensors", "_grads_only", "_others")
 
     def __init__(self) -> None:
         self._modules: dict[int, _ModuleNote] = {}
         self._tensors: dict[int, tuple[Tensor, Tensor]] = {}
+        self._others: dict[int, Callable[[], None]] = {}
         self._grads_only: dict[int, _ModuleNote] = {}  # gradients noted before a committed update
 
     def before_forward(self, module: nn.Module) -> None:
@@ -67,6 +69,13 @@ class StepJournal:
         if id(tensor) not in self._tensors:
             self._tensors[id(tensor)] = (tensor, tensor.detach().clone())
 
+    def before_change(self, obj: Any, save: Callable[[], Callable[[], None]]) -> None:
+        """Notes any other state of `obj` before its first change in this step: `save()` copies what it
+        needs and returns the function that puts it back (an optimizer's accumulated gradients and
+        step count, say)."""
+        if id(obj) not in self._others:
+            self._others[id(obj)] = save()
+
     def commit(self) -> None:
         """The step's update is applied (on every replica): buffers, metrics and variables changed so
         far stay. Gradients still go back to what they were before the step if the run fails later
@@ -76,9 +85,12 @@ class StepJournal:
             self._grads_only[key] = note
         self._modules.clear()
         self._tensors.clear()
+        self._others.clear()
 
     def rollback(self) -> None:
         """Puts back everything noted, newest first (a tensor noted twice keeps its oldest value)."""
+        for restore in reversed(list(self._others.values())):
+            restore()
         for tensor, saved in reversed(list(self._tensors.values())):
             with torch.no_grad():
                 tensor.copy_(saved)
@@ -89,6 +101,15 @@ class StepJournal:
         self._modules.clear()
         self._tensors.clear()
         self._grads_only.clear()
+        self._others.clear()
+
+
+def current_journal() -> StepJournal | None:
+    """The journal of the replica running on this thread inside strategy.run, None elsewhere: state
+    that a step changes outside modules and variables notes itself here (see before_change)."""
+    from mirrored.distribute import context
+
+    return journal_of(context.get_replica_context())
 
 
 def journal_of(ctx: Any) -> StepJournal | None:

@@ -430,7 +430,7 @@ class Strategy:
             grads = [torch.zeros_like(params[i]) if needed and g is None else g
                      for i, (g, needed) in enumerate(zip(grads, union))]
         layout = state.buffers(grads, union, self._cross_device_ops.bytes_per_pack)
-        inputs, outputs, results = layout.stage(grads)
+        inputs, outputs, results = layout.stage(grads, like=params)  # (a gradient laid out like its parameter)
         reduced = self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, ReduceOp.SUM, inputs, outputs,
                                                     agree=(mask, union), agreed=_union_is_exact,
                                                     what="all_reduce (gradients)")

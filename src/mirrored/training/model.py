@@ -351,12 +351,15 @@ class Model:
             loss = regularization / ctx.num_replicas_in_sync + (share if share is not None else 0.0)
             if isinstance(loss, Tensor) and loss.requires_grad:
                 (scaler.scale(loss) if scaler else loss).backward()
+            elif scaler is not None:  # an empty part: its scaler must still hold the scale that step() unscales by
+                scaler.scale(torch.zeros((), device=next(own.parameters()).device))
             if share is not None:
                 with torch.no_grad():
                     self._track(y, logits, share, sw, count, regularization)
             # With gradient_accumulation_steps, a step that only accumulates keeps its gradients local: one
             # all-reduce per update. Then step() clips the reduced gradients and applies the schedule and EMA.
-            if opt.optimizer.accumulate_gradients():
+            update = opt.optimizer.accumulate_gradients()
+            if update:
                 opt.reduce_gradients()
             if scaler is not None:
                 scaler.step(opt.optimizer)
@@ -364,7 +367,7 @@ class Model:
             else:
                 opt.optimizer.step()
             opt.optimizer.zero_grad(set_to_none=True)
-            opt.finish_step(weight=_rows(x))  # an empty part did not update BatchNorm's statistics
+            opt.finish_step(weight=_rows(x), commit=update)  # (an empty part did not update BatchNorm's statistics)
 
     @staticmethod
     def _regularization(net: nn.Module) -> Tensor | float:

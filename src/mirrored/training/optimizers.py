@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import mirrored.distribute as md
 from mirrored.training import _config, schedules
 from mirrored.training.schedules import LearningRateSchedule
 
@@ -372,6 +373,7 @@ class _KerasSteps:
         before the all-reduce; step() calls it itself when the caller did not."""
         if self._ready is not None:
             return self._ready
+        self._note_for_rollback()
         k = self._options.accumulation_steps
         ready = (self._micro_steps + 1) % k == 0
         if k > 1:
@@ -417,6 +419,26 @@ class _KerasSteps:
             self._update_averages()
         self._micro_steps += 1
         return result
+
+    def _note_for_rollback(self) -> None:
+        """Inside strategy.run, notes the accumulated gradients, step count and averages before this step
+        changes them, so that a failed step puts them back: a step that only accumulates has no meeting
+        of the replicas, so without this one replica's failure would leave the others a step ahead."""
+        if self._options.accumulation_steps == 1 and not self._options.use_ema:
+            return  # nothing of ours changes before the update, which every replica applies or none
+        journal = md.current_journal()
+        if journal is not None:
+            journal.before_change(self, self._saved_counts)
+
+    def _saved_counts(self) -> Callable[[], None]:
+        micro = self._micro_steps
+        acc = None if self._accumulators is None else [None if a is None else a.clone() for a in self._accumulators]
+        avg = None if self._averages is None else [a.clone() for a in self._averages]
+
+        def restore() -> None:
+            self._micro_steps, self._ready, self._accumulators, self._averages = micro, None, acc, avg
+
+        return restore
 
     def _update_averages(self) -> None:
         # As Keras: every step (accumulating ones too) averages the current weights, with momentum 0
