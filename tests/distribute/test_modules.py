@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -604,6 +605,11 @@ def test_new_state_and_settings_reach_every_copy_with_their_own_storage():
     assert mnet.values[0].extra.data_ptr() != mnet.values[1].extra.data_ptr()
     assert mnet.share_memory() is mnet
     s.check_in_sync(mnet)
+    twin = copy.deepcopy(mnet)  # independent copies, mirrored by the same strategy
+    assert twin.values[1][0].weight.data_ptr() != mnet.values[1][0].weight.data_ptr()
+    s.check_in_sync(twin)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(mnet)
     with pytest.raises(ValueError, match="copies live on their replicas' devices"):
         mnet.to_empty(device="cpu")
     with pytest.raises(ValueError, match="copies live on their replicas' devices"):

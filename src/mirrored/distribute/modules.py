@@ -223,6 +223,10 @@ class MirroredModule:
         guards.allow_modules(copies)
         return MirroredModule._of(self._strategy, copies, _Shared(len(copies)))
 
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a MirroredModule cannot be pickled (it holds a strategy's replicas): save "
+                        "mnet.state_dict(), or pickle one copy, mnet.values[0].")
+
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(dir(self.replicas[0])))
 

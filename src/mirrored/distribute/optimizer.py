@@ -74,6 +74,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         guards.allow_optimizers(self.replicas)
         self._grad_buffers: dict = {}  # the strategy's persistent reduction buffers for this optimizer
         self._count_params: dict[int, Tensor] = {}  # "mean": per replica, the example count's stand-in parameter
+        self._examples: list[int | None] = [None] * len(self.replicas)  # "mean": each replica's in its last reduce
         self._schedulers: list[Any] = []
         self._pending_schedulers: dict[int, dict[str, Any]] = {}  # by attach order: states loaded before it
         if self._mean:
@@ -138,8 +139,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         update = accumulate is None or accumulate()
         examples = None
         if update:
-            examples = self._take_examples(ctx)
-            self._reduce(ctx, examples)
+            self.reduce_gradients()  # (through the public method, which mr.profiler times)
+            examples = None if ctx is None else self._examples[ctx.local_replica_id]
         result = self.optimizer.step()
         self.finish_step(weight=examples, commit=update)
         return result
@@ -149,7 +150,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
         a loop that clips the reduced gradients calls it, then self.optimizer.step() and finish_step())."""
         ctx = self._replica()
         self._refuse_in_no_sync(ctx, "reduce_gradients")
-        self._reduce(ctx, self._take_examples(ctx))
+        examples = self._take_examples(ctx)
+        if ctx is not None:
+            self._examples[ctx.local_replica_id] = examples  # for step()'s buffer average
+        self._reduce(ctx, examples)
 
     def _refuse_in_no_sync(self, ctx: ReplicaContext | None, what: str) -> None:
         if self._module._shared.in_no_sync(0 if ctx is None else ctx.local_replica_id):
