@@ -182,7 +182,7 @@ def resnet50_fit_vs_plain(sizes: Sizes, smoke: bool) -> tuple[str, str]:
     batches = _resnet_batches(sizes, classes, count=4)
     torch.backends.cudnn.benchmark = True  # the same setting for both runs
     torch.manual_seed(0)
-    start_net = mr.models.resnet50(num_classes=classes)
+    start_net = mr.models.resnet50(num_classes=classes, data_format="channels_first")
 
     plain = copy.deepcopy(start_net).to(device)
     if device.type == "cuda":
@@ -247,7 +247,7 @@ def fp16_loss_scaling(sizes: Sizes) -> tuple[str, str]:
     x = torch.randn(sizes.small_batch, 3, sizes.small_size, sizes.small_size, generator=g, device=device)
     y = torch.randint(0, 10, (sizes.small_batch,), generator=g, device=device)
     torch.manual_seed(0)
-    start = mr.models.resnet18(num_classes=10)
+    start = mr.models.resnet18(num_classes=10, data_format="channels_first")
 
     plain = copy.deepcopy(start).to(device).to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
@@ -347,7 +347,7 @@ def fit_on_two_replicas(sizes: Sizes) -> tuple[str, str]:
     data = [(torch.rand(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(3)]
     strategy = mr.MirroredStrategy(devices=devices)
     with strategy.scope():
-        model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=10))
+        model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=10, data_format="channels_first"))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.05, momentum=0.9),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     history = model.fit(data, epochs=2, verbose=0).history
@@ -382,7 +382,7 @@ def checkpoint_to_cpu(sizes: Sizes, tmp: Path) -> tuple[str, str]:
     y = torch.randint(0, 10, (16,), generator=g)
     torch.manual_seed(0)
     with mr.MirroredStrategy(devices=[sizes.device]).scope():
-        model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=10))
+        model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=10, data_format="channels_first"))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.05, momentum=0.9),
                       loss="sparse_categorical_crossentropy")
     model.fit([(x[:8], y[:8]), (x[8:], y[8:])], epochs=1, verbose=0)
@@ -414,7 +414,7 @@ def profiler_on_device(sizes: Sizes, tmp: Path) -> tuple[str, str]:
     g = torch.Generator().manual_seed(5)
     data = [(torch.rand(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(4)]
     with mr.MirroredStrategy(devices=[sizes.device]).scope():
-        model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=10))
+        model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=10, data_format="channels_first"))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.05), loss="sparse_categorical_crossentropy")
     profiler = mr.profiler.Profiler(log_dir=tmp / "profile")
     model.fit(data, epochs=1, verbose=0, callbacks=[profiler])

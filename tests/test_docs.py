@@ -103,7 +103,7 @@ def test_a_name_reachable_twice_is_documented_once():
 
 _FENCE = re.compile(r"^(`{3,})(\S*).*$")
 _MARK = re.compile(r"^% ci: parse-only \((.+)\)\s*$")
-_LANGUAGES = {"python": "python", "py": "python", "sh": "sh", "bash": "sh", "text": "text"}
+_LANGUAGES = {"python": "python", "py": "python", "sh": "sh", "bash": "sh", "text": "text", "diff": "text"}
 
 
 @dataclass

@@ -151,7 +151,7 @@ def _replica_bytes(model_name: str, num_classes: int, image_size: int, per_repli
         return t
 
     with saved_tensors_hooks(pack, lambda t: t):
-        net(torch.empty(1, 3, image_size, image_size, device="meta"))
+        net(torch.empty(1, image_size, image_size, 3, device="meta"))  # NHWC: the images the data yields
     return _WEIGHT_COPIES_PER_REPLICA * weights + per_replica_batch * sum(saved.values())
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -533,14 +534,172 @@ def test_mirrored_containers_behave_like_the_module():
         assert one.mirror(nn.Linear(2, 1)).to("cpu", torch.float64).weight.dtype == torch.float64
 
 
+class _TwoWorkers(md.MirroredStrategy):
+    """As a worker of a MultiWorkerMirroredStrategy sees it: its strategy spans 2 processes."""
+
+    num_workers = 2
+
+
 def test_new_state_is_refused_across_workers():
     """On a multi-worker strategy each worker would register its own value (mirror() broadcasts rank
     0's state; register_* does not), so they are refused there."""
-    s = strategy_of(2)
+    s = _TwoWorkers(devices=["cpu:0", "cpu:1"], timeout_s=TIMEOUT_S)
     with s.scope():
         mnet = s.mirror(nn.Linear(2, 1))
-    s._world_size = 2  # as a worker of a MultiWorkerMirroredStrategy
     for call in (lambda: mnet.register_buffer("b", torch.ones(1)), lambda: mnet.add_module("m", nn.ReLU()),
                  lambda: mnet.register_parameter("p", nn.Parameter(torch.ones(1)))):
         with pytest.raises(ValueError, match="on a multi-worker strategy: each worker would add its own"):
             call()
+
+
+# ---- issue 14: a mirrored module is a whole module -------------------------------------------------
+
+def test_every_public_module_method_reaches_every_copy_reads_or_is_refused():
+    """Each public nn.Module method is MirroredModule's own, in exactly one of its lists, so nothing
+    falls through __getattr__ to replica 0's copy; a method torch adds fails here until it is sorted."""
+    import inspect
+
+    public = {n for n in dir(nn.Module) if not n.startswith("_") and inspect.isfunction(getattr(nn.Module, n))}
+    kinds = [md.MirroredModule.EVERY_COPY, md.MirroredModule.READS, md.MirroredModule.REFUSED]
+    assert public == set().union(*kinds), f"unsorted: {public - set().union(*kinds)}"
+    assert sum(len(k) for k in kinds) == len(public)
+    assert all(n in vars(md.MirroredModule) for n in public)
+
+
+def test_hooks_reach_every_copy_and_run_on_each_replica():
+    s = strategy_of(3)
+    with s.scope():
+        mnet = s.mirror(tiny())
+    seen = []
+    handles = [mnet.register_forward_pre_hook(lambda m, args: seen.append(("pre", replica_id(), m))),
+               mnet.register_forward_hook(lambda m, args, out: seen.append(("fwd", replica_id(), m))),
+               mnet.register_full_backward_hook(lambda m, gin, gout: seen.append(("bwd", replica_id(), m))),
+               mnet[2].register_forward_hook(lambda m, args, out: seen.append(("fc", replica_id(), m)))]
+
+    def step():
+        mnet(torch.ones(2, 3, requires_grad=True)).sum().backward()
+
+    s.run(step)
+    for kind, index in (("pre", None), ("fwd", None), ("bwd", None), ("fc", 2)):
+        calls = sorted((r, id(m)) for k, r, m in seen if k == kind)
+        want = sorted((r, id(c if index is None else c[index])) for r, c in enumerate(mnet.values))
+        assert calls == want, kind  # once per replica, with that replica's own copy
+    for h in handles:
+        h.remove()
+    seen.clear()
+    s.run(step)
+    assert seen == []
+
+
+def test_new_state_and_settings_reach_every_copy_with_their_own_storage():
+    s = strategy_of(2)
+    with s.scope():
+        mnet = s.mirror(tiny())
+    state = {k: torch.full_like(v, 0.25) for k, v in tiny().state_dict().items()}
+    mnet.load_state_dict(state, assign=True)
+    assert all(torch.equal(p, torch.full_like(p, 0.25)) for m in mnet.values for p in m.parameters())
+    assert mnet.values[0][0].weight.data_ptr() != mnet.values[1][0].weight.data_ptr()
+    mnet.set_submodule("1", nn.Tanh())
+    assert all(isinstance(m[1], nn.Tanh) for m in mnet.values) and mnet.values[0][1] is not mnet.values[1][1]
+    mnet.register_parameter("extra", nn.Parameter(torch.ones(2)))
+    assert mnet.values[0].extra.data_ptr() != mnet.values[1].extra.data_ptr()
+    assert mnet.share_memory() is mnet
+    s.check_in_sync(mnet)
+    twin = copy.deepcopy(mnet)  # independent copies, mirrored by the same strategy
+    assert twin.values[1][0].weight.data_ptr() != mnet.values[1][0].weight.data_ptr()
+    s.check_in_sync(twin)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(mnet)
+    with pytest.raises(ValueError, match="copies live on their replicas' devices"):
+        mnet.to_empty(device="cpu")
+    with pytest.raises(ValueError, match="copies live on their replicas' devices"):
+        mnet.xpu()
+
+
+def test_reads_see_the_replicas_own_copy_in_run_and_replica_0_outside():
+    s = strategy_of(2)
+    mnet = s.mirror(tiny())
+    assert next(mnet.parameters()) is next(mnet.values[0].parameters())
+    assert mnet.state_dict().keys() == mnet.values[0].state_dict().keys()
+    assert mnet.get_submodule("0") is mnet.values[0][0]
+    got = s.run(lambda: (next(mnet.parameters()) is next(mnet.values[replica_id()].parameters()),
+                         mnet.get_submodule("2") is mnet.values[replica_id()][2]))
+    assert got == (True, True)
+
+
+def test_changes_inside_run_act_on_the_own_copy_or_are_refused():
+    """Every replica runs the same code: train()/eval() change each replica's own copy once; new state
+    or hooks added inside run are refused (each replica would add its own)."""
+    s = strategy_of(2)
+    mnet = s.mirror(tiny())
+
+    def fn():
+        mnet.eval()
+        return mnet.training
+
+    assert s.run(fn) is False and not any(m.training for m in mnet.values)
+    with pytest.raises(RuntimeError, match=r"register_buffer\(\) was called inside strategy.run"):
+        s.run(lambda: mnet.register_buffer("b", torch.ones(1)))
+    with pytest.raises(RuntimeError, match=r"register_forward_hook\(\) was called inside strategy.run"):
+        s.run(lambda: mnet.register_forward_hook(lambda *a: None))
+    assert not any(hasattr(m, "b") or m._forward_hooks for m in mnet.values)
+
+
+class _WithMethod(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+    def shrink(self):
+        with torch.no_grad():
+            self.fc.weight.mul_(0.5)
+        return self.fc.weight.sum().item()
+
+
+def test_methods_of_your_module_are_refused_outside_run():
+    """A method of the user's class outside run would change replica 0's copy alone (fell through
+    __getattr__ before); inside run each replica calls its own."""
+    s = strategy_of(2)
+    mnet = s.mirror(_WithMethod())
+    before = mnet.values[0].fc.weight.clone()
+    with pytest.raises(RuntimeError, match=r"shrink\(\) was called outside strategy.run.*for m in mnet.values"):
+        mnet.shrink()
+    assert torch.equal(mnet.values[0].fc.weight, before) and mnet.scale == 1.0  # data attributes are reads
+    s.run(lambda: mnet.shrink())
+    s.check_in_sync(mnet)
+    assert torch.equal(mnet.values[1].fc.weight, before * 0.5)
+
+
+def test_a_call_outside_run_that_would_change_replica_0_alone_is_refused():
+    s = strategy_of(2)
+    mnet = s.mirror(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    with pytest.raises(RuntimeError, match="in training mode: its BatchNorm statistics"):
+        mnet(torch.randn(4, 3))
+    assert all(m[1].num_batches_tracked == 0 for m in mnet.values)
+    mnet.eval()
+    out = mnet(torch.randn(4, 3))  # inference is fine
+    with pytest.raises(RuntimeError, match="backward through the output of a mirrored module called outside"):
+        out.sum().backward()
+    assert all(p.grad is None for m in mnet.values for p in m.parameters())
+    with torch.no_grad():
+        mnet(torch.randn(4, 3))
+    s.check_in_sync(mnet)
+
+
+def test_no_sync_blocks_are_counted_per_replica_and_outside_run():
+    s = strategy_of(2)
+    mnet = s.mirror(tiny())
+    with mnet.no_sync():
+        assert mnet._shared.in_no_sync(0) and mnet._shared.in_no_sync(1)
+    assert not mnet._shared.in_no_sync(0)
+
+    def fn():
+        with mnet.no_sync():
+            return mnet._shared.in_no_sync(replica_id()), mnet._shared.no_sync[1 - replica_id()] in (0, 1)
+
+    assert s.run(fn) == (True, True)
+    assert mnet._shared.no_sync == [0, 0] and mnet[0]._shared is mnet._shared  # views share the blocks

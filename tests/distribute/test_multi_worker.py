@@ -230,6 +230,13 @@ def test_training_on_two_workers_matches_plain_torch(tmp_path):
     assert results(tmp_path)[0]["parts"] == [[2, 2], [2, 2], [2, 1]] * EPOCHS
 
 
+def test_mean_reduction_on_two_workers_matches_plain_torch(tmp_path):
+    """gradient_reduction="mean" with the unchanged loss line (issue 14), across processes: the last
+    batch's parts 2/1 weigh by their examples, so the workers end with plain PyTorch's weights."""
+    assert launch("training_mean", tmp_path) == [0, 0], logs(tmp_path, 2)
+    check_training(tmp_path, 2)
+
+
 def fit_run(strategy) -> tuple[dict, list[torch.Tensor], list[list[float]]]:
     """Model.fit, evaluate and predict of mlp() on global batches of GLOBAL_BATCH: the same code
     for the workers and the in-process reference."""
@@ -680,18 +687,23 @@ def scenario_collectives(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
     return res
 
 
-def scenario_training(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
+def scenario_training(s: md.MultiWorkerMirroredStrategy, rank: int, reduction: str = "sum") -> dict:
     from safetensors.torch import save_file
 
     torch.manual_seed(rank)  # rank 0's weights are the reference's (seed 0); mirror() must broadcast them
     net = mlp()
     with s.scope():
         mnet = s.mirror(net)
-        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction=reduction, lr=0.1, momentum=0.9)
 
     def step(x, y, global_size):
-        loss = F.cross_entropy(mnet(x), y, reduction="sum") / global_size
-        loss.backward()
+        if reduction == "mean":  # DDP's unchanged loss line; the optimizer weighs the workers by their parts
+            loss = F.cross_entropy(mnet(x), y)
+            loss.backward()
+            loss = loss.detach() * len(x) / global_size  # (this worker's share of the batch's mean, to report)
+        else:
+            loss = F.cross_entropy(mnet(x), y, reduction="sum") / global_size
+            loss.backward()
         opt.step()
         opt.zero_grad()
         return loss, len(x)
@@ -755,7 +767,12 @@ def scenario_rank0_exits(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
         return {"error_type": type(e).__name__, "error": str(e), "elapsed_s": time.monotonic() - started}
 
 
+def scenario_training_mean(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
+    return scenario_training(s, rank, reduction="mean")
+
+
 SCENARIOS = {"collectives": scenario_collectives, "training": scenario_training, "hang": scenario_hang,
+             "training_mean": scenario_training_mean,
              "fit": scenario_fit, "rank0_exits": scenario_rank0_exits}
 
 

@@ -84,20 +84,20 @@ def test_bottleneck_strides_in_its_3x3_conv_like_torchvision_v1_5():
 def test_state_dict_round_trip_gives_the_same_function():
     torch.manual_seed(0)
     src, dst = resnet18(num_classes=3).eval(), resnet18(num_classes=3).eval()
+    x = torch.randn(2, 64, 64, 3)  # NHWC: the default data_format, channels_last
     with torch.no_grad():  # make BN statistics non-trivial so a missing buffer would show
         for m in src.modules():
             if isinstance(m, nn.BatchNorm2d):
                 m.running_mean.uniform_(-0.1, 0.1)
                 m.running_var.uniform_(0.5, 1.5)
     dst.load_state_dict(src.state_dict(), strict=True)
-    x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert torch.equal(src(x), dst(x))
 
 
 @pytest.mark.parametrize("build", [resnet18, resnet34, resnet50])
 def test_output_shape_and_in_channels(build):
-    net = build(num_classes=5, in_channels=1).eval()
+    net = build(num_classes=5, in_channels=1, data_format="channels_first").eval()
     with torch.no_grad():
         assert net(torch.randn(2, 1, 64, 64)).shape == (2, 5)
         assert net(torch.randn(1, 1, 33, 47)).shape == (1, 5)  # any size: adaptive average pool
@@ -129,7 +129,8 @@ def test_zero_init_residual_zeroes_the_last_bn_gamma_of_each_block(build, last):
             assert torch.equal(block.downsample[1].weight, torch.ones_like(block.downsample[1].weight))
 
 
-@pytest.mark.parametrize("build, size", [(lambda: resnet18(num_classes=4), 64), (lambda: resnet_cifar(20), 32)])
+@pytest.mark.parametrize("build, size", [(lambda: resnet18(num_classes=4, data_format="channels_first"), 64),
+                                         (lambda: resnet_cifar(20, data_format="channels_first"), 32)])
 def test_channels_last_matches_contiguous(build, size):
     torch.manual_seed(0)
     net = build().eval()
@@ -143,7 +144,7 @@ def test_channels_last_matches_contiguous(build, size):
 
 def test_channels_last_trains():
     torch.manual_seed(0)
-    net = resnet_cifar(8, num_classes=3).to(memory_format=torch.channels_last).train()
+    net = resnet_cifar(8, num_classes=3, data_format="channels_first").to(memory_format=torch.channels_last).train()
     x = torch.randn(4, 3, 32, 32).to(memory_format=torch.channels_last)
     loss = nn.functional.cross_entropy(net(x), torch.tensor([0, 1, 2, 0]))
     loss.backward()
@@ -175,7 +176,7 @@ def test_cifar_resnet_20_is_the_papers_size():
 
 
 def test_cifar_resnet_shapes_per_stage():
-    net = resnet_cifar(20, num_classes=7, width=8, in_channels=1).eval()
+    net = resnet_cifar(20, num_classes=7, width=8, in_channels=1, data_format="channels_first").eval()
     seen = {}
     for name in ("layer1", "layer2", "layer3"):
         getattr(net, name).register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, tuple(o.shape)))

@@ -267,7 +267,7 @@ def test_convert_sync_batchnorm_on_resnet18_replaces_every_batchnorm():
     assert list(converted.state_dict().keys()) == keys
     bns = [m for m in converted.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     assert count == 20 and len(bns) == count and all(type(m) is SyncBatchNorm for m in bns)
-    x = torch.rand(2, 3, 32, 32)
+    x = torch.rand(2, 32, 32, 3)  # NHWC: resnet18's default data_format
     with torch.no_grad():
         torch.testing.assert_close(converted(x), ref(x), rtol=0, atol=0)
 
@@ -365,13 +365,21 @@ def test_frozen_weight_and_an_input_without_gradient_train_like_batchnorm():
     strategy.check_in_sync(mnet)
 
 
+class _FromNHWC(torch.nn.Module):
+    """What mr.models' data_format="channels_last" does: an NHWC batch read as an NCHW view."""
+
+    def forward(self, x):
+        return x.permute(0, 3, 1, 2)
+
+
 def test_model_with_sync_batchnorm_on_nhwc_images_under_bf16():
-    """The path a ResNet takes in mr.Model: NHWC images read as channels_last NCHW, bf16 autocast
-    (SyncBatchNorm gets bf16 activations and keeps its statistics in float32)."""
+    """The path a ResNet takes in mr.Model: NHWC images read as channels_last NCHW (by the module, which
+    declares its layout), bf16 autocast (SyncBatchNorm gets bf16 activations and keeps its statistics
+    in float32)."""
     g = torch.Generator().manual_seed(7)
     nhwc, y = torch.rand(16, 12, 12, 3, generator=g), torch.randint(0, 3, (16,), generator=g)
     nchw = nhwc.permute(0, 3, 1, 2).contiguous()
-    ref = _bn_conv_net(sync=False)
+    ref = torch.nn.Sequential(torch.nn.Identity(), *_bn_conv_net(sync=False))  # the same keys: fed NCHW
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for i in range(0, 16, 8):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -381,7 +389,7 @@ def test_model_with_sync_batchnorm_on_nhwc_images_under_bf16():
         opt.zero_grad()
     strategy = _strategy(2)
     with strategy.scope():
-        model = mr.Model(_bn_conv_net(sync=True))
+        model = mr.Model(torch.nn.Sequential(_FromNHWC(), *_bn_conv_net(sync=True)))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
                       loss="sparse_categorical_crossentropy", precision="bf16")
     model.fit(mr.data.Dataset.from_tensor_slices((nhwc, y)).batch(8), epochs=1, verbose=0)

@@ -98,7 +98,7 @@ def test_evaluate_and_predict_match_the_module_in_input_order():
 
 def test_batchnorm_model_stays_in_sync_and_saves_and_loads_on_another_replica_count(tmp_path):
     torch.manual_seed(0)
-    x = torch.rand(20, 3, 32, 32)
+    x = torch.rand(20, 32, 32, 3)  # NHWC, as datasets yield images
     y = torch.randint(0, 10, (20,))
     two = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     with two.scope():

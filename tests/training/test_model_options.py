@@ -2,8 +2,8 @@
 
 compile(steps_per_execution, optimizer as torch class/instance, loss as torch module, precision),
 summary(), the training flag in fit/evaluate/predict, fit(steps_per_epoch, validation_freq,
-sample weights, callbacks that stop training or change the learning rate), NHWC image input, and
-Model.load.
+sample weights, callbacks that stop training or change the learning rate) and Model.load (inputs
+and image layouts: test_model_inputs.py).
 """
 from __future__ import annotations
 
@@ -422,64 +422,11 @@ def test_sample_weights_of_shape_batch_by_one_weigh_like_a_vector():
         np.testing.assert_allclose(a, b.numpy(), rtol=RTOL, atol=ATOL, err_msg=name)
 
 
-# ---- image layout ----------------------------------------------------------------------------------
-
-class _ConvNet(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
-        self.head = torch.nn.Linear(4, 3)
-        self.layouts: list[tuple] = []
-
-    def forward(self, x):
-        self.layouts.append((tuple(x.shape[1:]), x.is_contiguous(memory_format=torch.channels_last)))
-        return self.head(F.adaptive_avg_pool2d(F.relu(self.conv(x)), 1).flatten(1))
-
-
-def test_nhwc_image_batches_are_read_as_nchw_channels_last():
-    g = torch.Generator().manual_seed(4)
-    nhwc = torch.rand(12, 32, 32, 3, generator=g)
-    nchw = nhwc.permute(0, 3, 1, 2).contiguous()
-    y = torch.randint(0, 3, (12,), generator=g)
-    ref = _ConvNet()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for i in range(0, 12, GLOBAL_BATCH):
-        opt.zero_grad()
-        F.cross_entropy(ref(nchw[i:i + GLOBAL_BATCH]), y[i:i + GLOBAL_BATCH]).backward()
-        opt.step()
-    model = _model(_ConvNet())
-    model.fit(mr.data.Dataset.from_tensor_slices((nhwc, y)).batch(GLOBAL_BATCH), epochs=1, verbose=0)
-    assert {layout for r in model.replicas for layout in r.layouts} == {((3, 32, 32), True)}
-    # A channels_last convolution sums in another order than a contiguous one.
-    _assert_weights_match(model, ref, rtol=1e-5, atol=1e-6)
-    with torch.no_grad():
-        want = ref(nchw).numpy()
-    np.testing.assert_allclose(model.predict(nhwc, batch_size=GLOBAL_BATCH), want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(model.predict(nchw, batch_size=GLOBAL_BATCH), want, rtol=1e-5, atol=1e-6)
-
-
-def test_an_nchw_batch_with_a_narrow_width_is_not_permuted():
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(8, 4, 3, padding=1), torch.nn.Flatten(), torch.nn.Linear(4 * 5 * 3, 2))
-    x = torch.randn(4, 8, 5, 3)
-    with torch.no_grad():
-        want = copy.deepcopy(net)(x).numpy()
-    model = _model(net)
-    try:
-        got, error = model.predict(x, batch_size=4), None
-    except RuntimeError as e:  # kept as text: the traceback would keep the replica threads alive
-        got, error = None, str(e)
-    del model
-    assert error is None, error
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-
-
 # ---- loading -------------------------------------------------------------------------------------------
 
 def test_load_rebuilds_an_mr_models_network_without_module(tmp_path):
     g = torch.Generator().manual_seed(5)
-    x, y = torch.rand(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+    x, y = torch.rand(8, 32, 32, 3, generator=g), torch.randint(0, 10, (8,), generator=g)  # NHWC
     with _strategy().scope():
         model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=10))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.05, momentum=0.9),
@@ -594,7 +541,7 @@ def test_load_rebuilds_a_torch_optimizer_class_with_its_state(tmp_path):
     with _strategy().scope():
         model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=3))
     model.compile(optimizer=torch.optim.Adagrad, loss="sparse_categorical_crossentropy")
-    images = torch.rand(len(x), 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    images = torch.rand(len(x), 32, 32, 3, generator=torch.Generator().manual_seed(0))  # NHWC
     ds = mr.data.Dataset.from_tensor_slices((images, y)).batch(GLOBAL_BATCH)
     model.fit(ds, epochs=1, verbose=0)
     model.save(path)

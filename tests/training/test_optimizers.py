@@ -152,13 +152,13 @@ def test_a_custom_loop_gets_the_options_through_mirror_optimizer(replicas):
 
 def _count_gradient_all_reduces(strategy) -> list[int]:
     calls = [0]
-    reduce = strategy._reduce_gradients
+    reduce = strategy.all_reduce_gradients
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return reduce(*args, **kwargs)
 
-    strategy._reduce_gradients = counting
+    strategy.all_reduce_gradients = counting
     return calls
 
 

@@ -5,7 +5,8 @@ from mirrored.distribute.context import (ReplicaContext, get_replica_context, ge
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, InMemoryAllReduce,
                                                   NcclAllReduce, ReductionToOneDevice)
 from mirrored.distribute.input import InputContext, InputOptions
-from mirrored.distribute.modules import MirroredModule, MirroredOptimizer
+from mirrored.distribute.modules import MirroredModule
+from mirrored.distribute.optimizer import MirroredOptimizer
 from mirrored.distribute.multi_worker import CollectiveAllReduce, CommunicationOptions, MultiWorkerMirroredStrategy
 from mirrored.distribute.rollback import StepJournal, current_journal
 from mirrored.distribute.replicas import CollectiveMismatchError, CollectiveTimeoutError

@@ -97,6 +97,15 @@ def get_replica_context() -> ReplicaContext | None:
     return frame.replica_context
 
 
+def replica_of(strategy: Strategy) -> ReplicaContext | None:
+    """The context of the replica of `strategy` this thread runs, else None (cross-replica context,
+    another strategy's replica, or no strategy). The one answer to "is this thread a replica of my
+    strategy, and which?" for mirrored modules, optimizers and variables: `local_replica_id` of the
+    result indexes their copies."""
+    ctx = get_replica_context()
+    return ctx if ctx is not None and ctx._strategy is strategy else None
+
+
 def require_cross_replica(what: str) -> None:
     """Raises when called from inside `strategy.run` (replica context)."""
     frame = _current()
@@ -124,7 +133,14 @@ class ReplicaContext:
     def replica_id_in_sync_group(self) -> int:
         # _replica_id indexes this process's replicas (their devices, module copies); the id in the
         # sync group counts every worker's replicas before this process's too.
-        return self._strategy._first_replica_id + self._replica_id
+        return self._strategy.first_replica_id + self._replica_id
+
+    @property
+    def local_replica_id(self) -> int:
+        """This replica's index among this process's replicas: its device in
+        `strategy.extended.worker_devices`, its copy in a mirrored object's `.values`. Equal to
+        `replica_id_in_sync_group` except on the workers past the first of a multi-worker strategy."""
+        return self._replica_id
 
     @property
     def num_replicas_in_sync(self) -> int:

@@ -132,7 +132,7 @@ class _Splitter:
     def __init__(self, strategy: Strategy, options: InputOptions | None):
         self._devices = [torch_device(d) for d in strategy.extended.worker_devices]
         self._n = strategy.num_replicas_in_sync  # the split is over every worker's replicas...
-        self._first = strategy._first_replica_id  # ...and this process keeps its own replicas' parts
+        self._first = strategy.first_replica_id  # ...and this process keeps its own replicas' parts
         self._fetch = (options or InputOptions()).experimental_fetch_to_device
 
     def place(self, value: Any, replica: int) -> Any:
@@ -369,7 +369,7 @@ class DistributedDatasetsFromFunction:
                             "InputContext -> dataset of per-replica batches.")
         self._strategy = strategy
         local = len(strategy.extended.worker_devices)  # one input pipeline per worker process
-        ctx = InputContext(strategy.num_replicas_in_sync // local, strategy._first_replica_id // local,
+        ctx = InputContext(strategy.num_replicas_in_sync // local, strategy.first_replica_id // local,
                            strategy.num_replicas_in_sync)
         dataset = dataset_fn(ctx)
         if dataset is None or not isinstance(dataset, Iterable):
@@ -392,7 +392,7 @@ class DistributedDatasetsFromFunction:
             template = parts[0] if parts else template
             # Workers' datasets may run out at different steps: every worker goes on while any has data
             # (an all-reduce of the counts, as TF's get_next_as_optional), so none waits alone in a step.
-            if self._strategy._sum_over_workers(len(parts)) == 0:
+            if self._strategy.sum_over_workers(len(parts)) == 0:
                 return
             if template is None:
                 raise ValueError(

@@ -1,46 +1,100 @@
-"""Mirrored torch modules and optimizers: `strategy.mirror(net)` and `strategy.mirror_optimizer(...)`.
+"""Mirrored torch modules: `strategy.mirror(net)`, one copy of an nn.Module per replica.
 
-A MirroredModule keeps one copy of an `nn.Module` per replica (`.replicas`); calling it, or reading
-an attribute, uses the calling replica's copy (replica 0's in cross-replica context). A
-MirroredOptimizer keeps one torch optimizer per copy; `step()` in replica context first
-all-reduces the replica's gradients (SUM, as TF's apply_gradients does: scale each replica's loss
-by the GLOBAL batch), then every replica applies the same update, so the copies stay bitwise
-identical; floating-point buffers (BatchNorm statistics) are averaged after the update. Uses
-context.py, devices.py, values.py and variables.py; the strategy does the reduction.
+Inside strategy.run a call, an attribute and every method use the calling replica's copy. Outside
+it (cross-replica context) each public nn.Module method is one of three kinds, listed in
+MirroredModule.EVERY_COPY, READS and REFUSED: it reaches every copy (train, to(dtype), apply,
+load_state_dict, register_forward_hook, ...), reads replica 0's copy, which equals the others
+(parameters, state_dict, ...), or is refused with the fix; nothing changes replica 0 alone by
+falling through to its copy. A test enumerates nn.Module's methods against these lists.
+MirroredOptimizer (optimizer.py) keeps the copies in sync; `named_copies` lists their tensors for
+check_in_sync. Uses context.py, devices.py, guards.py and rollback.py.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Iterator, MutableMapping
+import inspect
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from mirrored.distribute import context
+from mirrored.distribute import context, guards
 from mirrored.distribute.devices import torch_device
-from mirrored.distribute.rollback import journal_of
-from mirrored.distribute.values import ReduceOp
+from mirrored.distribute.rollback import StepJournal, journal_of
 
 if TYPE_CHECKING:
     from mirrored.distribute.strategy import Strategy
 
 
-def _replica_id(strategy: Strategy) -> int:
-    ctx = context.get_replica_context()
-    if ctx is None or ctx.strategy is not strategy:
-        return 0
-    return ctx._replica_id  # this process's copy, also on a worker of a multi-worker strategy
+class _Shared:
+    """What a mirrored module and the views of its submodules share: each replica's count of the
+    examples its copy saw since its optimizer last stepped (kept once an optimizer with
+    gradient_reduction="mean" needs it), and the no_sync() blocks open."""
+
+    __slots__ = ("examples", "no_sync_all", "no_sync")
+
+    def __init__(self, replicas: int):
+        self.examples: list[Tensor] | None = None  # per replica: [examples, forward calls], int64 on the CPU
+        self.no_sync_all = 0  # blocks opened outside strategy.run (they hold for every replica)
+        self.no_sync = [0] * replicas  # blocks opened by each replica inside strategy.run
+
+    def count_examples(self) -> None:
+        if self.examples is None:
+            self.examples = [torch.zeros(2, dtype=torch.int64) for _ in self.no_sync]
+
+    def add_examples(self, rid: int, journal: StepJournal | None, args: tuple, kwargs: dict) -> None:
+        counter = self.examples[rid]
+        if journal is not None:  # a failed step puts the count back with the gradients
+            journal.before_write(counter)
+        first = next(_tensors((args, kwargs)), None)
+        counter[0] += 1 if first is None or first.dim() == 0 else first.shape[0]
+        counter[1] += 1
+
+    def take_examples(self, rid: int, journal: StepJournal | None) -> int | None:
+        """This replica's examples since the last call (None where its copy was not called), reset to 0."""
+        counter = self.examples[rid]
+        examples, calls = counter.tolist()
+        if journal is not None:
+            journal.before_write(counter)
+        counter.zero_()
+        return examples if calls else None
+
+    def in_no_sync(self, rid: int) -> bool:
+        return self.no_sync_all > 0 or self.no_sync[rid] > 0
 
 
 class MirroredModule:
-    """One copy of a module per replica; attribute access and calls go to the current replica's copy.
+    """One copy of a module per replica (`.values`), kept identical by a MirroredOptimizer.
 
-    In cross-replica context (outside strategy.run) what changes a module reaches every copy: train/
-    eval, apply, load_state_dict, requires_grad_, zero_grad, dtype casts (to(dtype), double, float,
-    half, bfloat16, type) and register_buffer/register_parameter/add_module; a submodule (mnet.fc,
-    mnet[0], iterating) is itself mirrored, so mnet.fc.requires_grad_(False) freezes it everywhere.
-    Other attributes read replica 0's copy: change tensors through every copy (mnet.replicas)."""
+    Inside strategy.run, calls and attributes go to the calling replica's copy. Outside it, see the
+    module docstring: methods reach every copy, read replica 0's, or are refused. A submodule
+    (mnet.fc, mnet[0], iterating) is itself mirrored, so mnet.fc.requires_grad_(False) freezes it
+    everywhere; methods of your own module class are refused outside strategy.run (call them on
+    every copy: for m in mnet.values: m.method()). Calling mnet(x) outside strategy.run uses replica
+    0's copy, for inference: in training mode with BatchNorm statistics, or with a backward
+    through its output, it would change replica 0 alone and is refused."""
+
+    # Outside strategy.run these reach every copy; inside it the first five act on the replica's own
+    # copy (every replica runs the same code) and the rest are refused (change the module before run).
+    EVERY_COPY = frozenset({
+        "train", "eval", "requires_grad_", "zero_grad", "apply",
+        "to", "cpu", "cuda", "bfloat16", "double", "float", "half", "type", "share_memory", "compile",
+        "load_state_dict", "set_extra_state", "add_module", "register_module", "set_submodule", "register_buffer",
+        "register_parameter", "register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+        "register_full_backward_pre_hook", "register_backward_hook", "register_state_dict_pre_hook",
+        "register_state_dict_post_hook", "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook",
+    })
+    _OWN_COPY_IN_RUN = frozenset({"train", "eval", "requires_grad_", "zero_grad", "apply"})
+    # Replica 0's copy outside strategy.run (every copy holds the same), the replica's own inside it.
+    READS = frozenset({
+        "parameters", "named_parameters", "buffers", "named_buffers", "children", "named_children", "modules",
+        "named_modules", "state_dict", "get_parameter", "get_buffer", "get_submodule", "get_extra_state",
+        "extra_repr", "forward",
+    })
+    # Moves to another device: a strategy's copies stay on its devices.
+    REFUSED = frozenset({"to_empty", "ipu", "xpu", "mtia"})
 
     def __init__(self, strategy: Strategy, module: nn.Module):
         if not isinstance(module, nn.Module):
@@ -50,20 +104,28 @@ class MirroredModule:
         devices = strategy.extended.worker_devices
         first = module.to(torch_device(devices[0]))
         copies = [first] + [copy.deepcopy(first).to(torch_device(d)) for d in devices[1:]]
+        guards.allow_modules(copies)
         object.__setattr__(self, "_strategy", strategy)
         object.__setattr__(self, "replicas", tuple(copies))
+        object.__setattr__(self, "_shared", _Shared(len(copies)))
 
     @classmethod
-    def _of(cls, strategy: Strategy, copies: Any) -> MirroredModule:
+    def _of(cls, strategy: Strategy, copies: Any, shared: _Shared) -> MirroredModule:
         """The mirror of existing copies (one per replica, e.g. a submodule of each): nothing copied."""
         view = object.__new__(cls)
         object.__setattr__(view, "_strategy", strategy)
         object.__setattr__(view, "replicas", tuple(copies))
+        object.__setattr__(view, "_shared", shared)
         return view
 
-    def _cross_replica(self) -> bool:
-        ctx = context.get_replica_context()
-        return ctx is None or ctx.strategy is not self._strategy
+    def _replica(self) -> int | None:
+        """The calling replica's copy index, None in cross-replica context."""
+        ctx = context.replica_of(self._strategy)
+        return None if ctx is None else ctx.local_replica_id
+
+    def _view(self, copies: list[Any]) -> Any:
+        return MirroredModule._of(self._strategy, copies, self._shared) if isinstance(copies[0], nn.Module) \
+            else copies[0]
 
     @property
     def values(self) -> tuple[nn.Module, ...]:
@@ -71,30 +133,73 @@ class MirroredModule:
 
     @property
     def module(self) -> nn.Module:
-        """The current replica's copy."""
-        return self.replicas[_replica_id(self._strategy)]
+        """The current replica's copy (replica 0's in cross-replica context)."""
+        return self.replicas[self._replica() or 0]
 
+    # ---- calls ------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        ctx = context.get_replica_context()
-        if ctx is None or ctx.strategy is not self._strategy:
-            return self.replicas[0](*args, **kwargs)
-        copy_ = self.replicas[ctx._replica_id]
+        return self._call(None, args, kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The copy's forward without its hooks, as nn.Module.forward: the same rules as a call."""
+        return self._call("forward", args, kwargs)
+
+    def _call(self, method: str | None, args: tuple, kwargs: dict) -> Any:
+        ctx = context.replica_of(self._strategy)
+        if ctx is None:
+            return self._cross_replica_call(method, args, kwargs)
+        rid = ctx.local_replica_id
+        copy_ = self.replicas[rid]
         journal = journal_of(ctx)
         if journal is not None:  # a failed step puts this copy's gradients and buffers back
             journal.before_forward(copy_)
-        return copy_(*args, **kwargs)
+        if self._shared.examples is not None:  # gradient_reduction="mean" weighs replicas by their examples
+            self._shared.add_examples(rid, journal, args, kwargs)
+        return (copy_ if method is None else copy_.forward)(*args, **kwargs)
 
+    def _cross_replica_call(self, method: str | None, args: tuple, kwargs: dict) -> Any:
+        """Replica 0's copy, for inference: what would change that copy alone is refused."""
+        first = self.replicas[0]
+        several = len(self.replicas) > 1
+        if several and any(isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+                           for m in first.modules()):
+            raise RuntimeError(f"{self!r} was called outside strategy.run in training mode: its BatchNorm statistics "
+                               "would change in replica 0's copy only. Call mnet.eval() first (for inference), or "
+                               "call it inside strategy.run, where every replica updates its own.")
+        out = (first if method is None else first.forward)(*args, **kwargs)
+        if several and torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(_refuse_cross_replica_backward)
+        return out
+
+    # ---- attributes -------------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self.module, name)
-        if isinstance(value, nn.Module) and self._cross_replica():
-            return MirroredModule._of(self._strategy, [getattr(m, name) for m in self.replicas])
+        if name in ("_strategy", "replicas", "_shared") or (name.startswith("__") and name.endswith("__")):
+            raise AttributeError(name)  # (during construction, and protocols that must not reach a copy)
+        rid = self._replica()
+        value = getattr(self.replicas[rid or 0], name)
+        if rid is not None:
+            return value
+        if isinstance(value, nn.Module):
+            return self._view([getattr(m, name) for m in self.replicas])
+        if inspect.ismethod(value) and value.__self__ is self.replicas[0]:
+            return _refused_method(self, name)
         return value
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"cannot set {name!r} on a MirroredModule: set it on every copy "
+                             "(for m in mnet.values: ...) so the replicas stay identical.")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete {name!r} from a MirroredModule: delete it from every copy "
+                             "(for m in mnet.values: ...) so the replicas stay identical.")
+
     def __getitem__(self, index: Any) -> Any:
-        item = self.module[index]
-        if isinstance(item, nn.Module) and self._cross_replica():
-            return MirroredModule._of(self._strategy, [m[index] for m in self.replicas])
-        return item
+        rid = self._replica()
+        if rid is not None:
+            return self.replicas[rid][index]
+        return self._view([m[index] for m in self.replicas])
 
     def __len__(self) -> int:
         return len(self.module)
@@ -106,12 +211,65 @@ class MirroredModule:
         return key in self.module
 
     def __iter__(self) -> Iterator[Any]:
-        if not self._cross_replica():
-            return iter(self.module)
-        return (MirroredModule._of(self._strategy, parts) if isinstance(parts[0], nn.Module) else parts[0]
-                for parts in zip(*self.replicas))
+        rid = self._replica()
+        if rid is not None:
+            return iter(self.replicas[rid])
+        return (self._view(list(parts)) for parts in zip(*self.replicas))
 
-    # Casts and new state reach every copy; each copy stays on its replica's device.
+    def __deepcopy__(self, memo: dict) -> MirroredModule:
+        """Independent copies of every replica's module, mirrored by the same strategy (which is shared,
+        not copied: a strategy owns threads)."""
+        copies = [copy.deepcopy(m, memo) for m in self.replicas]
+        guards.allow_modules(copies)
+        return MirroredModule._of(self._strategy, copies, _Shared(len(copies)))
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a MirroredModule cannot be pickled (it holds a strategy's replicas): save "
+                        "mnet.state_dict(), or pickle one copy, mnet.values[0].")
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(self.replicas[0])))
+
+    def __repr__(self) -> str:
+        return f"MirroredModule({len(self.replicas)} replicas of {type(self.replicas[0]).__name__})"
+
+    # ---- what reaches every copy --------------------------------------------------------------
+    def _targets(self, what: str) -> tuple[nn.Module, ...]:
+        """The copies `what` acts on: all of them outside strategy.run; inside it the replica's own for
+        the calls every replica makes alike (_OWN_COPY_IN_RUN), and none for the others (refused)."""
+        rid = self._replica()
+        if rid is None:
+            return self.replicas
+        if what in self._OWN_COPY_IN_RUN:
+            return (self.replicas[rid],)
+        raise RuntimeError(f"MirroredModule.{what}() was called inside strategy.run, where each replica would "
+                           f"change the module on its own. Call mnet.{what}(...) before strategy.run (in "
+                           "cross-replica context): it then reaches every copy at once.")
+
+    def _each(self, what: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [getattr(m, what)(*args, **kwargs) for m in self._targets(what)]
+
+    def train(self, mode: bool = True) -> MirroredModule:
+        self._each("train", mode)
+        return self
+
+    def eval(self) -> MirroredModule:
+        self._each("eval")
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> MirroredModule:
+        self._each("requires_grad_", requires_grad)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the current replica's gradients inside strategy.run, every replica's outside it."""
+        self._each("zero_grad", set_to_none=set_to_none)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> MirroredModule:
+        """fn(submodule) on every copy's submodules (inside strategy.run, on the replica's own copy)."""
+        self._each("apply", fn)
+        return self
+
     def to(self, *args: Any, **kwargs: Any) -> MirroredModule:
         """Casts every copy (to(torch.float64)); a device would move every copy onto that one device,
         which is refused: the copies live on their replicas' devices."""
@@ -122,8 +280,7 @@ class MirroredModule:
             raise ValueError(f"MirroredModule.to({device}): the copies live on their replicas' devices "
                              f"({', '.join(self._strategy.extended.worker_devices)}); moving them all to one "
                              "would break the mirroring. Change the dtype only, e.g. mnet.to(torch.float64).")
-        for m in self.replicas:
-            m.to(dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
+        self._each("to", dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
         return self
 
     def cpu(self) -> MirroredModule:
@@ -146,255 +303,228 @@ class MirroredModule:
         return self.to(torch.bfloat16)
 
     def type(self, dst_type: Any) -> MirroredModule:
-        for m in self.replicas:
-            m.type(dst_type)
+        self._each("type", dst_type)
         return self
 
+    def share_memory(self) -> MirroredModule:
+        self._each("share_memory")
+        return self
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """torch.compile of every copy's forward, in place (nn.Module.compile)."""
+        self._each("compile", *args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Loads `state_dict` into every copy; with assign=True each copy gets its own tensors on its device."""
+        results = []
+        for m, device in zip(self._targets("load_state_dict"), self._devices()):
+            state = {k: v.detach().to(device, copy=True) if assign and isinstance(v, Tensor) else v
+                     for k, v in state_dict.items()} if assign else state_dict
+            results.append(m.load_state_dict(state, strict=strict, assign=assign))
+        return results[0]
+
+    def set_extra_state(self, state: Any) -> None:
+        for m in self._targets("set_extra_state"):
+            m.set_extra_state(copy.deepcopy(state))
+
+    # New state: each copy gets its own, on its device.
     def _one_process(self, what: str) -> None:
         """New state copied within this process only: workers of a multi-worker strategy would each add
         their own (mirror() broadcasts rank 0's state; this does not)."""
-        if getattr(self._strategy, "_world_size", 1) > 1:
+        if self._strategy.num_workers > 1:
             raise ValueError(f"MirroredModule.{what} on a multi-worker strategy: each worker would add its own "
                              "value. Add it to the module before strategy.mirror(), which broadcasts rank 0's.")
 
     def register_buffer(self, name: str, tensor: Tensor | None, persistent: bool = True) -> None:
         self._one_process("register_buffer")
-        for m, device in zip(self.replicas, self._devices()):
+        for m, device in zip(self._targets("register_buffer"), self._devices()):
             m.register_buffer(name, None if tensor is None else tensor.detach().to(device, copy=True), persistent)
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
         """Adds the parameter to every copy (an optimizer made before does not know it, as in torch)."""
         self._one_process("register_parameter")
-        for m, device in zip(self.replicas, self._devices()):
+        for m, device in zip(self._targets("register_parameter"), self._devices()):
             m.register_parameter(name, None if param is None else
                                  nn.Parameter(param.detach().to(device, copy=True), param.requires_grad))
 
     def add_module(self, name: str, module: nn.Module | None) -> None:
-        self._one_process("add_module")
-        for m, device in zip(self.replicas, self._devices()):
-            m.add_module(name, None if module is None else copy.deepcopy(module).to(device))
+        self._new_module("add_module", lambda m, new: m.add_module(name, new), module)
 
-    register_module = add_module
+    def register_module(self, name: str, module: nn.Module | None) -> None:
+        self._new_module("register_module", lambda m, new: m.register_module(name, new), module)
+
+    def set_submodule(self, target: str, module: nn.Module, strict: bool = False) -> None:
+        self._new_module("set_submodule", lambda m, new: m.set_submodule(target, new, strict=strict), module)
+
+    def _new_module(self, what: str, put: Callable[[nn.Module, Any], None], module: nn.Module | None) -> None:
+        self._one_process(what)
+        for m, device in zip(self._targets(what), self._devices()):
+            new = None if module is None else copy.deepcopy(module).to(device)
+            put(m, new)
+            if new is not None:
+                guards.allow_modules([new])
 
     def _devices(self) -> list[torch.device]:
         return [torch_device(d) for d in self._strategy.extended.worker_devices]
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"cannot set {name!r} on a MirroredModule: set it on every copy "
-                             "(for m in mnet.replicas: ...) so the replicas stay identical.")
+    # Hooks: registered on every copy; each runs on its replica's thread, with that replica's copy.
+    def register_forward_hook(self, hook: Callable[..., Any], **kwargs: Any) -> _Handles:
+        return _Handles(self._each("register_forward_hook", hook, **kwargs))
 
-    # Calls that must reach every copy, not only the current one.
-    def train(self, mode: bool = True) -> MirroredModule:
-        for m in self.replicas:
-            m.train(mode)
-        return self
+    def register_forward_pre_hook(self, hook: Callable[..., Any], **kwargs: Any) -> _Handles:
+        return _Handles(self._each("register_forward_pre_hook", hook, **kwargs))
 
-    def eval(self) -> MirroredModule:
-        return self.train(False)
+    def register_full_backward_hook(self, hook: Callable[..., Any], prepend: bool = False) -> _Handles:
+        return _Handles(self._each("register_full_backward_hook", hook, prepend=prepend))
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        result = None
-        for m in self.replicas:
-            result = m.load_state_dict(state_dict, strict=strict)
-        return result
+    def register_full_backward_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> _Handles:
+        return _Handles(self._each("register_full_backward_pre_hook", hook, prepend=prepend))
 
-    def apply(self, fn: Callable[[nn.Module], None]) -> MirroredModule:
-        for m in self.replicas:
-            m.apply(fn)
-        return self
+    def register_backward_hook(self, hook: Callable[..., Any]) -> _Handles:
+        return _Handles(self._each("register_backward_hook", hook))
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the current replica's gradients inside strategy.run, every replica's outside it."""
-        ctx = context.get_replica_context()
-        own = ctx is not None and ctx.strategy is self._strategy
-        for m in (self.module,) if own else self.replicas:
-            m.zero_grad(set_to_none=set_to_none)
+    def register_state_dict_pre_hook(self, hook: Callable[..., Any]) -> _Handles:
+        return _Handles(self._each("register_state_dict_pre_hook", hook))
 
-    def requires_grad_(self, requires_grad: bool = True) -> MirroredModule:
-        for m in self.replicas:
-            m.requires_grad_(requires_grad)
-        return self
+    def register_state_dict_post_hook(self, hook: Callable[..., Any]) -> _Handles:
+        return _Handles(self._each("register_state_dict_post_hook", hook))
 
-    def __repr__(self) -> str:
-        return f"MirroredModule({len(self.replicas)} replicas of {type(self.replicas[0]).__name__})"
+    def register_load_state_dict_pre_hook(self, hook: Callable[..., Any]) -> _Handles:
+        return _Handles(self._each("register_load_state_dict_pre_hook", hook))
 
+    def register_load_state_dict_post_hook(self, hook: Callable[..., Any]) -> _Handles:
+        return _Handles(self._each("register_load_state_dict_post_hook", hook))
 
-class MirroredOptimizer:
-    """One torch optimizer per replica copy of a MirroredModule."""
+    # ---- reads: the replica's copy inside strategy.run, replica 0's outside it (they are equal) -------
+    def _read(self) -> nn.Module:
+        return self.replicas[self._replica() or 0]
 
-    def __init__(self, strategy: Strategy, optimizer_cls: Callable[..., torch.optim.Optimizer],
-                 module: Any, hparams: dict[str, Any]):
-        if not isinstance(module, MirroredModule):
-            raise TypeError(f"strategy.mirror_optimizer(..., {type(module).__name__}): pass the module that "
-                            "strategy.mirror() returned, so each replica's optimizer gets that replica's parameters.")
-        if not callable(optimizer_cls):
-            raise TypeError(f"strategy.mirror_optimizer({optimizer_cls!r}): pass an optimizer class such as "
-                            "torch.optim.SGD (or a callable params -> optimizer).")
-        self._strategy = strategy
-        self._module = module
-        self.replicas = tuple(optimizer_cls(m.parameters(), **hparams) for m in module.replicas)
-        self._grad_buffers: dict = {}  # the strategy's persistent reduction buffers for this optimizer
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self._read().parameters(recurse)
 
-    @property
-    def values(self) -> tuple[torch.optim.Optimizer, ...]:
-        return self.replicas
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        return self._read().named_parameters(*args, **kwargs)
 
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The current replica's optimizer."""
-        return self.replicas[_replica_id(self._strategy)]
+    def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
+        return self._read().buffers(recurse)
 
-    @property
-    def param_groups(self) -> list[Any]:
-        """Inside strategy.run, the replica's own optimizer's groups; outside it, groups whose
-        hyperparameters are written to every replica's optimizer (g["lr"] = 0.01 changes them all)."""
-        ctx = context.get_replica_context()
-        if ctx is not None and ctx.strategy is self._strategy:
-            return self.optimizer.param_groups
-        return [_MirroredGroup([opt.param_groups[i] for opt in self.replicas])
-                for i in range(len(self.replicas[0].param_groups))]
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Tensor]]:
+        return self._read().named_buffers(*args, **kwargs)
 
-    def _params(self, rid: int) -> list[Tensor]:
-        return [p for g in self.replicas[rid].param_groups for p in g["params"]]
+    def children(self) -> Iterator[nn.Module]:
+        return self._read().children()
 
-    def reduce_gradients(self) -> None:
-        """All-reduces (SUM) the calling replica's gradients in place of its `.grad`s."""
-        ctx = context.get_replica_context()
-        if ctx is None or ctx.strategy is not self._strategy or ctx.num_replicas_in_sync == 1:
-            return
-        rid = ctx._replica_id
-        params = self._params(rid)
-        reduced = self._strategy._reduce_gradients(ctx, self._grad_buffers, params, [p.grad for p in params])
-        for p, g in zip(params, reduced):
-            if p.grad is not g:  # after zero_grad(set_to_none=False) backward refilled last step's views
-                p.grad = g
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        return self._read().named_children()
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Replica context: all-reduce this replica's gradients, then apply them with its optimizer."""
-        if closure is not None:
-            raise ValueError("MirroredOptimizer.step(closure) is not supported: run the forward/backward in "
-                             "the replica function, then call step().")
-        ctx = context.get_replica_context()
-        in_own_replica = ctx is not None and ctx.strategy is self._strategy
-        if not in_own_replica and self._strategy.num_replicas_in_sync > 1:  # else replica 0 alone would step
-            raise RuntimeError("MirroredOptimizer.step() was called outside strategy.run (cross-replica context), "
-                               "where it would update replica 0's copy only. Call it inside strategy.run(step_fn): "
-                               "each replica all-reduces its gradients, then updates.")
-        # An optimizer built by an mr.optimizers recipe with gradient accumulation keeps a step's gradients
-        # local until its update step: then one all-reduce sends the sum of all of them.
-        accumulate = getattr(self.optimizer, "accumulate_gradients", None)
-        update = accumulate is None or accumulate()
-        if update:
-            self.reduce_gradients()
-        result = self.optimizer.step()
-        self.finish_step(commit=update)
-        return result
+    def modules(self) -> Iterator[nn.Module]:
+        return self._read().modules()
 
-    def finish_step(self, weight: float | None = None, commit: bool = True) -> None:
-        """Ends a step: syncs the buffers (see sync_buffers) and, after an update applied by every
-        replica (`commit`), commits the step, so that a failure later in the same strategy.run keeps
-        the update and rolls back only what follows it. A step that only accumulated gradients locally
-        is not committed: no meeting made every replica take it, so a failure rolls it back too.
-        `step()` calls it; a loop that steps `self.optimizer` itself calls it after."""
-        self.sync_buffers(weight)
-        journal = journal_of(context.get_replica_context())
-        if journal is not None and commit:
-            journal.commit()
+    def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
+        return self._read().named_modules(*args, **kwargs)
 
-    def sync_buffers(self, weight: float | None = None) -> None:
-        """Makes the module's buffers identical across replicas: floating-point ones (BatchNorm's running
-        statistics) are averaged, as TF's MEAN-aggregated moving averages are; integer ones (BatchNorm's
-        num_batches_tracked) take replica 0's value. With `weight` (this replica's examples in the step),
-        the average is weighted by it: a replica whose part of a short last batch was empty (weight 0)
-        did not update its statistics and does not count, and uneven parts count by their size, which
-        gives a single device's update of the running mean on the whole batch."""
-        ctx = context.get_replica_context()
-        if ctx is None or ctx.strategy is not self._strategy or ctx.num_replicas_in_sync == 1:
-            return
-        net = self._module.replicas[ctx._replica_id]
-        floats = [b for b in net.buffers() if b.is_floating_point()]
-        ints = [b for b in net.buffers() if not b.is_floating_point() and not b.is_complex() and b.dtype != torch.bool]
-        if not floats and not ints:  # (the same on every replica: no meeting at all)
-            return
-        first = ctx.replica_id_in_sync_group == 0
-        # Averaged in float64: for float32 (or half) copies that are equal, the sum of n of them (weighted
-        # by whole numbers) and its division are exact there, so a buffer that no step changed (a
-        # constant, a frozen statistic) stays bit for bit itself; in its own dtype, (x + x + x) / 3 is
-        # not always x, and such buffers drifted by an ulp here and there. Every copy of the module has
-        # the same buffers, so the strategy may skip its shape check.
-        # Without a weight every replica weighs 1: the same sum, divided by the replica count.
-        w = 1.0 if weight is None else float(weight)
-        sent = [b if first else torch.zeros_like(b) for b in ints] + [b.double() * w for b in floats]
-        if floats:
-            sent.append(torch.tensor(w, dtype=torch.float64, device=floats[0].device))
-        summed = self._strategy._replica_all_reduce(ctx, ReduceOp.SUM, sent, same_shapes=True)
-        with torch.no_grad():
-            for b, value in zip(ints, summed):
-                b.copy_(value)
-            if floats:
-                total = summed[-1]  # > 0: a step has examples (torch.where keeps a device sync out of the step)
-                for b, value in zip(floats, summed[len(ints):]):
-                    b.copy_(torch.where(total > 0, value / total, b.double()))
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._read().state_dict(*args, **kwargs)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the current replica's gradients (every replica's outside strategy.run)."""
-        ctx = context.get_replica_context()
-        if ctx is None or ctx.strategy is not self._strategy:
-            for opt in self.replicas:
-                opt.zero_grad(set_to_none=set_to_none)
+    def get_parameter(self, target: str) -> nn.Parameter:
+        return self._read().get_parameter(target)
+
+    def get_buffer(self, target: str) -> Tensor:
+        return self._read().get_buffer(target)
+
+    def get_submodule(self, target: str) -> nn.Module:
+        return self._read().get_submodule(target)
+
+    def get_extra_state(self) -> Any:
+        return self._read().get_extra_state()
+
+    def extra_repr(self) -> str:
+        return self._read().extra_repr()
+
+    # ---- refused -------------------------------------------------------------------------------
+    def _refuse_move(self, what: str) -> None:
+        raise ValueError(f"MirroredModule.{what}(): the copies live on their replicas' devices "
+                         f"({', '.join(self._strategy.extended.worker_devices)}), which the strategy chose; "
+                         "build the module where it belongs before strategy.mirror, or make the strategy with "
+                         "MirroredStrategy(devices=[...]).")
+
+    def to_empty(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_move("to_empty")
+
+    def ipu(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_move("ipu")
+
+    def xpu(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_move("xpu")
+
+    def mtia(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_move("mtia")
+
+    # ---- DDP's no_sync ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """A block of micro-steps whose gradients accumulate locally (DDP's no_sync): a mirrored
+        optimizer's step() is refused inside it, and the first step() after it all-reduces what
+        accumulated once. Backward never communicates here (the all-reduce is in step()), so the
+        block costs nothing; open it outside strategy.run (for every replica) or inside it."""
+        rid = self._replica()
+        shared = self._shared
+        if rid is None:
+            shared.no_sync_all += 1
         else:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.replicas[0].state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for rid, opt in enumerate(self.replicas):
-            device = torch_device(self._strategy.extended.worker_devices[rid])
-            opt.load_state_dict(_to_device(copy.deepcopy(state_dict), device))
-
-    def __repr__(self) -> str:
-        return f"MirroredOptimizer({len(self.replicas)} replicas of {type(self.replicas[0]).__name__})"
+            shared.no_sync[rid] += 1
+        try:
+            yield
+        finally:
+            if rid is None:
+                shared.no_sync_all -= 1
+            else:
+                shared.no_sync[rid] -= 1
 
 
-class _MirroredGroup(MutableMapping):
-    """One param group of every replica's optimizer: reads replica 0's, writes all of them."""
+class _Handles:
+    """The hooks one registration put on every copy: remove() removes them all (a RemovableHandle's API)."""
 
-    def __init__(self, groups: list[dict[str, Any]]):
-        self._groups = groups
+    def __init__(self, handles: list[Any]):
+        self.handles = handles
 
-    def __getitem__(self, key: str) -> Any:
-        return self._groups[0][key]
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key == "params":
-            raise ValueError("MirroredOptimizer.param_groups[i]['params'] cannot be set: each replica's group "
-                             "holds its own copy's parameters. Make a new mirror_optimizer instead.")
-        for group in self._groups:
-            group[key] = value
+    def __enter__(self) -> _Handles:
+        return self
 
-    def __delitem__(self, key: str) -> None:
-        for group in self._groups:
-            del group[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._groups[0])
-
-    def __len__(self) -> int:
-        return len(self._groups[0])
-
-    def __repr__(self) -> str:
-        return f"MirroredGroup({ {k: v for k, v in self._groups[0].items() if k != 'params'} })"
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
 
 
-def _to_device(state: Any, device: torch.device) -> Any:
-    if isinstance(state, Tensor):
-        return state.to(device)
-    if isinstance(state, dict):
-        return {k: _to_device(v, device) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_to_device(v, device) for v in state]
-    return state
+def _refused_method(mnet: MirroredModule, name: str) -> Callable[..., Any]:
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{mnet!r}.{name}() was called outside strategy.run, where it would run on replica 0's "
+                           f"copy only. Call it on every copy (for m in mnet.values: m.{name}(...)) to change them "
+                           f"alike, on mnet.values[0] to read, or inside strategy.run, where each replica calls "
+                           "its own.")
+    return refused
+
+
+def _refuse_cross_replica_backward(grad: Tensor) -> Tensor:
+    raise RuntimeError("backward through the output of a mirrored module called outside strategy.run: the "
+                       "gradients would reach replica 0's copy only, and its next step would add them in alone. "
+                       "Compute the loss inside strategy.run (each replica on its part of the batch), or call the "
+                       "module under torch.no_grad() for inference.")
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """The tensors in a nest of tuples, lists and dicts, in order."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
 
 
 def _same_keys(states: list[dict], what: str) -> None:
@@ -412,6 +542,7 @@ def _same_keys(states: list[dict], what: str) -> None:
 
 def named_copies(obj: Any) -> Iterator[tuple[str, list[Tensor]]]:
     """(name, one tensor per replica) for every tensor of a mirrored module, optimizer or variable."""
+    from mirrored.distribute.optimizer import MirroredOptimizer
     from mirrored.distribute.variables import SyncOnReadVariable, Variable
 
     if isinstance(obj, MirroredModule):

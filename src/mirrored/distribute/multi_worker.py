@@ -524,7 +524,6 @@ class MultiWorkerMirroredStrategy(Strategy):
         else:
             backend = None
         self._rank, self._world_size, self._backend = rank, world, backend
-        self._first_replica_id = rank  # one replica per worker: replica_id_in_sync_group == rank
         store = (launch.master_addr, launch.master_port) if launch.master_addr and launch.master_port else None
         wire = torch_device(device) if backend is not None and "nccl" in backend else torch.device("cpu")
         self._collectives = CollectiveAllReduce(rank, world, wire, timeout_s,
@@ -552,16 +551,31 @@ class MultiWorkerMirroredStrategy(Strategy):
         """task_type and task_id (= rank) of this worker, as TF's strategy.cluster_resolver gives them."""
         return ClusterResolver("worker" if self._backend else None, self._rank)
 
-    # ---- replica context ------------------------------------------------------------------------------
-    def _has_peers(self, ctx: ReplicaContext) -> bool:
+    # ---- extension points (Strategy's): one replica per process, over torch.distributed ----------------
+    @property
+    def num_workers(self) -> int:
+        return self._world_size
+
+    @property
+    def first_replica_id(self) -> int:
+        return self._rank  # one replica per worker: replica_id_in_sync_group == rank
+
+    def has_peers(self, ctx: ReplicaContext) -> bool:
         return self._world_size > 1
 
-    def _all_reduce_untracked(self, ctx: ReplicaContext, op: ReduceOp, leaves: list[Tensor],
-                              check_shapes: bool) -> list[Tensor]:
+    def all_reduce_tensors(self, ctx: ReplicaContext, op: ReduceOp, leaves: list[Tensor],
+                           check_shapes: bool = True) -> list[Tensor]:
         return self._collectives.all_reduce(op, leaves, "ReplicaContext.all_reduce", check_shapes=check_shapes)
 
-    def _reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
-                          grads: list[Tensor | None]) -> list[Tensor | None]:
+    def sum_over_workers(self, count: int) -> int:
+        if self._world_size == 1:
+            return count
+        n = torch.tensor([count], dtype=torch.int64, device=self._collectives._wire)
+        self._collectives.all_sum_([n], "distributed input (batches left)")
+        return int(n.item())
+
+    def all_reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
+                             grads: list[Tensor | None]) -> list[Tensor | None]:
         """SUM-all-reduces this worker's gradients over the workers in persistent buckets. Every parameter
         that requires grad travels (zeros where this worker has no gradient), plus a count per parameter
         of the workers that had one, so the bucket layout is the same on every rank without a separate
@@ -593,9 +607,12 @@ class MultiWorkerMirroredStrategy(Strategy):
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:
         """Combines this worker's value (a run result or any tensor) with the other workers' (TF's reduce).
         axis=None: SUM / MEAN of the values; with axis: over those axes too, MEAN dividing by the global
-        count of elements, so workers with uneven parts weigh correctly."""
+        count of elements, so workers with uneven parts weigh correctly. A value to read, outside autograd."""
         context.require_cross_replica("strategy.reduce")
-        op = as_reduce_op(reduce_op, "strategy.reduce")
+        with torch.no_grad():
+            return self._reduce_over_workers(as_reduce_op(reduce_op, "strategy.reduce"), value, axis)
+
+    def _reduce_over_workers(self, op: ReduceOp, value: Any, axis: int | Sequence[int] | None) -> Any:
         if self._world_size == 1:
             return super().reduce(op, value, axis)
         local = self._local_value(value, "strategy.reduce")
@@ -677,10 +694,3 @@ class MultiWorkerMirroredStrategy(Strategy):
                                  "Every worker must build the same model.")
             self._collectives.broadcast_(tensors, "mirror (broadcast of rank 0's parameters and buffers)")
         return mirrored
-
-    def _sum_over_workers(self, count: int) -> int:
-        if self._world_size == 1:
-            return count
-        n = torch.tensor([count], dtype=torch.int64, device=self._collectives._wire)
-        self._collectives.all_sum_([n], "distributed input (batches left)")
-        return int(n.item())

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mirrored.distribute import buckets, context, replicas, rollback
+from mirrored.distribute import buckets, context, guards, replicas, rollback
 from mirrored.distribute.context import ReplicaContext
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, as_reduce_op, default_for,
                                                 mean_of_sum, shape_mismatch, shapes_of)
@@ -128,14 +128,17 @@ class _Scope:
 
 
 class Strategy:
-    """Synchronous data parallelism over `devices`; see MirroredStrategy for the public constructor."""
+    """Synchronous data parallelism over `devices`; see MirroredStrategy for the public constructor.
+
+    Extension points: a strategy whose replicas are not all threads of one process overrides the
+    methods of the "extension points" section below - num_workers, first_replica_id, has_peers,
+    all_reduce_tensors, all_reduce_gradients and sum_over_workers - and the cross-replica ones it
+    does differently (reduce, gather, check_in_sync, mirror), as MultiWorkerMirroredStrategy does
+    for one replica per process over torch.distributed. Mirrored modules, optimizers, variables and
+    distributed input use nothing else of a strategy's internals."""
 
     _is_default = False
     _mirrors_variables = True  # False where TF makes plain variables (default and one-device strategies)
-    # This process's replicas are replicas _first_replica_id .. _first_replica_id + len(devices) - 1 of
-    # num_replicas_in_sync; only a worker of MultiWorkerMirroredStrategy starts past 0. Inside a
-    # process replicas are indexed from 0 (ReplicaContext._replica_id), whatever the worker.
-    _first_replica_id = 0
 
     def __init__(self, devices: Sequence[Device], cross_device_ops: CrossDeviceOps | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -236,7 +239,8 @@ class Strategy:
             step.finish(replica_id)
             return result
 
-        outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
+        with guards.watch(self, fn):  # refuses plain torch optimizers and modules that the threads would share
+            outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
         if outcome.errors or step.error is not None:
             self._roll_back(journals, outcome.finished)
             if outcome.interrupted is not None:
@@ -325,30 +329,48 @@ class Strategy:
             # all-reduce: the sum, divided once.
             summed = flatten(self._replica_all_reduce(ctx, ReduceOp.SUM, leaves, same_shapes))
             return pack_sequence_as(value, [mean_of_sum(t, n, in_place=False) for t in summed])
-        if not self._has_peers(ctx):  # a new tensor all the same, as with peers (the caller may modify it)
+        if not self.has_peers(ctx):  # a new tensor all the same, as with peers (the caller may modify it)
             return pack_sequence_as(value, [t.clone() for t in leaves])
         if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
             return pack_sequence_as(value, list(_AllReduceFunction.apply(self, ctx, op, *leaves)))
         return pack_sequence_as(value, self._all_reduce_leaves(ctx, op, leaves, check_shapes=not same_shapes))
-
-    def _has_peers(self, ctx: ReplicaContext) -> bool:
-        """Whether `ctx`'s replica reduces with others (not a lone replica run inline)."""
-        return ctx._step is not None
 
     def _all_reduce_leaves(self, ctx: ReplicaContext, op: ReduceOp, leaves: Sequence[Tensor],
                            check_shapes: bool = True) -> list[Tensor]:
         """Reduces tensors into new ones that belong to the caller. Autograd sees the reduction
         only through _AllReduceFunction, so it runs untracked."""
         with torch.no_grad():
-            return self._all_reduce_untracked(ctx, op, [t.detach() if t.requires_grad else t for t in leaves],
-                                              check_shapes)
+            return self.all_reduce_tensors(ctx, op, [t.detach() if t.requires_grad else t for t in leaves],
+                                           check_shapes)
 
-    def _all_reduce_untracked(self, ctx: ReplicaContext, op: ReduceOp, leaves: list[Tensor],
-                              check_shapes: bool) -> list[Tensor]:
-        """Between threads: small tensors travel packed, large ones are read where they lie. The
-        shapes and dtypes travel with them, and every replica checks them in the same meeting (TF
-        refuses a shape mismatch too): equal sizes alone would let (2, 3) meet (3, 2), or two
-        leaves swap places, and sum unrelated values."""
+    # ---- extension points ---------------------------------------------------------------------------
+    # What a strategy whose replicas are not all threads of this process overrides; the rest of the
+    # class, and mirrored modules, optimizers, variables and distributed input, are built on these.
+    @property
+    def num_workers(self) -> int:
+        """How many processes hold this strategy's replicas: 1 here (MultiWorkerMirroredStrategy: its
+        world size). State added to one process's copies alone cannot be kept in sync past 1."""
+        return 1
+
+    @property
+    def first_replica_id(self) -> int:
+        """replica_id_in_sync_group of this process's first replica: 0 here; a worker of a multi-worker
+        strategy starts past it. This process's replicas are first_replica_id .. first_replica_id +
+        len(worker_devices) - 1; inside a process they are indexed from 0 (ctx.local_replica_id)."""
+        return 0
+
+    def has_peers(self, ctx: ReplicaContext) -> bool:
+        """Whether `ctx`'s replica reduces with others (not a lone replica run inline)."""
+        return ctx._step is not None
+
+    def all_reduce_tensors(self, ctx: ReplicaContext, op: ReduceOp, leaves: list[Tensor],
+                           check_shapes: bool = True) -> list[Tensor]:
+        """`ctx`'s replica's tensors reduced by `op` with the other replicas' (called on every replica
+        at once), into new tensors the caller owns, outside autograd (ReplicaContext.all_reduce and
+        the optimizers' buffer averages build on it). With check_shapes, every replica checks the
+        others' shapes and dtypes in the same meeting (TF refuses a mismatch too: equal sizes alone
+        would let (2, 3) meet (3, 2), or two leaves swap places); False where the caller guarantees
+        them. Between threads here: small tensors travel packed, large ones are read where they lie."""
         rid = ctx._replica_id
         layouts = _replica_entry(ctx, self._value_layouts, dict, "all_reduce")
         staged = _recent(layouts, buckets.signature(leaves),
@@ -362,13 +384,21 @@ class Strategy:
             raise ValueError(shape_mismatch("ReplicaContext.all_reduce", reduced.tokens))
         return results  # type: ignore[return-value]
 
-    def _reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
-                          grads: list[Tensor | None]) -> list[Tensor | None]:
-        """SUM-all-reduces one replica's gradients: small ones packed into persistent buffers kept in
-        `cache` (the optimizer's), large ones in place, as DDP reduces .grad (a second copy of a
-        ResNet-50's gradients per replica would cost 100 MB, and cache room). Returns the reduced
-        gradients. A gradient that is None on every replica stays None; None on some only counts as
-        zeros.
+    def sum_over_workers(self, count: int) -> int:
+        """`count` summed over the worker processes (distributed input uses it to end an epoch on every
+        worker at the same step); one process here, so `count` itself."""
+        return count
+
+    def all_reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
+                             grads: list[Tensor | None]) -> list[Tensor | None]:
+        """The SUM over the replicas of `ctx`'s replica's gradients of `params` (called on every replica
+        at once, by a mirrored optimizer's step); `cache` is the caller's, kept between steps for the
+        strategy's buffers. A gradient that is None on every replica stays None; None on some only
+        counts as zeros. Returns the reduced gradients; each may be the given tensor, summed in place.
+
+        Here small gradients are packed into persistent buffers, and large ones are reduced in place,
+        as DDP reduces .grad (a second copy of a ResNet-50's gradients per replica would cost 100 MB,
+        and cache room).
 
         The replicas check which gradients they have in the same meeting that reduces them: each
         brings its mask and the union it expects (the one learned last time for that mask), and the
@@ -414,12 +444,15 @@ class Strategy:
         gives: reduce(SUM, v, axis=0) the sum of all 8; reduce(MEAN, v, axis=0) their mean (the total
         count divides, so uneven parts weigh correctly); reduce(SUM, v) a tensor of shape (4,).
         `value` may be a nest (dict, list, tuple, namedtuple) of such values, as strategy.run returns
-        them: each leaf is reduced, all in one packed cross-device call, and the structure is kept."""
+        them: each leaf is reduced, all in one packed cross-device call, and the structure is kept.
+        The result is a value to read, outside autograd: a replica's loss, returned as it is from
+        strategy.run, reduces as well as its detached copy."""
         context.require_cross_replica("strategy.reduce")
         op = as_reduce_op(reduce_op, "strategy.reduce")
-        if not is_nested(value):
-            return self._reduce_leaves(op, [value], axis, nested=False)[0]
-        return pack_sequence_as(value, self._reduce_leaves(op, flatten(value), axis, nested=True))
+        with torch.no_grad():
+            if not is_nested(value):
+                return self._reduce_leaves(op, [value], axis, nested=False)[0]
+            return pack_sequence_as(value, self._reduce_leaves(op, flatten(value), axis, nested=True))
 
     def _reduce_leaves(self, op: ReduceOp, leaves: list[Any], axis: int | Sequence[int] | None,
                        nested: bool) -> list[Any]:
@@ -512,7 +545,7 @@ class Strategy:
         n = self.num_replicas_in_sync
         results = []
         for i, device in enumerate(self._devices):
-            v = value_fn(ValueContext(self._first_replica_id + i, n))
+            v = value_fn(ValueContext(self.first_replica_id + i, n))
             target = torch_device(device)  # every tensor on its replica's device, nested or not
             results.append(map_structure(lambda t, target=target: t.to(target) if isinstance(t, Tensor) else t, v))
         # TF wraps every leaf, even where all replicas returned the same object (a constant).
@@ -525,11 +558,15 @@ class Strategy:
 
         return MirroredModule(self, module)
 
-    def mirror_optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer], module: Any, **hparams: Any) -> Any:
-        """One `optimizer_cls` per replica; `step()` in replica context all-reduces gradients (SUM) first."""
-        from mirrored.distribute.modules import MirroredOptimizer
+    def mirror_optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer], module: Any,
+                         gradient_reduction: str | ReduceOp = "sum", **hparams: Any) -> Any:
+        """One `optimizer_cls(params, **hparams)` per replica of `module` (what mirror() returned); step()
+        in replica context all-reduces the gradients first. gradient_reduction="sum" (TF's rule: scale
+        each replica's loss by the GLOBAL batch) or "mean" (DDP's: average the replicas' gradients,
+        weighted by their examples, for an unchanged `F.cross_entropy(out, y).backward()`)."""
+        from mirrored.distribute.optimizer import MirroredOptimizer
 
-        return MirroredOptimizer(self, optimizer_cls, module, hparams)
+        return MirroredOptimizer(self, optimizer_cls, module, hparams, gradient_reduction)
 
     def check_in_sync(self, obj: Any) -> None:
         """Raises OutOfSyncError naming the first tensor whose copies differ, and the replicas."""
@@ -550,11 +587,6 @@ class Strategy:
                                          f"values{diff}; the copies must be bitwise identical after every step.")
 
     # ---- input ----------------------------------------------------------------------------------------
-    def _sum_over_workers(self, count: int) -> int:
-        """`count` summed over the worker processes (distributed input uses it to end an epoch on every
-        worker at the same step); one process here, so `count` itself."""
-        return count
-
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
         """Splits each GLOBAL batch of `dataset` into per-replica parts, on each replica's device."""
         from mirrored.distribute.input import DistributedDataset
@@ -619,7 +651,8 @@ def _is_distributed(value: Any) -> bool:
 
 def _local_copies(value: Any) -> tuple[Any, ...] | None:
     """This process's copies of a mirrored variable, module or optimizer; None for anything else."""
-    from mirrored.distribute.modules import MirroredModule, MirroredOptimizer
+    from mirrored.distribute.modules import MirroredModule
+    from mirrored.distribute.optimizer import MirroredOptimizer
     from mirrored.distribute.variables import Variable
 
     if isinstance(value, Variable):

@@ -80,7 +80,7 @@ class Variable:
             # context from the first replica's initial value; every replica gets the same object. The
             # first replica calls its initializer here, in its own context, as in TF; the others' are
             # never called.
-            if ctx._replica_id == 0 and callable(initial_value):
+            if ctx.local_replica_id == 0 and callable(initial_value):
                 initial_value = initial_value()
             return ctx.merge_call(_create_for_every_replica, args=(initial_value,),
                                   kwargs={"trainable": trainable, "name": name, "dtype": dtype,
@@ -141,10 +141,8 @@ class Variable:
 
     def _replica_id(self) -> int | None:
         """This variable's replica in the current context, None in cross-replica context."""
-        ctx = context.get_replica_context()
-        if ctx is None or ctx.strategy is not self._strategy:
-            return None
-        return ctx._replica_id  # the index of this process's copy (equal to the replica id but on workers > 0)
+        ctx = context.replica_of(self._strategy)
+        return None if ctx is None else ctx.local_replica_id
 
     def _local(self) -> Tensor:
         rid = self._replica_id()
@@ -434,7 +432,7 @@ class SyncOnReadVariable(Variable):
                     "aggregation is SUM (as in TF): it is unclear whether to change each copy or the total. "
                     "Call it inside strategy.run, or assign() the new total.")
             parts = _split_total(torch.as_tensor(_unwrap(value), dtype=self.dtype), n)
-            first = self._strategy._first_replica_id  # this process's first replica (multi-worker)
+            first = self._strategy.first_replica_id  # this process's first replica (multi-worker)
             for t, part in zip(self._values, parts[first:]):
                 _write(t, part, "assign")
             return self

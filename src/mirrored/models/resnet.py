@@ -3,8 +3,11 @@
 `resnet18`, `resnet34` and `resnet50` build the networks of He et al. 2015 with the module names
 and tensor shapes of torchvision's `resnet18/34/50` (v1.5: a Bottleneck strides in its 3x3 conv),
 so a torchvision state_dict loads with `load_state_dict` unchanged. `resnet_cifar(depth=6n+2)` is
-the 3-stage network of the paper's CIFAR-10 section (ResNet-20/32/44/56/110). Every model takes
-NCHW images (contiguous or channels_last) and returns logits. Uses torch only.
+the 3-stage network of the paper's CIFAR-10 section (ResNet-20/32/44/56/110). Every model returns
+logits and takes the image layout its `data_format` declares, Keras's names and default:
+"channels_last" (default) takes NHWC batches, as mr.datasets yields images, and reads them as NCHW
+views in channels_last memory (no copy); "channels_first" takes NCHW batches, as torchvision's
+models do. A batch of the other layout is refused, never guessed from its shape. Uses torch only.
 """
 from __future__ import annotations
 
@@ -16,7 +19,30 @@ from torch import Tensor, nn
 
 _Net = TypeVar("_Net", bound=nn.Module)
 
-__all__ = ["BasicBlock", "Bottleneck", "CifarResNet", "ResNet", "resnet18", "resnet34", "resnet50", "resnet_cifar"]
+__all__ = ["DATA_FORMATS", "BasicBlock", "Bottleneck", "CifarResNet", "ResNet", "resnet18", "resnet34", "resnet50",
+           "resnet_cifar"]
+
+DATA_FORMATS = ("channels_last", "channels_first")  # Keras's data_format values: NHWC and NCHW batches
+
+
+def _check_data_format(data_format: str) -> str:
+    if data_format not in DATA_FORMATS:
+        raise ValueError(f"data_format={data_format!r}: use \"channels_last\" (NHWC batches, as mr.datasets yields "
+                         "images; the default, as in Keras) or \"channels_first\" (NCHW batches, as torchvision's).")
+    return data_format
+
+
+def _as_nchw(x: Tensor, data_format: str, channels: int, model: nn.Module) -> Tensor:
+    """The batch as NCHW, from the layout `data_format` declares (an NHWC batch becomes an NCHW view in
+    channels_last memory); a batch of another layout is refused with the fix."""
+    axis = -1 if data_format == "channels_last" else 1
+    if x.dim() != 4 or x.shape[axis] != channels:
+        layout = "NHWC (N, H, W, C)" if data_format == "channels_last" else "NCHW (N, C, H, W)"
+        other = "channels_first" if data_format == "channels_last" else "channels_last"
+        raise ValueError(f"{type(model).__name__}(data_format={data_format!r}) takes {layout} batches with C = "
+                         f"{channels}; got shape {tuple(x.shape)}. For the other layout build it with "
+                         f"data_format={other!r}, or change the pipeline (image.permute(2, 0, 1) makes CHW).")
+    return x.permute(0, 3, 1, 2) if data_format == "channels_last" else x
 
 
 def _conv3x3(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
@@ -127,10 +153,12 @@ class ResNet(nn.Module):
         num_classes: int = 1000,
         zero_init_residual: bool = False,
         in_channels: int = 3,
+        data_format: str = "channels_last",
     ):
         super().__init__()
         _check_positive("num_classes", num_classes)
         _check_positive("in_channels", in_channels)
+        self.data_format = _check_data_format(data_format)
         self._channels = 64
         self.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
@@ -156,6 +184,7 @@ class ResNet(nn.Module):
         return nn.Sequential(*layers)
 
     def forward(self, x: Tensor) -> Tensor:
+        x = _as_nchw(x, self.data_format, self.conv1.in_channels, self)
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
@@ -165,7 +194,8 @@ class CifarResNet(nn.Module):
     """He et al. 2015, section 4.2: 3x3 stem, three stages of n BasicBlocks at width, 2*width and
     4*width channels (feature maps 32, 16, 8 for 32x32 inputs), global average pool, fc."""
 
-    def __init__(self, depth: int = 20, num_classes: int = 10, width: int = 16, in_channels: int = 3):
+    def __init__(self, depth: int = 20, num_classes: int = 10, width: int = 16, in_channels: int = 3,
+                 data_format: str = "channels_last"):
         super().__init__()
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
             raise ValueError(
@@ -177,6 +207,7 @@ class CifarResNet(nn.Module):
         _check_positive("in_channels", in_channels)
         blocks = (depth - 2) // 6
         self.depth = depth
+        self.data_format = _check_data_format(data_format)
         self.conv1 = _conv3x3(in_channels, width)
         self.bn1 = nn.BatchNorm2d(width)
         self.relu = nn.ReLU(inplace=True)
@@ -197,6 +228,7 @@ class CifarResNet(nn.Module):
         return nn.Sequential(*layers)
 
     def forward(self, x: Tensor) -> Tensor:
+        x = _as_nchw(x, self.data_format, self.conv1.in_channels, self)
         x = self.relu(self.bn1(self.conv1(x)))
         x = self.layer3(self.layer2(self.layer1(x)))
         return self.fc(torch.flatten(self.avgpool(x), 1))
@@ -214,30 +246,34 @@ def _recorded(net: _Net, name: str, **kwargs: object) -> _Net:
     return net
 
 
-def resnet18(num_classes: int = 1000, zero_init_residual: bool = False, in_channels: int = 3) -> ResNet:
+def resnet18(num_classes: int = 1000, zero_init_residual: bool = False, in_channels: int = 3,
+             data_format: str = "channels_last") -> ResNet:
     """ResNet-18 (11.7M parameters at 1000 classes); state_dict-compatible with torchvision's."""
-    net = ResNet(BasicBlock, (2, 2, 2, 2), num_classes, zero_init_residual, in_channels)
+    net = ResNet(BasicBlock, (2, 2, 2, 2), num_classes, zero_init_residual, in_channels, data_format)
     return _recorded(net, "resnet18", num_classes=num_classes, zero_init_residual=zero_init_residual,
-                     in_channels=in_channels)
+                     in_channels=in_channels, data_format=data_format)
 
 
-def resnet34(num_classes: int = 1000, zero_init_residual: bool = False, in_channels: int = 3) -> ResNet:
+def resnet34(num_classes: int = 1000, zero_init_residual: bool = False, in_channels: int = 3,
+             data_format: str = "channels_last") -> ResNet:
     """ResNet-34 (21.8M parameters at 1000 classes); state_dict-compatible with torchvision's."""
-    net = ResNet(BasicBlock, (3, 4, 6, 3), num_classes, zero_init_residual, in_channels)
+    net = ResNet(BasicBlock, (3, 4, 6, 3), num_classes, zero_init_residual, in_channels, data_format)
     return _recorded(net, "resnet34", num_classes=num_classes, zero_init_residual=zero_init_residual,
-                     in_channels=in_channels)
+                     in_channels=in_channels, data_format=data_format)
 
 
-def resnet50(num_classes: int = 1000, zero_init_residual: bool = False, in_channels: int = 3) -> ResNet:
+def resnet50(num_classes: int = 1000, zero_init_residual: bool = False, in_channels: int = 3,
+             data_format: str = "channels_last") -> ResNet:
     """ResNet-50 v1.5 (25.6M parameters at 1000 classes); state_dict-compatible with torchvision's."""
-    net = ResNet(Bottleneck, (3, 4, 6, 3), num_classes, zero_init_residual, in_channels)
+    net = ResNet(Bottleneck, (3, 4, 6, 3), num_classes, zero_init_residual, in_channels, data_format)
     return _recorded(net, "resnet50", num_classes=num_classes, zero_init_residual=zero_init_residual,
-                     in_channels=in_channels)
+                     in_channels=in_channels, data_format=data_format)
 
 
-def resnet_cifar(depth: int = 20, num_classes: int = 10, width: int = 16, in_channels: int = 3) -> CifarResNet:
+def resnet_cifar(depth: int = 20, num_classes: int = 10, width: int = 16, in_channels: int = 3,
+                 data_format: str = "channels_last") -> CifarResNet:
     """The CIFAR-10 ResNet of depth 6n+2 (ResNet-20: 0.27M parameters) with the paper's
     parameter-free shortcuts (subsample + zero-pad channels) where the shape changes."""
-    net = CifarResNet(depth, num_classes, width, in_channels)
+    net = CifarResNet(depth, num_classes, width, in_channels, data_format)
     return _recorded(net, "resnet_cifar", depth=depth, num_classes=num_classes, width=width,
-                     in_channels=in_channels)
+                     in_channels=in_channels, data_format=data_format)

@@ -98,10 +98,10 @@ class _Module:
 
 def _optimizers_of(obj: Any, path: str) -> list[torch.optim.Optimizer]:
     """The torch optimizers behind `obj`, one per replica (a plain torch optimizer alone)."""
+    if isinstance(obj, md.MirroredOptimizer):  # (a torch Optimizer too, over its replicas' optimizers)
+        return list(obj.replicas)
     if isinstance(obj, torch.optim.Optimizer):
         return [obj]
-    if isinstance(obj, md.MirroredOptimizer):
-        return list(obj.replicas)
     built = obj._live()  # an mr.optimizers recipe: the torch optimizers built from it
     if not built:
         raise ValueError(f"Checkpoint: {path} is {obj!r}, which has not been built into an optimizer yet. "
@@ -119,6 +119,8 @@ class _Optim:
     @staticmethod
     def save(obj: Any, path: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
         state = optimizers.replicas_state_dict(_optimizers_of(obj, path))
+        if isinstance(obj, md.MirroredOptimizer):  # the torch LR schedulers attached to it
+            state.update(obj.lr_schedulers_state_dict())
         tensors, meta = checkpoint.optimizer_state_to_flat(state, prefix=path)
         return tensors, {"kind": "optimizer", "state": meta}
 
@@ -129,7 +131,16 @@ class _Optim:
         names = [ctx.param_names.get(id(p), f"parameter {i}") for i, p in enumerate(params)]
         state = checkpoint_checks.optimizer_state(ctx.origin, tensors, meta.get("state"), replicas[0], names,
                                                   prefix=path)
-        return Restore(path, lambda: optimizers.load_replicas_state_dict(replicas, state))
+        schedulers = state.pop(md.MirroredOptimizer.LR_SCHEDULERS_KEY, None)
+        if schedulers is not None and not (isinstance(schedulers, list) and all(isinstance(x, dict) for x in schedulers)):
+            raise ctx.origin.damaged(f"{path}: the LR schedulers' states are {schedulers!r:.60}, not a list of dicts")
+
+        def apply() -> None:
+            optimizers.load_replicas_state_dict(replicas, state)
+            if isinstance(obj, md.MirroredOptimizer) and schedulers is not None:
+                obj.load_lr_schedulers_state_dict({obj.LR_SCHEDULERS_KEY: schedulers})
+
+        return Restore(path, apply)
 
 
 class _Variable:

@@ -628,3 +628,98 @@ def _csv_value(value: Any) -> Any:
     return value
 
 
+
+
+# --------------------------------------------------------------------------------------------
+# torch.optim.lr_scheduler in fit (issue 14)
+
+
+class TorchLRScheduler(Callback):
+    """Steps a torch.optim.lr_scheduler scheduler in fit() as a plain PyTorch loop does: after every
+    epoch (step_per="epoch": StepLR, CosineAnnealingLR, ...), or after every batch ("batch":
+    OneCycleLR); ReduceLROnPlateau steps at each epoch's end with logs[monitor].
+
+    Give a scheduler built on model.mirrored_optimizer (after compile), or a function optimizer ->
+    scheduler, which is called with it: TorchLRScheduler(lambda opt: StepLR(opt, step_size=30)).
+    The scheduler sets every replica's rate. Its state is saved with the optimizer's (Model.save,
+    BackupAndRestore); list this callback before BackupAndRestore and ModelCheckpoint, so that what
+    they save at an epoch's or a batch's end holds the step taken there. Before each epoch the
+    scheduler's last rate is set again, which a resumed fit needs. Adds "learning_rate" to the epoch
+    logs (the rate the epoch ran with), as Keras's callbacks do.
+    """
+
+    def __init__(self, scheduler: Any, step_per: str = "epoch", monitor: str = "val_loss", verbose: int = 0):
+        super().__init__()
+        import torch
+
+        plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        if not (isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) or callable(scheduler)):
+            raise TypeError(f"TorchLRScheduler(scheduler={scheduler!r}): give a torch.optim.lr_scheduler scheduler "
+                            "built on model.mirrored_optimizer, or a function optimizer -> scheduler, e.g. "
+                            "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=30).")
+        if step_per not in ("epoch", "batch"):
+            raise ValueError(f"TorchLRScheduler(step_per={step_per!r}): use \"epoch\" (StepLR, CosineAnnealingLR) "
+                             "or \"batch\" (OneCycleLR, whose total_steps counts batches).")
+        if plateau and step_per == "batch":
+            raise ValueError("TorchLRScheduler(ReduceLROnPlateau, step_per=\"batch\"): ReduceLROnPlateau steps with "
+                             "an epoch's monitored value; use step_per=\"epoch\".")
+        self.scheduler = scheduler if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) else None
+        self._make = None if self.scheduler is not None else scheduler
+        self.step_per = step_per
+        self.monitor = monitor
+        self.verbose = verbose
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        optimizer = getattr(model, "mirrored_optimizer", None)
+        if optimizer is not None:  # (compiled: fit() needs it; predict() does not)
+            self._attach(optimizer)
+
+    def _attach(self, optimizer: Any) -> None:
+        if self.scheduler is None:
+            self.scheduler = self._make(optimizer)
+        if getattr(self.scheduler, "optimizer", None) is not optimizer:
+            raise ValueError(f"TorchLRScheduler: the scheduler {type(self.scheduler).__name__} drives "
+                             f"{getattr(self.scheduler, 'optimizer', None)!r}, not this model's optimizer, so it "
+                             "would change nothing. Build it on model.mirrored_optimizer after compile(), or pass "
+                             "a function: TorchLRScheduler(lambda opt: StepLR(opt, step_size=30)).")
+        optimizer.attach_lr_scheduler(self.scheduler)  # its state is saved with the optimizer's
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        if self.scheduler is None or getattr(self.model, "mirrored_optimizer", None) is None:
+            raise RuntimeError("TorchLRScheduler: the model has no optimizer to schedule; call "
+                               "model.compile(optimizer=...) before fit().")
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        # A resumed fit set the optimizer's rate from its own records: the schedule's rate wins.
+        for group, lr in zip(self.model.mirrored_optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if self.step_per == "batch":
+            self.scheduler.step()
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        import torch
+
+        before = self._rate()
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            value = monitor_value(self, logs)
+            if value is not None:
+                self.scheduler.step(value)
+        elif self.step_per == "epoch":
+            self.scheduler.step()
+        if self.verbose and self._rate() != before:
+            say(f"Epoch {epoch + 1}: TorchLRScheduler setting learning rate to {self._rate()}.")
+        if logs is not None:
+            logs["learning_rate"] = before  # the rate this epoch ran with, as Keras logs it
+
+    def _rate(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def __repr__(self) -> str:
+        return f"TorchLRScheduler({type(self.scheduler).__name__ if self.scheduler else self._make!r}, " \
+               f"step_per={self.step_per!r})"
+
+
+__all__.append("TorchLRScheduler")

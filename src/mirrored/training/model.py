@@ -12,6 +12,7 @@ a read sums across replicas. fit's epochs and its place in the data are an Epoch
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -56,18 +57,56 @@ def _unpack(batch: Any) -> tuple[Any, Any, Any]:
     return batch, None, None
 
 
-def _first_conv_channels(module: nn.Module) -> int | None:
-    """in_channels of the module's first Conv2d (registration order), None without one."""
-    return next((m.in_channels for m in module.modules() if isinstance(m, nn.Conv2d)), None)
+def _as_array(value: Any, where: str, arg: str) -> Any:
+    """Array data as the user gives it: a numpy array or tensor as is; a (nested) list or tuple of
+    numbers becomes a numpy array (anything else is a dataset, or None)."""
+    if not isinstance(value, (list, tuple)) or not _numbers(value):
+        return value
+    try:
+        return np.asarray(value)
+    except ValueError as e:  # a ragged list
+        raise ValueError(f"Model.{where}: {arg} is a list of numbers but not a rectangular array ({e}). Give "
+                         "one row per example, all of the same shape.") from None
 
 
-def _nchw(x: Any, in_channels: int | None) -> Any:
-    """NHWC image batches (as datasets yield them) become NCHW views in channels_last memory: no copy.
-    Only where the first convolution says so: an NCHW batch whose width happens to be 3 stays as is."""
-    if (isinstance(x, Tensor) and x.dim() == 4 and in_channels is not None and x.shape[1] != in_channels
-            and x.shape[-1] == in_channels):
-        return x.permute(0, 3, 1, 2)
-    return x
+def _numbers(value: Any) -> bool:
+    """Whether a list or tuple holds numbers (down its first elements), not batches or arrays."""
+    while isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return isinstance(value, (bool, int, float, np.number))
+
+
+def _as_input(value: Any, device: torch.device) -> Any:
+    """One input of model(x): an array as a tensor on the module's device."""
+    if isinstance(value, np.ndarray):
+        return torch.as_tensor(value, device=device)
+    return value.to(device) if isinstance(value, Tensor) else value
+
+
+def _module_dtype(net: Any) -> torch.dtype | None:
+    """The dtype of the module's floating-point parameters (its buffers' without any)."""
+    for t in itertools.chain(net.parameters(), net.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return None
+
+
+def _cast_inputs(x: Any, dtype: torch.dtype | None) -> Any:
+    """Floating-point inputs in the module's dtype, as Keras casts inputs to floatx: float64 numpy data
+    meets a float32 module, and a float64 module keeps float64. Nothing else changes: integer inputs
+    (token ids, uint8 images) stay, and the layout is the module's business (it is never guessed)."""
+    if dtype is None:
+        return x
+    return md.values.map_structure(
+        lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype else t, x)
+
+
+def _as_labels(y: Any) -> Any:
+    """Integer labels as int64, which torch's losses and metrics take (numpy's int32 labels too)."""
+    if isinstance(y, Tensor) and not (y.is_floating_point() or y.is_complex()) and y.dtype not in (torch.int64,
+                                                                                                    torch.bool):
+        return y.long()
+    return y
 
 
 def _weights_like(sw: Any, per_example: Tensor) -> Any:
@@ -100,7 +139,13 @@ def _should_validate(epoch: int, freq: int | Iterable[int]) -> bool:
 
 
 class Model:
-    """Wraps a torch.nn.Module (which returns logits) with Keras's training API, under a strategy."""
+    """Wraps a torch.nn.Module (which returns logits) with Keras's training API, under a strategy.
+
+    The module receives exactly what the data yields, in fit, evaluate, predict and model(x) alike:
+    numpy arrays, lists of numbers and tensors are taken as given; only floating-point inputs change,
+    to the module's dtype (as Keras casts to floatx), and integer labels become int64. A layout is
+    never guessed from a shape: the module declares it (mr.models' data_format), or the pipeline
+    makes it."""
 
     def __init__(self, module: nn.Module, name: str | None = None):
         if not isinstance(module, nn.Module):
@@ -119,7 +164,6 @@ class Model:
         with strategy.scope():
             self._net = strategy.mirror(module)
         self._sync_bn = has_sync_batchnorm(module)
-        self._in_channels = _first_conv_channels(module)
         self.optimizer: optimizers.Optimizer | None = None
         self._mopt: Any = None
         self._loss: losses.Loss | None = None
@@ -154,8 +198,26 @@ class Model:
     def metrics(self) -> list[Any]:
         return ([self._loss_tracker] if self._loss_tracker is not None else []) + list(self._metrics)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._net(*args, **kwargs)
+    def __call__(self, x: Any, *args: Any, training: bool = False, **kwargs: Any) -> Any:
+        """The module on `x`, fed as fit, evaluate and predict feed it: arrays and lists become tensors on
+        its device, floating-point inputs take its dtype, nothing else changes. training=False (Keras's
+        default) runs in inference mode, so model(x) equals predict(x); inside strategy.run it is the
+        replica's own copy, in the mode the module is in."""
+        net = self._net
+        own = net.module
+        device = next(itertools.chain(own.parameters(), own.buffers()), torch.empty(0)).device
+        x = _as_input(_as_array(x, "__call__", "x"), device)
+        x = md.values.map_structure(lambda v: _as_input(v, device), x)  # a dict or tuple of inputs, each
+        ctx = md.get_replica_context()
+        if ctx is not None and ctx.strategy is self.distribute_strategy:
+            return self._forward(net, x, *args, **kwargs)
+        modes = [m.training for m in net.values]
+        net.train(training)
+        try:
+            return self._forward(net, x, *args, **kwargs)
+        finally:
+            for m, mode in zip(net.values, modes):
+                m.train(mode)
 
     def summary(self, print_fn: Any = print) -> None:
         """Prints the top-level layers with their parameter counts, and the totals."""
@@ -225,11 +287,13 @@ class Model:
         return torch.autocast(device_type=device.type, dtype=dtype)
 
     # ---- one replica's steps (replica context) ----------------------------------------------------
-    def _forward(self, net: nn.Module, x: Any) -> Tensor:
-        x = _nchw(x, self._in_channels)
+    def _forward(self, net: Any, x: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """The module on what the data yields, in fit, evaluate, predict and model(x) alike: only
+        floating-point inputs change, to the module's dtype."""
+        dtype = _module_dtype(net)
         device = next((p.device for p in net.parameters()), torch.device("cpu"))
         with self._autocast(device):
-            out = net(x)
+            out = net(_cast_inputs(x, dtype), *args, **kwargs)
         return out.float() if isinstance(out, Tensor) and out.dtype in (torch.bfloat16, torch.float16) else out
 
     def _step_loss(self, ctx: Any, net: nn.Module, x: Any, y: Any, sw: Any, count: int
@@ -240,6 +304,7 @@ class Model:
         logits, but joins whatever collective the others make: with ignore_class, the count of
         kept labels; with SyncBatchNorm, the forward pass's statistics."""
         rows = _rows(x)
+        y = _as_labels(y)
         logits = per_example = None
         if rows or self._sync_bn:
             logits = self._forward(net, x)
@@ -268,7 +333,7 @@ class Model:
         self._loss_tracker.total.assign_add(share.detach().float() * count + penalty * rows)  # no device sync
         self._loss_tracker.count.assign_add(rows)
         for m in self._metrics:
-            m.update_state(y, logits.detach(), sw)
+            m.update_state(_as_labels(y), logits.detach(), sw)
 
     def _train_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
         ctx = md.get_replica_context()
@@ -339,6 +404,10 @@ class Model:
 
         if x is None:
             raise ValueError(f"Model.{where}: no data given (x=None).")
+        x, y = _as_array(x, where, "x"), _as_array(y, where, "y")
+        sample_weight = _as_array(sample_weight, where, "sample_weight")
+        if isinstance(y, np.ndarray) and y.dtype.kind in "iu":
+            y = y.astype(np.int64)  # class ids: what torch's losses take
         if isinstance(x, (np.ndarray, Tensor)):
             n = len(x)
             if batch_size is None:
@@ -489,10 +558,9 @@ class Model:
         """Model outputs for every input row, in input order (the uneven last batch included); the
         callbacks' predict hooks see each batch's outputs (logs["outputs"]), as in Keras."""
         strategy = self.distribute_strategy
-        if isinstance(x, (np.ndarray, Tensor)):
-            dataset = self._as_dataset(x, None, batch_size, None, False, "predict")
-        else:
-            dataset = self._as_dataset(x, None, None, None, False, "predict")
+        x = _as_array(x, "predict", "x")
+        arrays = isinstance(x, (np.ndarray, Tensor))
+        dataset = self._as_dataset(x, None, batch_size if arrays else None, None, False, "predict")
         _check_ends(dataset, steps, "predict", "steps")
         verbose = 1 if verbose == "auto" else verbose
         cbs = callbacks_lib.CallbackList(callbacks, add_progbar=verbose != 0, model=self, verbose=verbose, epochs=1,
@@ -560,7 +628,8 @@ class Model:
                                 "model_config": getattr(self.module, "_mirrored_config", None)}
         if with_optimizer and self._mopt is not None:
             # (each replica's accumulated gradients too: they are its own)
-            state = optimizers.replicas_state_dict(self._mopt.replicas)
+            state = {**optimizers.replicas_state_dict(self._mopt.replicas),
+                     **self._mopt.lr_schedulers_state_dict()}  # (torch LR schedulers attached in fit)
             opt_tensors, opt_meta = checkpoint.optimizer_state_to_flat(state)
             tensors.update(opt_tensors)
             meta["optimizer"] = opt_meta
@@ -586,7 +655,9 @@ class Model:
     def _load_optimizer(self, state: dict[str, Any] | None) -> None:
         """Loads a state checked by checkpoint_checks (None: the file has none) into every replica."""
         if state is not None and self._mopt is not None:
-            optimizers.load_replicas_state_dict(self._mopt.replicas, state)
+            own = {k: v for k, v in state.items() if k != self._mopt.LR_SCHEDULERS_KEY}
+            optimizers.load_replicas_state_dict(self._mopt.replicas, own)
+            self._mopt.load_lr_schedulers_state_dict(state)  # (torch LR schedulers, attached now or in fit)
             groups = self._mopt.replicas[0].param_groups
             if groups and self.optimizer is not None and self.optimizer._schedule is None:
                 # The saved rate, which a callback may have changed (LearningRateScheduler, ReduceLROnPlateau),

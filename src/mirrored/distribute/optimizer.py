@@ -1,0 +1,412 @@
+"""Mirrored optimizers: `strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)`.
+
+A MirroredOptimizer is a torch Optimizer over every copy of a MirroredModule: one torch optimizer
+per copy (`.values`). `step()` in replica context all-reduces the replica's gradients, then every
+replica applies the same update, so the copies stay bitwise identical; floating-point buffers
+(BatchNorm statistics) are averaged after it. The reduction is `gradient_reduction`:
+
+- "sum" (default), TF's rule: each replica scales its loss by the GLOBAL batch
+  (mr.losses.compute_average_loss), and the summed gradients are the single-device gradient.
+- "mean", DDP's rule: an unchanged `F.cross_entropy(out, y).backward()` on each replica's part, and
+  the replicas' gradients are averaged. Each replica weighs by the examples its module copy was
+  called with since the last step, so an uneven last batch still gives one device's update on the
+  whole batch (DDP weighs every replica alike).
+
+torch LR schedulers take it as their optimizer: its param_groups write every replica's, so every
+replica gets the same rate, and `attach_lr_scheduler` saves a scheduler's state with its own. Uses
+context.py, devices.py, guards.py, modules.py, rollback.py and values.py; the strategy reduces.
+"""
+from __future__ import annotations
+
+import copy
+import types
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from mirrored.distribute import context, guards
+from mirrored.distribute.devices import torch_device
+from mirrored.distribute.modules import MirroredModule, _Handles
+from mirrored.distribute.rollback import journal_of
+from mirrored.distribute.values import ReduceOp
+
+if TYPE_CHECKING:
+    from mirrored.distribute.context import ReplicaContext
+    from mirrored.distribute.strategy import Strategy
+
+GRADIENT_REDUCTIONS = ("sum", "mean")
+
+
+class MirroredOptimizer(torch.optim.Optimizer):
+    """One torch optimizer per replica copy of a MirroredModule, kept identical (see the module docstring).
+
+    Outside strategy.run, param_groups[i][key] = value, zero_grad, load_state_dict and hook
+    registrations reach every replica's optimizer; state_dict, state and defaults read replica 0's
+    (equal to the others'); step() is refused on more than one replica (it would update replica 0
+    alone), and add_param_group always (each replica's groups hold its own copy's parameters)."""
+
+    EVERY_COPY = frozenset({
+        "zero_grad", "load_state_dict", "register_step_pre_hook", "register_step_post_hook",
+        "register_state_dict_pre_hook", "register_state_dict_post_hook", "register_load_state_dict_pre_hook",
+        "register_load_state_dict_post_hook",
+    })
+    READS = frozenset({"state_dict"})
+    IN_RUN = frozenset({"step"})
+    REFUSED = frozenset({"add_param_group"})
+    LR_SCHEDULERS_KEY = "lr_schedulers"  # the state_dict entry with the attached schedulers' states
+
+    # torch.optim.Optimizer.__init__ is not called: this optimizer holds no parameters of its own;
+    # param_groups, state and defaults are its replicas' (the properties below).
+    def __init__(self, strategy: Strategy, optimizer_cls: Callable[..., torch.optim.Optimizer], module: Any,
+                 hparams: dict[str, Any], gradient_reduction: str | ReduceOp = "sum"):
+        if not isinstance(module, MirroredModule):
+            raise TypeError(f"strategy.mirror_optimizer(..., {type(module).__name__}): pass the module that "
+                            "strategy.mirror() returned, so each replica's optimizer gets that replica's parameters.")
+        if not callable(optimizer_cls):
+            raise TypeError(f"strategy.mirror_optimizer({optimizer_cls!r}): pass an optimizer class such as "
+                            "torch.optim.SGD (or a callable params -> optimizer).")
+        self._mean = _is_mean(gradient_reduction)
+        self._strategy = strategy
+        self._module = module
+        self.replicas = tuple(optimizer_cls(m.parameters(), **hparams) for m in module.replicas)
+        guards.allow_optimizers(self.replicas)
+        self._grad_buffers: dict = {}  # the strategy's persistent reduction buffers for this optimizer
+        self._count_params: dict[int, Tensor] = {}  # "mean": per replica, the example count's stand-in parameter
+        self._examples: list[int | None] = [None] * len(self.replicas)  # "mean": each replica's in its last reduce
+        self._schedulers: list[Any] = []
+        self._pending_schedulers: dict[int, dict[str, Any]] = {}  # by attach order: states loaded before it
+        if self._mean:
+            module._shared.count_examples()
+
+    @property
+    def values(self) -> tuple[torch.optim.Optimizer, ...]:
+        return self.replicas
+
+    @property
+    def gradient_reduction(self) -> str:
+        return "mean" if self._mean else "sum"
+
+    def _replica(self) -> ReplicaContext | None:
+        return context.replica_of(self._strategy)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The current replica's optimizer (replica 0's in cross-replica context)."""
+        ctx = self._replica()
+        return self.replicas[0 if ctx is None else ctx.local_replica_id]
+
+    @property
+    def param_groups(self) -> list[Any]:  # type: ignore[override]
+        """Inside strategy.run, the replica's own optimizer's groups; outside it, groups whose
+        hyperparameters are written to every replica's optimizer (g["lr"] = 0.01 changes them all,
+        and so does a torch LR scheduler)."""
+        if self._replica() is not None:
+            return self.optimizer.param_groups
+        return [_MirroredGroup([opt.param_groups[i] for opt in self.replicas])
+                for i in range(len(self.replicas[0].param_groups))]
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The current replica's optimizer state (per parameter of its copy)."""
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> Mapping[str, Any]:  # type: ignore[override]
+        """The hyperparameter defaults, read-only (every replica's optimizer was built with the same)."""
+        return types.MappingProxyType(self.replicas[0].defaults)
+
+    def _params(self, rid: int) -> list[Tensor]:
+        return [p for g in self.replicas[rid].param_groups for p in g["params"]]
+
+    # ---- one step, in replica context ------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Replica context: all-reduce this replica's gradients, then apply them with its optimizer."""
+        if closure is not None:
+            raise ValueError("MirroredOptimizer.step(closure) is not supported: run the forward/backward in "
+                             "the replica function, then call step().")
+        ctx = self._replica()
+        if ctx is None and len(self.replicas) > 1:  # else replica 0 alone would step
+            raise RuntimeError("MirroredOptimizer.step() was called outside strategy.run (cross-replica context), "
+                               "where it would update replica 0's copy only. Call it inside strategy.run(step_fn): "
+                               "each replica all-reduces its gradients, then updates.")
+        self._refuse_in_no_sync(ctx, "step")
+        # An optimizer built by an mr.optimizers recipe with gradient accumulation keeps a step's gradients
+        # local until its update step: then one all-reduce sends the sum of all of them (and "mean"
+        # weighs by the examples of all of them).
+        accumulate = getattr(self.optimizer, "accumulate_gradients", None)
+        update = accumulate is None or accumulate()
+        examples = None
+        if update:
+            self.reduce_gradients()  # (through the public method, which mr.profiler times)
+            examples = None if ctx is None else self._examples[ctx.local_replica_id]
+        result = self.optimizer.step()
+        self.finish_step(weight=examples, commit=update)
+        return result
+
+    def reduce_gradients(self) -> None:
+        """All-reduces the calling replica's gradients in place of its `.grad`s (what step() does first;
+        a loop that clips the reduced gradients calls it, then self.optimizer.step() and finish_step())."""
+        ctx = self._replica()
+        self._refuse_in_no_sync(ctx, "reduce_gradients")
+        examples = self._take_examples(ctx)
+        if ctx is not None:
+            self._examples[ctx.local_replica_id] = examples  # for step()'s buffer average
+        self._reduce(ctx, examples)
+
+    def _refuse_in_no_sync(self, ctx: ReplicaContext | None, what: str) -> None:
+        if self._module._shared.in_no_sync(0 if ctx is None else ctx.local_replica_id):
+            raise RuntimeError(f"MirroredOptimizer.{what}() inside no_sync(): the block accumulates gradients "
+                               "without communicating, and an update now would apply one replica's alone. Call "
+                               f"{what}() after the block: it all-reduces what accumulated, once.")
+
+    def _take_examples(self, ctx: ReplicaContext | None) -> int | None:
+        """"mean": the examples this replica's copy saw since the last step (None if it was not called)."""
+        if not self._mean or ctx is None:
+            return None
+        return self._module._shared.take_examples(ctx.local_replica_id, journal_of(ctx))
+
+    def _reduce(self, ctx: ReplicaContext | None, examples: int | None) -> None:
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return
+        rid = ctx.local_replica_id
+        params = self._params(rid)
+        grads = [p.grad for p in params]
+        if self._mean:
+            reduced = self._weighted_mean(ctx, rid, params, grads, examples)
+        else:
+            reduced = self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads)
+        for p, g in zip(params, reduced):
+            if p.grad is not g:  # after zero_grad(set_to_none=False) backward refilled last step's views
+                p.grad = g
+
+    def _weighted_mean(self, ctx: ReplicaContext, rid: int, params: list[Tensor], grads: list[Tensor | None],
+                       examples: int | None) -> list[Tensor | None]:
+        """sum_r n_r g_r / sum_r n_r over the replicas, n_r the examples of replica r (1 where its copy
+        was not called): the count travels with the gradients, as one more entry of the same
+        all-reduce. An empty part (n_r = 0) sends no gradients: its loss, a mean over nothing, is NaN."""
+        weight = 1 if examples is None else examples
+        if weight == 0:
+            grads = [None] * len(grads)
+        elif weight != 1:
+            in_place = [g for g in grads if g is not None and _dense(g)]
+            torch._foreach_mul_(in_place, float(weight))
+            grads = [g if g is None or _dense(g) else g * weight for g in grads]
+        count = self._count_params.get(rid)
+        if count is None:
+            first = next((p for p in params if p.requires_grad), params[0])
+            dtype = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
+            count = self._count_params[rid] = torch.zeros((), dtype=dtype, device=first.device, requires_grad=True)
+        weight_t = torch.tensor(float(weight), dtype=count.dtype, device=count.device)
+        reduced = self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params + [count], grads + [weight_t])
+        total = reduced[-1].clamp(min=1)  # 0 only where no replica had examples: the gradients are zeros then
+        present = [g for g in reduced[:-1] if g is not None]
+        torch._foreach_div_(present, total)
+        return reduced[:-1]
+
+    def finish_step(self, weight: float | None = None, commit: bool = True) -> None:
+        """Ends a step: syncs the buffers (see sync_buffers) and, after an update applied by every
+        replica (`commit`), commits the step, so that a failure later in the same strategy.run keeps
+        the update and rolls back only what follows it. A step that only accumulated gradients locally
+        is not committed: no meeting made every replica take it, so a failure rolls it back too.
+        `step()` calls it; a loop that steps `self.optimizer` itself calls it after."""
+        self.sync_buffers(weight)
+        self._opt_called = True  # a torch LR scheduler's check that the optimizer stepped before it
+        journal = journal_of(self._replica())
+        if journal is not None and commit:
+            journal.commit()
+
+    def sync_buffers(self, weight: float | None = None) -> None:
+        """Makes the module's buffers identical across replicas: floating-point ones (BatchNorm's running
+        statistics) are averaged, as TF's MEAN-aggregated moving averages are; integer ones (BatchNorm's
+        num_batches_tracked) take replica 0's value. With `weight` (this replica's examples in the step),
+        the average is weighted by it: a replica whose part of a short last batch was empty (weight 0)
+        did not update its statistics and does not count, and uneven parts count by their size, which
+        gives a single device's update of the running mean on the whole batch."""
+        ctx = self._replica()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return
+        net = self._module.replicas[ctx.local_replica_id]
+        floats = [b for b in net.buffers() if b.is_floating_point()]
+        ints = [b for b in net.buffers() if not b.is_floating_point() and not b.is_complex() and b.dtype != torch.bool]
+        if not floats and not ints:  # (the same on every replica: no meeting at all)
+            return
+        first = ctx.replica_id_in_sync_group == 0
+        # Averaged in float64: for float32 (or half) copies that are equal, the sum of n of them (weighted
+        # by whole numbers) and its division are exact there, so a buffer that no step changed (a
+        # constant, a frozen statistic) stays bit for bit itself; in its own dtype, (x + x + x) / 3 is
+        # not always x, and such buffers drifted by an ulp here and there. Every copy of the module has
+        # the same buffers, so the strategy may skip its shape check.
+        # Without a weight every replica weighs 1: the same sum, divided by the replica count.
+        w = 1.0 if weight is None else float(weight)
+        sent = [b if first else torch.zeros_like(b) for b in ints] + [b.double() * w for b in floats]
+        if floats:
+            sent.append(torch.tensor(w, dtype=torch.float64, device=floats[0].device))
+        with torch.no_grad():
+            summed = self._strategy.all_reduce_tensors(ctx, ReduceOp.SUM, sent, check_shapes=False)
+            for b, value in zip(ints, summed):
+                b.copy_(value)
+            if floats:
+                total = summed[-1]  # > 0: a step has examples (torch.where keeps a device sync out of the step)
+                for b, value in zip(floats, summed[len(ints):]):
+                    b.copy_(torch.where(total > 0, value / total, b.double()))
+
+    def no_sync(self) -> Any:
+        """The module's no_sync() (DDP's name): gradients accumulate locally, step() after it reduces once."""
+        return self._module.no_sync()
+
+    # ---- what reaches every replica's optimizer ---------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the current replica's gradients (every replica's outside strategy.run)."""
+        if self._replica() is not None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            for opt in self.replicas:
+                opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Replica 0's state_dict (equal to the others'), with the attached LR schedulers' states."""
+        return {**self.replicas[0].state_dict(), **self.lr_schedulers_state_dict()}
+
+    def lr_schedulers_state_dict(self) -> dict[str, Any]:
+        """{"lr_schedulers": [the state_dict() of each attached scheduler]}, or {} without any: the part
+        state_dict() adds to the torch optimizer's, for savers that gather that part themselves. JSON."""
+        return {self.LR_SCHEDULERS_KEY: [s.state_dict() for s in self._schedulers]} if self._schedulers else {}
+
+    def load_lr_schedulers_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restores the schedulers' part of `state_dict` (nothing if it has none): into the attached
+        schedulers, in the order they were attached, and into those attached later."""
+        schedulers = state_dict.get(self.LR_SCHEDULERS_KEY)
+        if schedulers is not None:
+            self._pending_schedulers = dict(enumerate(schedulers))
+            self._load_pending()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads into every replica's optimizer (each on its device), and the LR schedulers' states into
+        the attached schedulers (or into those attached later, for a model loaded before fit)."""
+        self._outside_run("load_state_dict")
+        own = {k: v for k, v in state_dict.items() if k != self.LR_SCHEDULERS_KEY}
+        for rid, opt in enumerate(self.replicas):
+            device = torch_device(self._strategy.extended.worker_devices[rid])
+            opt.load_state_dict(_to_device(copy.deepcopy(own), device))
+        self.load_lr_schedulers_state_dict(state_dict)
+
+    def attach_lr_scheduler(self, scheduler: Any) -> None:
+        """Saves `scheduler`'s state with this optimizer's: state_dict() carries it and load_state_dict()
+        restores it, so Model.save and BackupAndRestore keep the schedule (mr.callbacks.TorchLRScheduler
+        attaches its scheduler). A state loaded before the scheduler existed is restored into it now."""
+        if getattr(scheduler, "optimizer", None) is not self:
+            raise ValueError(f"MirroredOptimizer.attach_lr_scheduler({type(scheduler).__name__}): the scheduler drives "
+                             f"{getattr(scheduler, 'optimizer', None)!r}, not this optimizer. Build it on this one, "
+                             "e.g. torch.optim.lr_scheduler.StepLR(mirrored_optimizer, step_size=30).")
+        if not any(s is scheduler for s in self._schedulers):
+            self._schedulers.append(scheduler)
+            self._load_pending()
+
+    def _load_pending(self) -> None:
+        """Restores the loaded states of the schedulers attached so far (the i-th state into the i-th
+        scheduler attached), and the rate each had set, which is the optimizer's rate at the save."""
+        for i, scheduler in enumerate(self._schedulers):
+            state = self._pending_schedulers.pop(i, None)
+            if state is None:
+                continue
+            scheduler.load_state_dict(copy.deepcopy(state))
+            for group, lr in zip(self.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+
+    def _outside_run(self, what: str) -> None:
+        if self._replica() is not None and len(self.replicas) > 1:
+            raise RuntimeError(f"MirroredOptimizer.{what}() was called inside strategy.run, where each replica would "
+                               f"change the optimizers on its own. Call it before strategy.run (in cross-replica "
+                               "context): it then reaches every replica's optimizer at once.")
+
+    def _register(self, what: str, hook: Callable[..., Any], **kwargs: Any) -> _Handles:
+        self._outside_run(what)
+        return _Handles([getattr(opt, what)(hook, **kwargs) for opt in self.replicas])
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> _Handles:
+        """hook(optimizer, args, kwargs) before every replica's update, with that replica's torch optimizer."""
+        return self._register("register_step_pre_hook", hook)
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> _Handles:
+        return self._register("register_step_post_hook", hook)
+
+    def register_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> _Handles:
+        return self._register("register_state_dict_pre_hook", hook, prepend=prepend)
+
+    def register_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> _Handles:
+        return self._register("register_state_dict_post_hook", hook, prepend=prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> _Handles:
+        return self._register("register_load_state_dict_pre_hook", hook, prepend=prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> _Handles:
+        return self._register("register_load_state_dict_post_hook", hook, prepend=prepend)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ValueError("MirroredOptimizer.add_param_group: each replica's optimizer holds its own copy's "
+                         "parameters, so a group of one copy's parameters cannot be added to all. Build the "
+                         "groups in the optimizer: strategy.mirror_optimizer(lambda params: torch.optim.SGD("
+                         "...), mnet).")
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a MirroredOptimizer cannot be pickled or copied (it holds a strategy's replicas); save "
+                        "its state_dict() instead.")
+
+    def __repr__(self) -> str:
+        return f"MirroredOptimizer({len(self.replicas)} replicas of {type(self.replicas[0]).__name__})"
+
+
+def _is_mean(reduction: str | ReduceOp) -> bool:
+    value = reduction.value if isinstance(reduction, ReduceOp) else reduction
+    if not isinstance(value, str) or value.lower() not in GRADIENT_REDUCTIONS:
+        raise ValueError(f"strategy.mirror_optimizer(gradient_reduction={reduction!r}): use \"sum\" (TF's rule: "
+                         "scale each replica's loss by the GLOBAL batch) or \"mean\" (DDP's: average the replicas' "
+                         "gradients, for an unchanged loss line).")
+    return value.lower() == "mean"
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether t can be scaled in place: no element shares memory with another (an expanded gradient does)."""
+    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+
+
+class _MirroredGroup(MutableMapping):
+    """One param group of every replica's optimizer: reads replica 0's, writes all of them."""
+
+    def __init__(self, groups: list[dict[str, Any]]):
+        self._groups = groups
+
+    def __getitem__(self, key: str) -> Any:
+        return self._groups[0][key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise ValueError("MirroredOptimizer.param_groups[i]['params'] cannot be set: each replica's group "
+                             "holds its own copy's parameters. Make a new mirror_optimizer instead.")
+        for group in self._groups:
+            group[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        for group in self._groups:
+            del group[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._groups[0])
+
+    def __len__(self) -> int:
+        return len(self._groups[0])
+
+    def __repr__(self) -> str:
+        return f"MirroredGroup({ {k: v for k, v in self._groups[0].items() if k != 'params'} })"
+
+
+def _to_device(state: Any, device: torch.device) -> Any:
+    if isinstance(state, Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: _to_device(v, device) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_to_device(v, device) for v in state]
+    return state

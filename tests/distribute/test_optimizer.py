@@ -1,0 +1,351 @@
+"""optimizer.py (issue 14): a MirroredOptimizer ports a PyTorch training loop unchanged.
+
+torch LR schedulers (StepLR, OneCycleLR, CosineAnnealingLR, LambdaLR, SequentialLR,
+ReduceLROnPlateau) take it and set the same rate on every replica; gradient_reduction="mean" takes
+an unchanged `F.cross_entropy(out, y).backward()` (DDP's rule, weighted by each replica's examples so
+an uneven last batch still gives one device's update); no_sync() accumulates micro-steps and the
+next step() reduces once. Every run is checked against plain single-process PyTorch on 1, 2 and 3
+CPU replicas, and the replicas against each other bit for bit (check_in_sync).
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim import lr_scheduler
+
+import mirrored as mr
+import mirrored.distribute as md
+
+TIMEOUT_S = 20.0
+# Float reassociation: "mean" scales each replica's gradient by its example count, sums, and divides
+# by the total, and the replicas' partial sums add in another order than one device's. Measured at
+# most 6e-8 absolute on weights of order 0.1 to 1 after the 3 to 12 steps of these runs.
+RTOL, ATOL = 1e-6, 2e-7
+
+
+def strategy_of(n: int) -> md.MirroredStrategy:
+    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
+
+
+def data(n: int = 22, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def batches(x: torch.Tensor, y: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Global batches in order; the last one is short when size does not divide len(x)."""
+    return [(x[i:i + size], y[i:i + size]) for i in range(0, len(x), size)]
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def plain_run(model: nn.Module, data_batches: list, opt: torch.optim.Optimizer, sched: object, epochs: int,
+              step_per: str, metrics: list[float] | None = None) -> list[float]:
+    """A plain PyTorch loop, one device: the unchanged loss line, the scheduler stepped as its docs say."""
+    rates = []
+    for epoch in range(epochs):
+        for x, y in data_batches:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if step_per == "batch":
+                sched.step()
+        rates.append(opt.param_groups[0]["lr"])
+        if step_per == "epoch":
+            sched.step(metrics[epoch]) if metrics is not None else sched.step()
+    return rates
+
+
+def mirrored_run(strategy: md.MirroredStrategy, mnet: md.MirroredModule, data_batches: list,
+                 opt: md.MirroredOptimizer, sched: object, epochs: int, step_per: str,
+                 metrics: list[float] | None = None) -> list[float]:
+    """The same loop made data-parallel: the step runs on every replica, the scheduler outside it."""
+    def step(x, y):
+        opt.zero_grad()
+        F.cross_entropy(mnet(x), y).backward()  # unchanged: gradient_reduction="mean" averages
+        opt.step()
+
+    rates = []
+    dist = strategy.experimental_distribute_dataset(data_batches)
+    for epoch in range(epochs):
+        for x, y in dist:
+            strategy.run(step, args=(x, y))
+            if step_per == "batch":
+                sched.step()
+        rates.append(opt.param_groups[0]["lr"])
+        assert len({o.param_groups[0]["lr"] for o in opt.values}) == 1  # the same rate on every replica
+        if step_per == "epoch":
+            sched.step(metrics[epoch]) if metrics is not None else sched.step()
+    return rates
+
+
+def assert_matches(mnet: md.MirroredModule, ref: nn.Module, strategy: md.MirroredStrategy, opt=None) -> None:
+    for (name, want), got in zip(ref.state_dict().items(), mnet.values[-1].state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    strategy.check_in_sync(mnet)  # every replica bit for bit
+    if opt is not None:
+        strategy.check_in_sync(opt)
+
+
+SCHEDULERS = {
+    "StepLR": (lambda opt: lr_scheduler.StepLR(opt, step_size=2, gamma=0.5), "epoch"),
+    "OneCycleLR": (lambda opt: lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=12), "batch"),
+    "CosineAnnealingLR": (lambda opt: lr_scheduler.CosineAnnealingLR(opt, T_max=3), "epoch"),
+    "LambdaLR": (lambda opt: lr_scheduler.LambdaLR(opt, lambda epoch: 0.8 ** epoch), "epoch"),
+    "SequentialLR": (lambda opt: lr_scheduler.SequentialLR(
+        opt, [lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=2),
+              lr_scheduler.ExponentialLR(opt, gamma=0.7)], milestones=[2]), "epoch"),
+    "ReduceLROnPlateau": (lambda opt: lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0), "epoch"),
+}
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_torch_schedulers_drive_every_replica_like_plain_torch(name, replicas):
+    """22 examples in global batches of 8 (8, 8, 6), 4 epochs, SGD with momentum (OneCycleLR cycles it)."""
+    make, step_per = SCHEDULERS[name]
+    metrics = [1.0, 1.0, 0.5, 0.5] if name == "ReduceLROnPlateau" else None  # plateaus, then one improvement
+    data_batches = batches(*data(), 8)
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    want_rates = plain_run(ref, data_batches, ref_opt, make(ref_opt), 4, step_per, metrics)
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.1, momentum=0.9)
+    sched = make(opt)
+    rates = mirrored_run(strategy, mnet, data_batches, opt, sched, 4, step_per, metrics)
+    assert rates == pytest.approx(want_rates, rel=1e-12)
+    assert len(set(rates)) > 1  # the schedule changed the rate
+    assert_matches(mnet, ref, strategy, opt)
+
+
+def test_step_lr_on_a_sum_reduced_optimizer_with_tf_loss_scaling():
+    """The default "sum" with TF's loss line (per-example losses / GLOBAL batch) under StepLR."""
+    x, y = data(24)
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    plain_run(ref, batches(x, y, 8), ref_opt, lr_scheduler.StepLR(ref_opt, 1, gamma=0.5), 3, "epoch")
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+    sched = lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    def step(xb, yb):
+        per_example = F.cross_entropy(mnet(xb), yb, reduction="none")
+        mr.losses.compute_average_loss(per_example, global_batch_size=8).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        for xb, yb in strategy.experimental_distribute_dataset(batches(x, y, 8)):
+            strategy.run(step, args=(xb, yb))
+        sched.step()
+    assert opt.gradient_reduction == "sum" and opt.param_groups[0]["lr"] == pytest.approx(0.0125)
+    assert_matches(mnet, ref, strategy, opt)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("n, batch", [(24, 8), (22, 8), (17, 8), (9, 8)])
+def test_mean_reduction_with_an_unchanged_loss_line_gives_one_devices_update(replicas, n, batch):
+    """Even parts (24 by 8), uneven ones (22: last batch 6 -> 3/3 or 2/2/2; 17: last 1 -> 1/0 or 1/0/0;
+    9: 1 again), each replica weighed by its examples: the whole batch's mean gradient. DDP weighs
+    every replica alike, which gives another update whenever the parts differ."""
+    data_batches = batches(*data(n), batch)
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    plain_run(ref, data_batches, ref_opt, lr_scheduler.LambdaLR(ref_opt, lambda e: 1.0), 3, "epoch")
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.1, momentum=0.9)
+    mirrored_run(strategy, mnet, data_batches, opt, lr_scheduler.LambdaLR(opt, lambda e: 1.0), 3, "epoch")
+    assert_matches(mnet, ref, strategy, opt)
+
+
+def test_mean_reduction_without_weights_is_ddps_plain_average():
+    """Gradients set by hand (the module was not called, so no example counts): the plain mean."""
+    strategy = strategy_of(3)
+    with strategy.scope():
+        mnet = strategy.mirror(nn.Linear(2, 1, bias=False))
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=1.0)
+
+    def fn():
+        r = md.get_replica_context().replica_id_in_sync_group
+        mnet.module.weight.grad = torch.full((1, 2), float(r + 1))
+        opt.reduce_gradients()
+        return mnet.module.weight.grad.clone()
+
+    for g in strategy.run(fn).values:
+        torch.testing.assert_close(g, torch.full((1, 2), 2.0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("where", ["outside run", "inside run"])
+def test_no_sync_accumulates_micro_steps_into_one_step_on_the_bigger_batch(replicas, reduction, where):
+    """k = 3 micro-batches of 6 (each split over the replicas), no_sync on the first two: one step that
+    equals a plain step on all 18 examples. The loss line divides by k, as gradient accumulation does
+    ("sum": TF's line, per-example losses / (k * 6))."""
+    x, y = data(18)
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3, momentum=0.9)
+    F.cross_entropy(ref(x), y).backward()
+    ref_opt.step()
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction=reduction, lr=0.3, momentum=0.9)
+
+    def micro(xb, yb, last):
+        if reduction == "mean":
+            loss = F.cross_entropy(mnet(xb), yb) / 3
+        else:
+            loss = mr.losses.compute_average_loss(F.cross_entropy(mnet(xb), yb, reduction="none"),
+                                                  global_batch_size=18)
+        if where == "inside run" and not last:
+            with mnet.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+        if last:
+            opt.step()
+
+    dist = list(strategy.experimental_distribute_dataset(batches(x, y, 6)))
+    for i, (xb, yb) in enumerate(dist):
+        last = i == len(dist) - 1
+        if where == "outside run" and not last:
+            with opt.no_sync():
+                strategy.run(micro, args=(xb, yb, last))
+        else:
+            strategy.run(micro, args=(xb, yb, last))
+    assert_matches(mnet, ref, strategy, opt)
+
+
+def test_step_inside_no_sync_is_refused_and_changes_nothing():
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.1)
+    before = [p.detach().clone() for p in mnet.values[1].parameters()]
+
+    def step(xb, yb):
+        F.cross_entropy(mnet(xb), yb).backward()
+        opt.step()
+
+    x, y = data(8)
+    with opt.no_sync(), pytest.raises(RuntimeError, match=r"step\(\) inside no_sync\(\).*after the block"):
+        strategy.run(step, args=next(iter(strategy.experimental_distribute_dataset([(x, y)]))))
+    assert all(torch.equal(p, b) for p, b in zip(mnet.values[1].parameters(), before))
+    assert all(p.grad is None for m in mnet.values for p in m.parameters())  # the failed step left no trace
+
+
+def test_mean_reduction_after_a_failed_step_counts_only_the_next_steps_examples():
+    """The example counts are part of the step: a step that fails puts them back with the gradients."""
+    x, y = data(8)
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    F.cross_entropy(ref(x), y).backward()
+    ref_opt.step()
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.1)
+
+    def step(xb, yb, fail):
+        F.cross_entropy(mnet(xb[:1] if fail else xb), yb[:1] if fail else yb).backward()
+        if fail:
+            raise ValueError("boom")
+        opt.step()
+
+    (xb, yb), = strategy.experimental_distribute_dataset([(x, y)])
+    with pytest.raises(ValueError, match="boom"):
+        strategy.run(step, args=(xb, yb, True))
+    strategy.run(step, args=(xb, yb, False))
+    assert_matches(mnet, ref, strategy, opt)
+
+
+def test_bad_gradient_reduction_is_named():
+    strategy = strategy_of(2)
+    mnet = strategy.mirror(net())
+    with pytest.raises(ValueError, match=r"gradient_reduction='avg'.*\"sum\".*\"mean\""):
+        strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="avg", lr=0.1)
+    assert strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction=md.ReduceOp.MEAN,
+                                     lr=0.1).gradient_reduction == "mean"
+
+
+def test_scheduler_state_travels_with_the_optimizer_state():
+    """attach_lr_scheduler: state_dict() carries the scheduler's state (JSON: what checkpoints store),
+    load_state_dict() restores it, also into a scheduler attached after the load."""
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
+    sched = lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=10)
+    opt.attach_lr_scheduler(sched)
+
+    def step(xb, yb):
+        F.cross_entropy(mnet(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for xb, yb in strategy.experimental_distribute_dataset(batches(*data(16), 8)):
+        strategy.run(step, args=(xb, yb))
+        sched.step()
+    state = opt.state_dict()
+    assert json.loads(json.dumps(state["lr_schedulers"])) == [sched.state_dict()]
+    with strategy.scope():
+        other = strategy.mirror(net())
+        fresh = strategy.mirror_optimizer(torch.optim.SGD, other, lr=0.1, momentum=0.9)
+    fresh.load_state_dict(state)
+    later = lr_scheduler.OneCycleLR(fresh, max_lr=0.5, total_steps=10)  # resets the rate, as torch does...
+    fresh.attach_lr_scheduler(later)  # ...and attaching restores the saved schedule and its rate
+    assert later.last_epoch == sched.last_epoch == 2
+    assert [g["lr"] for g in fresh.param_groups] == [g["lr"] for g in opt.param_groups]
+    assert {o.param_groups[0]["lr"] for o in fresh.values} == {opt.param_groups[0]["lr"]}
+    with pytest.raises(ValueError, match="drives .* not this optimizer"):
+        fresh.attach_lr_scheduler(sched)
+
+
+def test_optimizer_methods_reach_every_replica_or_are_refused():
+    """Every public torch.optim.Optimizer method is handled by MirroredOptimizer itself, in one list."""
+    import inspect
+
+    public = {n for n in dir(torch.optim.Optimizer) if not n.startswith("_")
+              and inspect.isfunction(inspect.getattr_static(torch.optim.Optimizer, n))}
+    kinds = [md.MirroredOptimizer.EVERY_COPY, md.MirroredOptimizer.READS, md.MirroredOptimizer.IN_RUN,
+             md.MirroredOptimizer.REFUSED]
+    assert public == set().union(*kinds), "a torch.optim.Optimizer method is not handled"
+    assert sum(len(k) for k in kinds) == len(public)  # each in one list
+    assert all(n in vars(md.MirroredOptimizer) for n in public)
+    strategy = strategy_of(2)
+    mnet = strategy.mirror(net())
+    opt = strategy.mirror_optimizer(torch.optim.Adam, mnet, lr=0.1)
+    assert isinstance(opt, torch.optim.Optimizer) and opt.defaults["lr"] == 0.1
+    calls = []
+    handle = opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(o))
+
+    def step():
+        mnet(torch.ones(2, 5)).sum().backward()
+        opt.step()
+
+    strategy.run(step)
+    assert sorted(map(id, calls)) == sorted(map(id, opt.values))  # each replica's optimizer, once
+    handle.remove()
+    strategy.run(step)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+    with pytest.raises(TypeError, match="cannot be pickled or copied"):
+        copy.deepcopy(opt)
+    with pytest.raises(RuntimeError, match="inside strategy.run"):
+        strategy.run(lambda: opt.load_state_dict(opt.state_dict()))
