@@ -164,3 +164,21 @@ def test_backup_and_restore_resumes_the_schedule(tmp_path, step_per):
     assert rates == want_rates[6:]
     for a, b in zip(got.get_weights(), want.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_model_saved_with_one_cycle_lr_loads_before_its_scheduler_is_attached(tmp_path):
+    """OneCycleLR writes max_lr, min_lr, max_momentum and base_momentum into the param groups; a
+    file saved with it loads into a fresh model (whose optimizer has none of them yet), and the
+    schedule continues where it was, as 6 epochs straight."""
+    x, y = _data()
+    make = lambda opt: lr_scheduler.OneCycleLR(opt, max_lr=0.3, total_steps=18)  # noqa: E731
+    ref, _ = _plain(make, "batch", 6, x, y)
+    model = _model(_net(), mr.optimizers.SGD(learning_rate=0.1, momentum=0.9))
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+              callbacks=[mr.callbacks.TorchLRScheduler(make, step_per="batch")])
+    model.save(tmp_path / "model.safetensors")
+    with mr.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+        loaded = mr.Model.load(tmp_path / "model.safetensors", module=_net())
+    loaded.fit(x, y, batch_size=8, epochs=6, initial_epoch=3, shuffle=False, verbose=0,
+               callbacks=[mr.callbacks.TorchLRScheduler(make, step_per="batch")])
+    _assert_weights(loaded, ref)

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 GRADIENT_REDUCTIONS = ("sum", "mean")
 
 
+# Group settings torch's LR schedulers change besides "lr" (OneCycleLR and CyclicLR cycle momentum or Adam's
+# betas): restored with a scheduler's state.
+_SCHEDULED_KEYS = ("momentum", "betas")
+
 class MirroredOptimizer(torch.optim.Optimizer):
     """One torch optimizer per replica copy of a MirroredModule, kept identical (see the module docstring).
 
@@ -280,6 +284,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
         schedulers = state_dict.get(self.LR_SCHEDULERS_KEY)
         if schedulers is not None:
             self._pending_schedulers = dict(enumerate(schedulers))
+            # The groups' settings now (the loaded optimizer state's, called after it): a scheduler built
+            # later overwrites them in its constructor (OneCycleLR sets lr and momentum to its start).
+            self._pending_groups = [{k: v for k, v in g.items() if k != "params"}
+                                    for g in self.replicas[0].param_groups]
             self._load_pending()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -314,6 +322,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
             scheduler.load_state_dict(copy.deepcopy(state))
             for group, lr in zip(self.param_groups, scheduler.get_last_lr()):
                 group["lr"] = lr
+            for group, saved in zip(self.param_groups, getattr(self, "_pending_groups", None) or []):
+                for key in _SCHEDULED_KEYS:  # what a scheduler sets besides the rate (OneCycleLR's momentum)
+                    if key in saved:
+                        group[key] = saved[key]
 
     def _outside_run(self, what: str) -> None:
         if self._replica() is not None and len(self.replicas) > 1:

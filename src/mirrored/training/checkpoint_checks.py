@@ -43,6 +43,11 @@ _FACTORED_SHAPES = {
 }
 
 
+# Keys torch's LR schedulers add to an optimizer's param groups (OneCycleLR, CyclicLR), and torch's own
+# param_names: a file saved with a scheduler attached holds them, an optimizer built afresh not yet.
+_SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "param_names")
+
+
 @dataclasses.dataclass(frozen=True)
 class Origin:
     """Where a checkpoint is being loaded: names the file in every error, says how to fix a mismatch."""
@@ -261,10 +266,10 @@ def _group(origin: Origin, key: str, saved: dict, live: dict, tensors: Mapping[s
             group[name] = raw
             continue
         value = _decode(origin, raw, tensors, f"{key}[{name!r}]")
-        if name not in live and name not in ("initial_lr", "param_names"):  # set by lr schedulers / torch
+        if name not in live and name not in _SCHEDULER_KEYS:  # (set by lr schedulers / torch)
             raise origin.mismatch(f"{key} has the setting {name!r}, which {cls} does not have: the state "
                                   f"was saved from another optimizer")
-        like = live.get(name, 0.0 if name == "initial_lr" else value)
+        like = live.get(name, 0.0 if name in _SCHEDULER_KEYS and name != "param_names" else value)
         # (An int setting reaches torch's kernels as a 64-bit integer: 2**70 fits a float32, not them.)
         if _number(value) is not None and (not abs(_number(value)) <= limit
                                            or isinstance(value, int) and not -(1 << 63) <= value < 1 << 63):
@@ -273,7 +278,7 @@ def _group(origin: Origin, key: str, saved: dict, live: dict, tensors: Mapping[s
         if not _same_kind(value, like):
             raise origin.mismatch(f"{key}[{name!r}] is {value!r:.60} in the file but {like!r:.60} in the "
                                   f"{cls} optimizer, a value of another kind")
-        if name in ("lr", "initial_lr") and _number(value) is not None and not _number(value) >= 0:
+        if name in ("lr", *_SCHEDULER_KEYS) and _number(value) is not None and not _number(value) >= 0:
             raise origin.damaged(f"{key}[{name!r}] is {value!r}, not a learning rate >= 0")
         group[name] = value
     missing = [n for n in optimizer.defaults if n not in saved]
