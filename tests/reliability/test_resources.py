@@ -80,3 +80,20 @@ def test_many_replicas_that_fit_start_and_stop_their_threads(monkeypatch):
     assert strategy.experimental_local_results(ids) == tuple(range(16))
     # (The conftest fixture checks that the 16 replica threads stop once the strategy is dropped.)
     assert threading.active_count() > before
+
+
+def test_strategy_mirror_refuses_copies_that_do_not_fit_before_copying(monkeypatch):
+    """A library user's path (not only the CLI's): strategy.mirror estimates the copies from the
+    module's parameters and buffers and refuses before any copy is made."""
+    import torch
+
+    import mirrored as mr
+
+    net = torch.nn.Linear(1000, 1000)  # 4.0 MB of weights
+    monkeypatch.setattr(devices, "usable_cores", lambda: 8)
+    monkeypatch.setattr(devices, "available_memory_bytes", lambda: 10 * 2**20)  # 10 MB: 2 new copies fit, not 3
+    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)])
+    with pytest.raises(ValueError, match=r"MirroredStrategy.mirror: .*3 CPU replica"):
+        strategy.mirror(net)
+    assert net.weight.device.type == "cpu"
+    mr.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2"]).mirror(net)  # the module itself and 2 copies

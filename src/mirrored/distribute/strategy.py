@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
 import math
 import threading
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mirrored.distribute import buckets, context, guards, replicas, rollback
+from mirrored.distribute import buckets, context, devices, guards, replicas, rollback
 from mirrored.distribute.context import ReplicaContext
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, as_reduce_op, default_for,
                                                 mean_of_sum, shape_mismatch, shapes_of)
@@ -553,9 +554,15 @@ class Strategy:
 
     # ---- mirrored state -----------------------------------------------------------------------------
     def mirror(self, module: torch.nn.Module) -> Any:
-        """One copy of `module` per replica (the first is `module` itself, moved to device 0)."""
+        """One copy of `module` per replica (the first is `module` itself, moved to device 0). Refused,
+        before anything is copied, when the copies would not fit in memory (devices.check_replica_memory)."""
         from mirrored.distribute.modules import MirroredModule
 
+        if isinstance(module, torch.nn.Module) and len(self._devices) > 1:
+            per_copy = sum(t.numel() * t.element_size() for t in itertools.chain(module.parameters(), module.buffers()))
+            # On the CPU the module itself is the first copy: only the others are new memory.
+            new = self._devices[1:] if self._devices[0].startswith("cpu") else self._devices
+            devices.check_replica_memory(per_copy, new, where=f"{type(self).__name__}.mirror")
         return MirroredModule(self, module)
 
     def mirror_optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer], module: Any,
