@@ -349,3 +349,21 @@ def test_optimizer_methods_reach_every_replica_or_are_refused():
         copy.deepcopy(opt)
     with pytest.raises(RuntimeError, match="inside strategy.run"):
         strategy.run(lambda: opt.load_state_dict(opt.state_dict()))
+
+
+def test_load_state_dict_gives_each_replica_its_own_state_and_keeps_adams_step_where_torch_puts_it():
+    """Issue 19: the state was moved to each replica's device before torch's load_state_dict, which put
+    Adam's scalar `step` on the GPU, where every step reads it back with .item(). Now torch's own rule
+    places it (the CPU, for a non-fused, non-capturable Adam); each replica gets its own tensors."""
+    s = md.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with s.scope():
+        mnet = s.mirror(nn.Linear(3, 2))
+        opt = s.mirror_optimizer(torch.optim.Adam, mnet, lr=0.1)
+    saved = {"state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.ones(2, 3), "exp_avg_sq": torch.ones(2, 3)},
+                       1: {"step": torch.tensor(5.0), "exp_avg": torch.ones(2), "exp_avg_sq": torch.ones(2)}},
+             "param_groups": [dict(opt.replicas[0].state_dict()["param_groups"][0])]}
+    opt.load_state_dict(saved)
+    first, second = (o.state_dict()["state"] for o in opt.replicas)
+    assert first[0]["step"].device.type == "cpu" and first[0]["step"].dim() == 0
+    assert first[0]["exp_avg"] is not second[0]["exp_avg"] and first[0]["exp_avg"] is not saved["state"][0]["exp_avg"]
+    s.check_in_sync(opt)

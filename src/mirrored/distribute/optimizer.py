@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from mirrored.distribute import context, guards
-from mirrored.distribute.devices import torch_device
 from mirrored.distribute.modules import MirroredModule, _Handles
 from mirrored.distribute.rollback import journal_of
 from mirrored.distribute.values import ReduceOp
@@ -295,9 +294,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
         the attached schedulers (or into those attached later, for a model loaded before fit)."""
         self._outside_run("load_state_dict")
         own = {k: v for k, v in state_dict.items() if k != self.LR_SCHEDULERS_KEY}
-        for rid, opt in enumerate(self.replicas):
-            device = torch_device(self._strategy.extended.worker_devices[rid])
-            opt.load_state_dict(_to_device(copy.deepcopy(own), device))
+        for opt in self.replicas:
+            # A copy each (replicas on one device must not share state tensors); torch's load_state_dict
+            # moves the state to each parameter's device itself, and keeps Adam's `step` on the CPU
+            # (moved to a GPU, every step would read it back with .item(): a sync per parameter).
+            opt.load_state_dict(copy.deepcopy(own))
         self.load_lr_schedulers_state_dict(state_dict)
 
     def attach_lr_scheduler(self, scheduler: Any) -> None:
@@ -412,13 +413,3 @@ class _MirroredGroup(MutableMapping):
 
     def __repr__(self) -> str:
         return f"MirroredGroup({ {k: v for k, v in self._groups[0].items() if k != 'params'} })"
-
-
-def _to_device(state: Any, device: torch.device) -> Any:
-    if isinstance(state, Tensor):
-        return state.to(device)
-    if isinstance(state, dict):
-        return {k: _to_device(v, device) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_to_device(v, device) for v in state]
-    return state
