@@ -8,8 +8,9 @@ the docs. What counts as public, in order:
      name users write (`mirrored.losses`, not `mirrored.training.losses`); the rest are top-level names.
   2. A namespace's names: its `__all__`, or, where it has none, what its own source defines at top
      level or re-exports explicitly (`from x import y as y`), minus underscored names.
-  3. A public submodule of `mirrored` or of a namespace package is a namespace of its own when its
-     `__all__` names something no earlier namespace documents (mr.data.images, mr.distribute).
+  3. A public submodule of `mirrored` or of a namespace package, or a module a namespace's `__all__`
+     names, is a namespace of its own when its `__all__` names something no earlier namespace
+     documents (mr.data.images, mr.distribute, mr.optimizers.schedules).
 
 An object reachable under two names is documented once, under the first. Uses only the standard
 library and the package; never imports Sphinx, so the test runs without it.
@@ -102,10 +103,13 @@ def namespaces() -> list[Namespace]:
     fill(pages[0], top_names)
     for page in pages[1:]:
         fill(page, _declared_names(page.module))
-    # Sub-namespaces: public submodules of mirrored and of namespace packages that add names.
-    parents = [(ROOT, root)] + [(p.path, p.module) for p in pages[1:] if hasattr(p.module, "__path__")]
+    # Sub-namespaces that add names: public submodules of mirrored and of namespace packages, and
+    # modules a namespace's `__all__` names (mr.optimizers.schedules).
+    parents = [(ROOT, root)] + [(p.path, p.module) for p in pages[1:]]
     for parent_path, parent in parents:
-        for sub in _submodules(parent):
+        named = [getattr(parent, n) for n in getattr(parent, "__all__", ())
+                 if isinstance(getattr(parent, n, None), ModuleType)]
+        for sub in dict.fromkeys(_submodules(parent) + named):
             if id(sub) in modules_seen or getattr(sub, "__all__", None) is None:
                 continue
             page = Namespace(f"{parent_path}.{sub.__name__.rsplit('.', 1)[1]}", sub)

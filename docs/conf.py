@@ -88,11 +88,12 @@ def docstring_to_rst(lines: list[str]) -> list[str]:
     - a more-indented block after a paragraph is a literal block (an example, a command, a
       list of cases), set off by a blank line and `::` as reST needs;
     - a change of indentation between two lines outside a Google section gets the blank line
-      reST requires there;
+      reST requires there, except a "- " list item's lines lined up under its text;
     - `*` and `|` outside code are literal characters (`**kwargs`, `a | b`), not markup."""
     out: list[str] = []
     in_section_at: int | None = None  # indentation of the Google section header we are inside
     in_literal_at: int | None = None  # indentation of the paragraph that introduced a literal block
+    item_at: int | None = None  # where the text of the "- " list item we are in starts
     for line in lines:
         blank = not line.strip()
         if blank:
@@ -115,6 +116,13 @@ def docstring_to_rst(lines: list[str]) -> list[str]:
             out.append(line)
             continue
         if in_section_at is None:
+            if line.lstrip().startswith("- "):
+                item_at = ind + 2
+            elif ind == item_at:  # a list item's next line, lined up under its text
+                out.append(_escape_markup(line))
+                continue
+            else:
+                item_at = None
             previous = next((p for p in reversed(out) if p.strip()), None)
             if previous is not None and ind > _indent(previous) and not previous.rstrip().endswith("::"):
                 # An indented block after a paragraph: an example or a list of cases, shown as written.

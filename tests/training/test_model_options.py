@@ -565,3 +565,23 @@ def test_a_replica_with_an_empty_part_still_steps_its_loss_scaler():
     model.fit(ds, epochs=2, verbose=0)
     assert [s.get_scale() for s in model._scalers] == [65536.0, 65536.0]
     model.check_in_sync()
+
+
+def test_the_loss_scale_is_saved_and_restored(tmp_path):
+    """Issue 19: the fp16 loss scale was in no checkpoint, so a resumed run started again at 65536
+    and skipped steps to find it. Model.save records it and an mr.train checkpoint (BackupAndRestore's
+    format) restores it into every replica's scaler. (torch's CPU GradScaler stands in for CUDA's.)"""
+    x, y, _ = _data()
+    model = _model(torch.nn.Linear(5, 3))
+    model._scalers = [torch.amp.GradScaler("cpu", growth_interval=2) for _ in model.replicas]
+    ds = mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    model.fit(ds, epochs=2, verbose=0)  # 6 steps, growth every 2: the scale doubled 3 times
+    assert [s.get_scale() for s in model._scalers] == [65536.0 * 8] * 2
+    model.save(tmp_path / "model.safetensors")
+    _, meta = mr.training.checkpoint.load_checkpoint(tmp_path / "model.safetensors")
+    assert meta["loss_scale"]["scale"] == 65536.0 * 8
+    mr.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    other = _model(torch.nn.Linear(5, 3))
+    other._scalers = [torch.amp.GradScaler("cpu", growth_interval=2) for _ in other.replicas]
+    mr.train.Checkpoint(model=other).read(str(tmp_path / "ckpt")).assert_consumed()
+    assert [s.get_scale() for s in other._scalers] == [65536.0 * 8] * 2

@@ -5,7 +5,7 @@ from mirrored.distribute.context import (ReplicaContext, get_replica_context, ge
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, InMemoryAllReduce,
                                                   NcclAllReduce, ReductionToOneDevice)
 from mirrored.distribute.input import InputContext, InputOptions
-from mirrored.distribute.modules import MirroredModule
+from mirrored.distribute.modules import HookHandles, MirroredModule
 from mirrored.distribute.optimizer import MirroredOptimizer
 from mirrored.distribute.multi_worker import CollectiveAllReduce, CommunicationOptions, MultiWorkerMirroredStrategy
 from mirrored.distribute.rollback import StepJournal, current_journal
@@ -18,7 +18,7 @@ from mirrored.distribute.variables import (MirroredVariable, SyncOnReadVariable,
 
 __all__ = [
     "CollectiveAllReduce", "CollectiveMismatchError", "CollectiveTimeoutError", "CommunicationOptions",
-    "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "InMemoryAllReduce", "InputContext",
+    "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "HookHandles", "InMemoryAllReduce", "InputContext",
     "InputOptions", "Mirrored", "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable",
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "OutOfSyncError", "PerReplica", "ReduceOp",
     "ReductionToOneDevice", "ReplicaContext", "StepJournal", "Strategy", "SyncOnReadVariable", "ValueContext", "Variable",

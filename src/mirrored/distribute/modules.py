@@ -368,32 +368,32 @@ class MirroredModule:
         return [torch_device(d) for d in self._strategy.extended.worker_devices]
 
     # Hooks: registered on every copy; each runs on its replica's thread, with that replica's copy.
-    def register_forward_hook(self, hook: Callable[..., Any], **kwargs: Any) -> _Handles:
-        return _Handles(self._each("register_forward_hook", hook, **kwargs))
+    def register_forward_hook(self, hook: Callable[..., Any], **kwargs: Any) -> HookHandles:
+        return HookHandles(self._each("register_forward_hook", hook, **kwargs))
 
-    def register_forward_pre_hook(self, hook: Callable[..., Any], **kwargs: Any) -> _Handles:
-        return _Handles(self._each("register_forward_pre_hook", hook, **kwargs))
+    def register_forward_pre_hook(self, hook: Callable[..., Any], **kwargs: Any) -> HookHandles:
+        return HookHandles(self._each("register_forward_pre_hook", hook, **kwargs))
 
-    def register_full_backward_hook(self, hook: Callable[..., Any], prepend: bool = False) -> _Handles:
-        return _Handles(self._each("register_full_backward_hook", hook, prepend=prepend))
+    def register_full_backward_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandles:
+        return HookHandles(self._each("register_full_backward_hook", hook, prepend=prepend))
 
-    def register_full_backward_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> _Handles:
-        return _Handles(self._each("register_full_backward_pre_hook", hook, prepend=prepend))
+    def register_full_backward_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandles:
+        return HookHandles(self._each("register_full_backward_pre_hook", hook, prepend=prepend))
 
-    def register_backward_hook(self, hook: Callable[..., Any]) -> _Handles:
-        return _Handles(self._each("register_backward_hook", hook))
+    def register_backward_hook(self, hook: Callable[..., Any]) -> HookHandles:
+        return HookHandles(self._each("register_backward_hook", hook))
 
-    def register_state_dict_pre_hook(self, hook: Callable[..., Any]) -> _Handles:
-        return _Handles(self._each("register_state_dict_pre_hook", hook))
+    def register_state_dict_pre_hook(self, hook: Callable[..., Any]) -> HookHandles:
+        return HookHandles(self._each("register_state_dict_pre_hook", hook))
 
-    def register_state_dict_post_hook(self, hook: Callable[..., Any]) -> _Handles:
-        return _Handles(self._each("register_state_dict_post_hook", hook))
+    def register_state_dict_post_hook(self, hook: Callable[..., Any]) -> HookHandles:
+        return HookHandles(self._each("register_state_dict_post_hook", hook))
 
-    def register_load_state_dict_pre_hook(self, hook: Callable[..., Any]) -> _Handles:
-        return _Handles(self._each("register_load_state_dict_pre_hook", hook))
+    def register_load_state_dict_pre_hook(self, hook: Callable[..., Any]) -> HookHandles:
+        return HookHandles(self._each("register_load_state_dict_pre_hook", hook))
 
-    def register_load_state_dict_post_hook(self, hook: Callable[..., Any]) -> _Handles:
-        return _Handles(self._each("register_load_state_dict_post_hook", hook))
+    def register_load_state_dict_post_hook(self, hook: Callable[..., Any]) -> HookHandles:
+        return HookHandles(self._each("register_load_state_dict_post_hook", hook))
 
     # ---- reads: the replica's copy inside strategy.run, replica 0's outside it (they are equal) -------
     def _read(self) -> nn.Module:
@@ -482,7 +482,7 @@ class MirroredModule:
                 shared.no_sync[rid] -= 1
 
 
-class _Handles:
+class HookHandles:
     """The hooks one registration put on every copy: remove() removes them all (a RemovableHandle's API)."""
 
     def __init__(self, handles: list[Any]):
@@ -492,7 +492,7 @@ class _Handles:
         for h in self.handles:
             h.remove()
 
-    def __enter__(self) -> _Handles:
+    def __enter__(self) -> HookHandles:
         return self
 
     def __exit__(self, *exc: Any) -> None:

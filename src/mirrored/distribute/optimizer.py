@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from mirrored.distribute import context, guards
-from mirrored.distribute.modules import MirroredModule, _Handles
+from mirrored.distribute.modules import MirroredModule, HookHandles
 from mirrored.distribute.rollback import journal_of
 from mirrored.distribute.values import ReduceOp
 
@@ -334,27 +334,27 @@ class MirroredOptimizer(torch.optim.Optimizer):
                                f"change the optimizers on its own. Call it before strategy.run (in cross-replica "
                                "context): it then reaches every replica's optimizer at once.")
 
-    def _register(self, what: str, hook: Callable[..., Any], **kwargs: Any) -> _Handles:
+    def _register(self, what: str, hook: Callable[..., Any], **kwargs: Any) -> HookHandles:
         self._outside_run(what)
-        return _Handles([getattr(opt, what)(hook, **kwargs) for opt in self.replicas])
+        return HookHandles([getattr(opt, what)(hook, **kwargs) for opt in self.replicas])
 
-    def register_step_pre_hook(self, hook: Callable[..., Any]) -> _Handles:
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> HookHandles:
         """hook(optimizer, args, kwargs) before every replica's update, with that replica's torch optimizer."""
         return self._register("register_step_pre_hook", hook)
 
-    def register_step_post_hook(self, hook: Callable[..., Any]) -> _Handles:
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> HookHandles:
         return self._register("register_step_post_hook", hook)
 
-    def register_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> _Handles:
+    def register_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandles:
         return self._register("register_state_dict_pre_hook", hook, prepend=prepend)
 
-    def register_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> _Handles:
+    def register_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandles:
         return self._register("register_state_dict_post_hook", hook, prepend=prepend)
 
-    def register_load_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> _Handles:
+    def register_load_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandles:
         return self._register("register_load_state_dict_pre_hook", hook, prepend=prepend)
 
-    def register_load_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> _Handles:
+    def register_load_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandles:
         return self._register("register_load_state_dict_post_hook", hook, prepend=prepend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -233,6 +233,24 @@ class _State:
         return Restore(path, lambda: obj.set_state(state), undo=lambda: obj.set_state(now))
 
 
+class LossScale:
+    """The replicas' GradScalers, which hold the same scale (they see the same reduced gradients), as
+    one trackable: get_state() is the first's state_dict, set_state() loads it into every one."""
+
+    def __init__(self, scalers: list[Any]):
+        self._scalers = list(scalers)
+
+    def get_state(self) -> dict[str, Any]:
+        return dict(self._scalers[0].state_dict())
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        for scaler in self._scalers:
+            scaler.load_state_dict(dict(state))
+
+    def __repr__(self) -> str:
+        return f"LossScale({self._scalers[0].get_scale()})"
+
+
 class RandomState:
     """The process's global random generators (torch's CPU and CUDA ones, numpy's, Python's) as a
     trackable, for runs that must resume bit for bit (fit's BackupAndRestore saves it)."""
@@ -285,6 +303,8 @@ def entries(path: str, obj: Any) -> Iterator[tuple[str, Any, Any]]:
         yield path, _Module, obj
         if obj.mirrored_optimizer is not None:
             yield f"{path}.optimizer", _Optim, obj.mirrored_optimizer
+        if obj.loss_scale is not None:  # fp16's loss scale: a resumed run goes on with it
+            yield f"{path}.loss_scale", _State, obj.loss_scale
         return
     kind = _kind(obj)
     if kind is None and isinstance(obj, (list, tuple)):

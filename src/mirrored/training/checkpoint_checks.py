@@ -524,3 +524,17 @@ def _like(origin: Origin, key: str, value: Any, like: Any, depth: int) -> None:
     elif _kind(value) != _kind(like) or (isinstance(value, float) and not math.isfinite(value)):
         raise origin.damaged(f"the saved data position {key!r} is {value!r:.60}, where a value like "
                              f"{like!r:.40} belongs")
+
+
+def loss_scale(origin: Origin, state: Any) -> dict[str, Any]:
+    """A GradScaler's state_dict as save() records it: numbers of the right kinds (an empty dict for a
+    disabled scaler)."""
+    fields = {"scale": float, "growth_factor": float, "backoff_factor": float, "growth_interval": int,
+              "_growth_tracker": int}
+    if not isinstance(state, dict) or not set(state) <= set(fields):
+        raise origin.damaged(f"the loss scale is {state!r:.80}, not a GradScaler's state")
+    for key, value in state.items():
+        number = _number(value)
+        if number is None or not math.isfinite(number) or number < 0 or (fields[key] is int and not _is_count(value)):
+            raise origin.damaged(f"the loss scale's {key!r} is {value!r:.40}, not a finite number >= 0")
+    return state

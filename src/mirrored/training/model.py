@@ -28,6 +28,7 @@ from torch import Tensor, nn
 import mirrored.distribute as md
 from mirrored.training import callbacks as callbacks_lib
 from mirrored.training import checkpoint, checkpoint_checks, epochs as epochs_lib, losses, metrics as metrics_lib, optimizers
+from mirrored.training._trackables import LossScale
 from mirrored.training.layers import has_sync_batchnorm
 
 logger = logging.getLogger(__name__)
@@ -622,6 +623,12 @@ class Model:
             state[key] = t.to(ref.dtype)
         self._net.load_state_dict(state)
 
+    @property
+    def loss_scale(self) -> LossScale | None:
+        """The fp16 loss scale of compile(precision="fp16") as one trackable (get_state/set_state), None
+        otherwise; Model.save and mr.train checkpoints (BackupAndRestore) keep it."""
+        return LossScale(self._scalers) if self._scalers else None
+
     def _state_tensors(self, with_optimizer: bool) -> tuple[dict[str, Tensor], dict[str, Any]]:
         tensors = {f"model/{k}": v.detach() for k, v in self.module.state_dict().items()}
         meta: dict[str, Any] = {"format": _FORMAT, "replicas": self.distribute_strategy.num_replicas_in_sync,
@@ -634,6 +641,8 @@ class Model:
             tensors.update(opt_tensors)
             meta["optimizer"] = opt_meta
             meta["compile"] = self._compile_config
+            if self._scalers:  # fp16: a resumed run goes on with the scale it had, not from 65536 again
+                meta["loss_scale"] = self.loss_scale.get_state()
         return tensors, meta
 
     def save(self, path: str | Path) -> None:
@@ -696,6 +705,8 @@ class Model:
                     f"Model.load({str(path)!r}): cannot compile with the settings the file records ({e}). Load "
                     "with compile=False and compile(...) yourself; the weights load either way.") from e
             model._load_optimizer(checkpoint_checks.model_optimizer_state(origin, tensors, meta, model))
+            if model._scalers and meta.get("loss_scale") is not None:
+                model.loss_scale.set_state(checkpoint_checks.loss_scale(origin, meta["loss_scale"]))
         return model
 
     def _compile_from_config(self, cfg: dict[str, Any], path: str) -> None:

@@ -39,12 +39,12 @@ from torch import Tensor
 import mirrored.distribute as md
 from mirrored._files import fsync_directory
 from mirrored.training import _trackables, checkpoint, checkpoint_checks
-from mirrored.training._trackables import RandomState
+from mirrored.training._trackables import LossScale, RandomState
 from mirrored.training.checkpoint import CheckpointError, CheckpointMismatchError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Checkpoint", "CheckpointLoadStatus", "CheckpointManager", "RandomState", "latest_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointLoadStatus", "CheckpointManager", "LossScale", "RandomState", "latest_checkpoint"]
 
 _FORMAT = "mirrored.Checkpoint/1"
 _STATE_FILE = "checkpoint"  # TF's name for the file that lists a directory's checkpoints
