@@ -65,7 +65,6 @@ UNDOCUMENTED_TYPES = [
     "mirrored.distribute.multi_worker.ClusterResolver",  # MultiWorkerMirroredStrategy.cluster_resolver
     "mirrored.distribute.replicas.Rendezvous",  # CrossDeviceOps.all_reduce's argument
     "mirrored.distribute.strategy.StrategyExtended",  # strategy.extended
-    "mirrored.training.metrics._Binary",  # base of Precision, Recall, AUC
 ]
 nitpick_ignore = [("py:class", name) for name in UNDOCUMENTED_TYPES]
 
@@ -166,7 +165,22 @@ def _write_generated_pages(app) -> None:  # noqa: ANN001 - Sphinx's hook
     _generated.write_benchmark_commands(REPO / "benchmarks", DOCS / "_build_inputs" / "benchmark_commands.md")
 
 
+def _public_bases(bases: list) -> list:
+    """A class's bases as the reference shows them: a private base of ours (a shared implementation
+    such as schedules._StepRatioDecay) is replaced by its own public bases, since it has no page."""
+    shown: list = []
+    for base in bases:
+        private = base.__name__.startswith("_") and base.__module__.startswith("mirrored")
+        shown += _public_bases(list(base.__bases__)) if private else [base]
+    return list(dict.fromkeys(shown))
+
+
+def _process_bases(app, name, obj, options, bases: list) -> None:  # noqa: ANN001 - Sphinx's hook
+    bases[:] = _public_bases(bases)
+
+
 def setup(app) -> dict:  # noqa: ANN001 - Sphinx's hook
     app.connect("builder-inited", _write_generated_pages)
+    app.connect("autodoc-process-bases", _process_bases)
     app.connect("autodoc-process-docstring", _process_docstring, priority=400)  # before napoleon (500)
     return {"parallel_read_safe": True}

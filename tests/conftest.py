@@ -5,11 +5,14 @@ skipped where torch sees fewer. `pytest -m cuda` runs just those (benchmarks/gpu
 from __future__ import annotations
 
 import gc
+import json
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,6 +45,25 @@ def fixtures_dir() -> Path:
     if not FIXTURES.is_dir():
         pytest.skip(f"shared fixtures not found at {FIXTURES}")
     return FIXTURES
+
+
+def _rewrite_checkpoint(path: str, tensors=None, meta=None) -> None:
+    """Rewrites a checkpoint with plain safetensors: `tensors(dict)` and `meta(dict)` edit in place."""
+    with safetensors.safe_open(path, framework="pt") as f:
+        header = f.metadata()
+        data = {k: f.get_tensor(k) for k in f.keys()}
+    metadata = json.loads(header["mirrored"])
+    if tensors:
+        tensors(data)
+    if meta:
+        meta(metadata)
+    safetensors.torch.save_file(data, path, metadata={"mirrored": json.dumps(metadata), "format": "pt"})
+
+
+@pytest.fixture
+def rewrite_checkpoint():
+    """A function that rewrites a saved checkpoint's tensors and metadata in place, as a forger would."""
+    return _rewrite_checkpoint
 
 
 def pytest_collection_modifyitems(config, items):

@@ -741,17 +741,22 @@ def exit_early(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
         return {"error_type": type(e).__name__, "error": str(e), "elapsed_s": time.monotonic() - started}
 
 
-def scenario_hang(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
-    s.reduce("sum", torch.ones(1))
-    if rank == 1:
-        time.sleep(STUCK_S)  # the test kills this process once rank 0 has reported
-        return {}
+def _next_reduce(s: md.MultiWorkerMirroredStrategy) -> dict:
+    """How the next collective ends for this rank: its error (type, message, seconds) or none."""
     started = time.monotonic()
     try:
         s.reduce("sum", torch.ones(2))
         return {"error_type": None}
     except Exception as e:  # noqa: BLE001
         return {"error_type": type(e).__name__, "error": str(e), "elapsed_s": time.monotonic() - started}
+
+
+def scenario_hang(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
+    s.reduce("sum", torch.ones(1))
+    if rank == 1:
+        time.sleep(STUCK_S)  # the test kills this process once rank 0 has reported
+        return {}
+    return _next_reduce(s)
 
 
 def scenario_rank0_exits(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
@@ -759,12 +764,7 @@ def scenario_rank0_exits(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
     if rank == 0:  # the store's host goes without a word, once rank 1 waits in the next collective
         time.sleep(1.0)
         os._exit(0)
-    started = time.monotonic()
-    try:
-        s.reduce("sum", torch.ones(2))
-        return {"error_type": None}
-    except Exception as e:  # noqa: BLE001
-        return {"error_type": type(e).__name__, "error": str(e), "elapsed_s": time.monotonic() - started}
+    return _next_reduce(s)
 
 
 def scenario_training_mean(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:

@@ -12,8 +12,6 @@ import sys
 import textwrap
 
 import pytest
-import safetensors
-import safetensors.torch
 import torch
 from torch import nn
 
@@ -58,19 +56,6 @@ def _trained_file(tmp_path, name: str = "model.safetensors", **kwargs) -> tuple[
     return model, path
 
 
-def _rewrite(path: str, tensors=None, meta=None) -> None:
-    """Rewrites a checkpoint with plain safetensors: `tensors(dict)` and `meta(dict)` edit in place."""
-    with safetensors.safe_open(path, framework="pt") as f:
-        header = f.metadata()
-        data = {k: f.get_tensor(k) for k in f.keys()}
-    metadata = json.loads(header["mirrored"])
-    if tensors:
-        tensors(data)
-    if meta:
-        meta(metadata)
-    safetensors.torch.save_file(data, path, metadata={"mirrored": json.dumps(metadata), "format": "pt"})
-
-
 def _snapshot(model: mr.Model) -> tuple[dict, dict]:
     return (copy.deepcopy(model.module.state_dict()), copy.deepcopy(model.mirrored_optimizer.state_dict()))
 
@@ -91,11 +76,11 @@ def _assert_unchanged(model: mr.Model, before: tuple[dict, dict]) -> None:
 # Shapes and dtypes, checked before anything is assigned
 
 
-def test_momentum_buffer_of_another_shape_is_refused_naming_file_key_and_both_shapes(tmp_path):
+def test_momentum_buffer_of_another_shape_is_refused_naming_file_key_and_both_shapes(rewrite_checkpoint, tmp_path):
     """Issue 17: momentum buffers of shape (7,) loaded against parameters of (8,), and the first fit
     failed inside torch."""
     _, path = _trained_file(tmp_path)
-    _rewrite(path, tensors=lambda t: t.update({"optimizer/state/1/momentum_buffer": torch.zeros(7)}))
+    rewrite_checkpoint(path, tensors=lambda t: t.update({"optimizer/state/1/momentum_buffer": torch.zeros(7)}))
     with pytest.raises(CheckpointError) as info:
         mr.Model.load(path, module=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
     message = str(info.value)
@@ -120,30 +105,30 @@ def test_weights_of_another_architecture_are_refused_by_load_and_load_weights(tm
         mr.Model.load(path, module=extra)
 
 
-def test_an_integer_tensor_stored_as_float_is_refused(tmp_path):
+def test_an_integer_tensor_stored_as_float_is_refused(rewrite_checkpoint, tmp_path):
     net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
     strategy = mr.MirroredStrategy(devices=["cpu:0"])
     with strategy.scope():
         model = mr.Model(net)
     path = str(tmp_path / "bn.safetensors")
     model.save_weights(path)
-    _rewrite(path, tensors=lambda t: t.update({"model/1.num_batches_tracked": torch.zeros(())}))
+    rewrite_checkpoint(path, tensors=lambda t: t.update({"model/1.num_batches_tracked": torch.zeros(())}))
     with pytest.raises(CheckpointError, match=r"'1\.num_batches_tracked' has dtype torch\.float32 in the file "
                                               r"but torch\.int64"):
         model.load_weights(path)
     # A float tensor in another float dtype loads (cast, as torch does).
-    _rewrite(path, tensors=lambda t: t.update({"model/0.weight": t["model/0.weight"].double(),
+    rewrite_checkpoint(path, tensors=lambda t: t.update({"model/0.weight": t["model/0.weight"].double(),
                                                "model/1.num_batches_tracked": torch.tensor(0)}))
     model.load_weights(path)
 
 
-def test_optimizer_state_of_another_optimizer_is_refused(tmp_path):
+def test_optimizer_state_of_another_optimizer_is_refused(rewrite_checkpoint, tmp_path):
     _, path = _trained_file(tmp_path, resnet=True)
-    _rewrite(path, meta=lambda m: m["optimizer"]["param_groups"][0].update({"betas": [0.9, 0.999]}))
+    rewrite_checkpoint(path, meta=lambda m: m["optimizer"]["param_groups"][0].update({"betas": [0.9, 0.999]}))
     with pytest.raises(CheckpointError, match=r"param_groups\[0\] has the setting 'betas', which SGD does not "
                                               r"have: the state was saved from another optimizer"):
         mr.Model.load(path)
-    _rewrite(path, meta=lambda m: m["optimizer"]["param_groups"][0].update({"momentum": "fast"}))
+    rewrite_checkpoint(path, meta=lambda m: m["optimizer"]["param_groups"][0].update({"momentum": "fast"}))
     with pytest.raises(CheckpointError, match=r"\['momentum'\] is 'fast' in the file but 0\.9"):
         mr.Model.load(path)
 
@@ -152,7 +137,7 @@ def test_optimizer_state_of_another_optimizer_is_refused(tmp_path):
 # Architecture configs read from a file
 
 
-def test_forged_num_classes_never_reaches_the_allocator(tmp_path, monkeypatch):
+def test_forged_num_classes_never_reaches_the_allocator(rewrite_checkpoint, tmp_path, monkeypatch):
     """Issue 17: a num_classes of 10**12 in the recorded model_config was built as asked."""
     torch.manual_seed(0)
     with mr.MirroredStrategy(devices=["cpu:0"]).scope():
@@ -165,7 +150,7 @@ def test_forged_num_classes_never_reaches_the_allocator(tmp_path, monkeypatch):
                                                            real_get(*a, **k))[1])
     for classes, message in ((10**12, r"num_classes=1000000000000\): must be a whole number in \[1, 1048576\]"),
                              (100_000, r"'model/fc\.weight' has shape \(3, 16\) in the file but \(100000, 16\)")):
-        _rewrite(path, meta=lambda m: m["model_config"]["kwargs"].update({"num_classes": classes}))
+        rewrite_checkpoint(path, meta=lambda m: m["model_config"]["kwargs"].update({"num_classes": classes}))
         with pytest.raises(CheckpointError, match=message):
             mr.Model.load(path, compile=False)
     assert set(built_on) == {"meta"}  # only the meta-device skeleton of the in-bounds value was built
@@ -173,10 +158,10 @@ def test_forged_num_classes_never_reaches_the_allocator(tmp_path, monkeypatch):
                          ({"depth": 9}, r"depth must be 6n\+2"),
                          ({"widht": 4}, r"unknown argument 'widht'"),
                          ({"width": "4"}, r"width='4'\): must be a whole number")):
-        _rewrite(path, meta=lambda m: m["model_config"].update({"kwargs": bad}))
+        rewrite_checkpoint(path, meta=lambda m: m["model_config"].update({"kwargs": bad}))
         with pytest.raises(CheckpointError, match=r"r\.safetensors.*" + message):
             mr.Model.load(path, compile=False)
-    _rewrite(path, meta=lambda m: m.update({"model_config": {"name": "resnet_cifar", "kwargs": {
+    rewrite_checkpoint(path, meta=lambda m: m.update({"model_config": {"name": "resnet_cifar", "kwargs": {
         "depth": 8, "width": 4, "num_classes": 3}}}))
     assert mr.Model.load(path, compile=False).module.fc.out_features == 3
 
@@ -388,7 +373,7 @@ def test_a_backup_of_another_model_is_refused_and_leaves_the_model_as_it_was(tmp
     ("metric", r"tensor 'metrics\.1/0' has shape \(2,\) in the file but \(\) in metric 'accuracy'"),
     ("empty", r"only 0 bytes long"),
 ])
-def test_a_damaged_backup_is_refused_before_anything_is_assigned(tmp_path, damage, message):
+def test_a_damaged_backup_is_refused_before_anything_is_assigned(rewrite_checkpoint, tmp_path, damage, message):
     backup = _backup_of(tmp_path)
     path = os.path.join(backup, "training_state.safetensors")
 
@@ -407,7 +392,7 @@ def test_a_damaged_backup_is_refused_before_anything_is_assigned(tmp_path, damag
     if damage == "empty":
         open(path, "wb").close()
     else:
-        _rewrite(path, **edits[damage])
+        rewrite_checkpoint(path, **edits[damage])
     model = _model(seed=3)
     data = _dataset()
     model.fit(data, epochs=1, verbose=0)
@@ -435,13 +420,13 @@ def test_the_undamaged_backup_resumes(tmp_path):
     _assert_unchanged(resumed, want)
 
 
-def test_model_checkpoint_files_are_checked_like_any_other(tmp_path):
+def test_model_checkpoint_files_are_checked_like_any_other(rewrite_checkpoint, tmp_path):
     model = _model()
     pattern = str(tmp_path / "ckpt" / "e{epoch}.safetensors")
     model.fit(_dataset(), epochs=2, verbose=0, callbacks=[mr.callbacks.ModelCheckpoint(pattern)])
     first = pattern.format(epoch=1)
     assert mr.Model.load(first, module=copy.deepcopy(model.module)).module[0].weight.shape == (8, 4)
-    _rewrite(first, tensors=lambda t: t.update({"model/2.bias": torch.zeros(4)}))
+    rewrite_checkpoint(first, tensors=lambda t: t.update({"model/2.bias": torch.zeros(4)}))
     with pytest.raises(CheckpointError, match=r"e1\.safetensors'\): tensor 'model/2\.bias' has shape \(4,\) in the "
                                               r"file but \(3,\)"):
         mr.Model.load(first, module=copy.deepcopy(model.module))

@@ -16,8 +16,6 @@ import random
 
 import numpy as np
 import pytest
-import safetensors
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -364,19 +362,6 @@ def test_an_interrupted_custom_loop_resumes_to_the_uninterrupted_weights(tmp_pat
 
 # ---- a checkpoint that does not fit is refused before anything is assigned (issue 17) ----------------------
 
-def _rewrite(path: str, tensors=None, meta=None) -> None:
-    """Rewrites a checkpoint with plain safetensors: `tensors(dict)` and `meta(dict)` edit in place."""
-    with safetensors.safe_open(path, framework="pt") as f:
-        header = f.metadata()
-        data = {k: f.get_tensor(k) for k in f.keys()}
-    metadata = json.loads(header["mirrored"])
-    if tensors:
-        tensors(data)
-    if meta:
-        meta(metadata)
-    safetensors.torch.save_file(data, path, metadata={"mirrored": json.dumps(metadata), "format": "pt"})
-
-
 def _everything(run: _Run) -> dict:
     """Every value a restore of _full_checkpoint(run) could assign, each replica's copy, and the generators."""
     opt_state = []
@@ -438,12 +423,12 @@ DAMAGES = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGES))
-def test_a_checkpoint_that_does_not_fit_is_refused_and_leaves_every_object_as_it_was(tmp_path, damage):
+def test_a_checkpoint_that_does_not_fit_is_refused_and_leaves_every_object_as_it_was(rewrite_checkpoint, tmp_path, damage):
     saved = _accumulating_run()
     saved.train(3)
     path = _full_checkpoint(saved).write(tmp_path / "ckpt")
     edit, message = DAMAGES[damage]
-    _rewrite(path, **edit)
+    rewrite_checkpoint(path, **edit)
     run = _accumulating_run()
     run.train(1)  # its own state, unlike the file's
     torch.rand(3), random.random(), np.random.rand()

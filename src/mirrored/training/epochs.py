@@ -30,7 +30,7 @@ class EpochIterator:
                  initial_epoch: int = 0, learning_rate: Callable[[], float | None] | None = None):
         self._distributed = distributed
         self._continuing = steps_per_epoch is not None
-        self.num_batches = steps_per_epoch if steps_per_epoch is not None else _len_or_none(distributed)
+        self.num_batches = steps_per_epoch if steps_per_epoch is not None else len_or_none(distributed)
         self._per_execution = steps_per_execution
         self._learning_rate = learning_rate or (lambda: None)
         self.initial_epoch = initial_epoch  # the first epoch fit runs (Keras's model._initial_epoch)
@@ -54,7 +54,7 @@ class EpochIterator:
     @property
     def batches_per_pass(self) -> int | None:
         """The batches in one pass of the data, where the dataset knows it (for checking a saved state)."""
-        return _len_or_none(self._distributed)
+        return len_or_none(self._distributed)
 
     def epochs(self, epochs: int) -> Iterator[int]:
         """The epochs to run, from initial_epoch to `epochs` (exclusive). Call end_epoch() after each."""
@@ -133,7 +133,8 @@ class EpochIterator:
         return f"EpochIterator(epoch={self._epoch}, step={self._step}, steps_per_epoch={self.num_batches})"
 
 
-def _len_or_none(dataset: Any) -> int | None:
+def len_or_none(dataset: Any) -> int | None:
+    """len(dataset) when it has a finite, known one; None otherwise (a generator, an unknown size)."""
     try:
         n = len(dataset)
     except TypeError:

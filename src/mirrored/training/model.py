@@ -550,7 +550,7 @@ class Model:
         verbose = 1 if verbose == "auto" else verbose  # Keras: a progress bar unless verbose=0
         cbs = callbacks_lib.CallbackList(callbacks, add_history=False, add_progbar=verbose != 0, model=self,
                                          verbose=verbose, epochs=1,
-                                         steps=steps if steps is not None else _len_or_none(dataset))
+                                         steps=steps if steps is not None else epochs_lib.len_or_none(dataset))
         logs = self._evaluate(dataset, steps, cbs)
         return logs if return_dict else (list(logs.values()) if len(logs) > 1 else next(iter(logs.values())))
 
@@ -565,7 +565,7 @@ class Model:
         _check_ends(dataset, steps, "predict", "steps")
         verbose = 1 if verbose == "auto" else verbose
         cbs = callbacks_lib.CallbackList(callbacks, add_progbar=verbose != 0, model=self, verbose=verbose, epochs=1,
-                                         steps=steps if steps is not None else _len_or_none(dataset))
+                                         steps=steps if steps is not None else epochs_lib.len_or_none(dataset))
         for m in self._net.replicas:
             m.eval()
         outputs = []
@@ -767,7 +767,7 @@ def _check_ends(dataset: Any, steps: int | None, where: str, steps_arg: str) -> 
     """Refuses, before anything runs, a dataset that cannot end a pass (infinite, with no `steps_arg`)
     or that has nothing in it. Keras 3 trains forever on the first and only warns on the second."""
     cardinality = getattr(dataset, "cardinality", None)
-    n = int(cardinality()) if callable(cardinality) else _len_or_none(dataset)
+    n = int(cardinality()) if callable(cardinality) else epochs_lib.len_or_none(dataset)
     if n == INFINITE and steps is None:
         raise ValueError(f"Model.{where}: the dataset repeats forever ({dataset!r}) and {steps_arg} is not set, so "
                          f"the first pass would never end. Pass {steps_arg}=N (the batches per pass), or drop the "
@@ -783,10 +783,3 @@ def _no_batches(where: str, dataset: Any, what: str) -> ValueError:
                       "empty file list or split, a filter that drops everything, a batch with drop_remainder=True "
                       "larger than the data).")
 
-
-def _len_or_none(dataset: Any) -> int | None:
-    try:
-        n = len(dataset)
-    except TypeError:
-        return None
-    return n if n >= 0 else None

@@ -57,28 +57,39 @@ def _positive(cls: str, arg: str, value: Any) -> None:
         raise ValueError(f"{cls}({arg}={value!r}): must be a number > 0 (a count of optimizer steps).")
 
 
-class ExponentialDecay(LearningRateSchedule):
-    """initial_learning_rate * decay_rate ** (step / decay_steps); with staircase, the exponent is
-    floored, so the rate drops every decay_steps steps."""
+class _StepRatioDecay(LearningRateSchedule):
+    """A rate that is a function of p = step / decay_steps (floored with staircase): the shared shape of
+    ExponentialDecay and InverseTimeDecay, which differ only in `_rate(p)` and their name."""
 
     def __init__(self, initial_learning_rate: float, decay_steps: int, decay_rate: float, staircase: bool = False,
-                 name: str = "ExponentialDecay"):
-        _positive("ExponentialDecay", "decay_steps", decay_steps)
+                 name: str | None = None):
+        _positive(type(self).__name__, "decay_steps", decay_steps)
         self.initial_learning_rate = initial_learning_rate
         self.decay_steps = decay_steps
         self.decay_rate = decay_rate
         self.staircase = staircase
-        self.name = name
+        self.name = name if name is not None else type(self).__name__
+
+    def _rate(self, p: float) -> float:
+        raise NotImplementedError
 
     def __call__(self, step: int) -> float:
         p = _step(step) / self.decay_steps
         if self.staircase:
             p = math.floor(p)
-        return float(self.initial_learning_rate * self.decay_rate ** p)
+        return float(self._rate(p))
 
     def get_config(self) -> dict[str, Any]:
         return {"initial_learning_rate": self.initial_learning_rate, "decay_steps": self.decay_steps,
                 "decay_rate": self.decay_rate, "staircase": self.staircase, "name": self.name}
+
+
+class ExponentialDecay(_StepRatioDecay):
+    """initial_learning_rate * decay_rate ** (step / decay_steps); with staircase, the exponent is
+    floored, so the rate drops every decay_steps steps."""
+
+    def _rate(self, p: float) -> float:
+        return self.initial_learning_rate * self.decay_rate ** p
 
 
 class PiecewiseConstantDecay(LearningRateSchedule):
@@ -138,28 +149,12 @@ class PolynomialDecay(LearningRateSchedule):
                 "name": self.name}
 
 
-class InverseTimeDecay(LearningRateSchedule):
+class InverseTimeDecay(_StepRatioDecay):
     """initial_learning_rate / (1 + decay_rate * step / decay_steps); with staircase, the ratio
     step / decay_steps is floored."""
 
-    def __init__(self, initial_learning_rate: float, decay_steps: int, decay_rate: float, staircase: bool = False,
-                 name: str = "InverseTimeDecay"):
-        _positive("InverseTimeDecay", "decay_steps", decay_steps)
-        self.initial_learning_rate = initial_learning_rate
-        self.decay_steps = decay_steps
-        self.decay_rate = decay_rate
-        self.staircase = staircase
-        self.name = name
-
-    def __call__(self, step: int) -> float:
-        p = _step(step) / self.decay_steps
-        if self.staircase:
-            p = math.floor(p)
-        return float(self.initial_learning_rate / (1 + self.decay_rate * p))
-
-    def get_config(self) -> dict[str, Any]:
-        return {"initial_learning_rate": self.initial_learning_rate, "decay_steps": self.decay_steps,
-                "decay_rate": self.decay_rate, "staircase": self.staircase, "name": self.name}
+    def _rate(self, p: float) -> float:
+        return self.initial_learning_rate / (1 + self.decay_rate * p)
 
 
 class CosineDecay(LearningRateSchedule):
