@@ -33,8 +33,9 @@ def _all_gather_rows(local: Tensor, replica_ctx: Any) -> Tensor:
 
 
 @torch.no_grad()
-def _global_stats(x: Tensor, replica_ctx: Any) -> tuple[Tensor, Tensor, int]:
-    """(mean, biased variance, values per channel) over every replica's part of the batch."""
+def _global_stats(x: Tensor, replica_ctx: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """(mean, biased variance, values per channel) over every replica's part of the batch, all three on
+    x's device: nothing here waits for the device (on a GPU, reading the count would, twice per layer)."""
     c = x.shape[1]
     count = x.numel() // c
     if count:
@@ -46,12 +47,11 @@ def _global_stats(x: Tensor, replica_ctx: Any) -> tuple[Tensor, Tensor, int]:
     rows = _all_gather_rows(local, replica_ctx)
     counts, means, m2s = rows[:, :1], rows[:, 1:c + 1], rows[:, c + 1:]
     total = counts.sum()
-    if total == 0:
-        return means[0], m2s[0], 0
-    mean = (counts * means).sum(0) / total
+    divisor = total.clamp_min(1)  # no values anywhere: every count, mean and M2 is 0, and so are the results
+    mean = (counts * means).sum(0) / divisor
     # Chan et al.: M2 = sum_r (M2_r + n_r * (mean_r - mean)^2), every term >= 0 (no cancellation).
     m2 = (m2s + counts * (means - mean) ** 2).sum(0)
-    return mean, m2 / total, int(total.item())
+    return mean, m2 / divisor, total
 
 
 class _SyncBatchNormFn(torch.autograd.Function):
@@ -61,7 +61,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor,
-                eps: float, total: int, replica_ctx: Any) -> Tensor:
+                eps: float, total: Tensor, replica_ctx: Any) -> Tensor:
         with torch.autocast(x.device.type, enabled=False):
             out = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
         ctx.save_for_backward(x, weight, mean, var)
@@ -121,9 +121,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
                              f"{input.shape[1]} channels in dim 1; expected {self.num_features}.")
         x = input if input.dtype in (torch.float32, torch.float64) else input.float()  # bf16/fp16: stats in fp32
         mean, var, total = _global_stats(x, ctx)
-        if total < 2:
-            raise ValueError(f"SyncBatchNorm: the global batch has {total} value(s) per channel; training needs "
-                             "at least 2 (as torch.nn.BatchNorm). Use a larger batch.")
+        # The global count is read (a device sync) only when this replica's part cannot prove it is >= 2.
+        if x.numel() // x.shape[1] < 2 and int(total.item()) < 2:
+            raise ValueError(f"SyncBatchNorm: the global batch has {int(total.item())} value(s) per channel; "
+                             "training needs at least 2 (as torch.nn.BatchNorm). Use a larger batch.")
         if self.track_running_stats and self.running_mean is not None:
             self._update_running_stats(mean, var, total)
         # The affine parameters in x's dtype too (a .half() model holds fp16 ones; the kernels take one
@@ -134,7 +135,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return out.to(input.dtype)
 
     @torch.no_grad()
-    def _update_running_stats(self, mean: Tensor, var: Tensor, total: int) -> None:
+    def _update_running_stats(self, mean: Tensor, var: Tensor, total: Tensor) -> None:
         self.num_batches_tracked.add_(1)
         m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
         unbiased = var * (total / (total - 1))
