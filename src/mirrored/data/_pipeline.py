@@ -296,6 +296,23 @@ class Prefetch(Node):
         return f"prefetch({self.buffer_size})"
 
 
+class WithOptions(Node):
+    """Dataset.with_options: the elements pass unchanged; `options` is read by Dataset.options()."""
+
+    kind = "with_options"
+    passes_elements = True
+
+    def __init__(self, input: Node, options: Any):
+        super().__init__(input)
+        self.options = options
+
+    def iterate(self, probe: bool) -> Iterator[Any]:
+        return self.inputs[0].iterate(probe)
+
+    def describe(self) -> str:
+        return f"with_options({self.options!r})"
+
+
 class Repeat(Node):
     kind = "repeat"
     passes_elements = True

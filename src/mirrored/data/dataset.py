@@ -15,6 +15,7 @@ and numpy only.
 """
 from __future__ import annotations
 
+import functools
 import operator
 import os
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from mirrored.data import _cache, _pipeline, _sources, _structure
 from mirrored.data._pipeline import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from mirrored.data._structure import TensorSpec
 from mirrored.data._threads import AUTOTUNE, close_iterator
+from mirrored.data.options import Options
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "TensorSpec"]
 
@@ -114,12 +116,23 @@ class Dataset:
         return Dataset(_sources.Tensors(_structure.unflatten(tree, values)))
 
     @staticmethod
-    def from_generator(generator: Callable[[], Any], output_signature: Any = None) -> Dataset:
-        """Elements from `generator()`, a zero-argument callable returning an iterable; it is called
-        again for every pass. numpy values become tensors. With `output_signature` (a structure of
-        TensorSpec) each element is checked against it and converted to its dtypes."""
+    def from_generator(generator: Callable[..., Any], output_types: Any = None, output_shapes: Any = None,
+                       args: tuple[Any, ...] | None = None, output_signature: Any = None) -> Dataset:
+        """Elements from `generator(*args)`, a callable returning an iterable; it is called again for
+        every pass. numpy values become tensors. With `output_signature` (a structure of TensorSpec)
+        each element is checked against it and converted to its dtypes; tf.data's older
+        `output_types` (a structure of torch dtypes) with optional `output_shapes` (the same
+        structure of shapes, None for a dimension that varies) say the same thing."""
         where = "Dataset.from_generator"
         _callable_arg(generator, where, "generator")
+        if output_types is not None or output_shapes is not None:
+            if output_signature is not None:
+                raise TypeError(f"{where}: give output_signature, or output_types (with output_shapes), not both.")
+            output_signature = _signature_from_types(output_types, output_shapes, where)
+        if args is not None:
+            if not isinstance(args, (tuple, list)):
+                raise TypeError(f"{where}: args must be a tuple of the generator's arguments; got {args!r:.100}.")
+            generator = functools.partial(generator, *args)
         if output_signature is not None:
             specs, _ = _structure.flatten(output_signature)
             bad = [s for s in specs if not isinstance(s, TensorSpec)]
@@ -307,7 +320,23 @@ class Dataset:
                             f"{_structure.describe(out)}.")
         return out
 
+    def with_options(self, options: Options) -> Dataset:
+        """The same elements with `options` (mr.data.Options) set, merged over any set upstream (a
+        value set later wins), as tf.data.Dataset.with_options."""
+        if not isinstance(options, Options):
+            raise TypeError(f"Dataset.with_options: expected mr.data.Options, got {type(options).__name__} "
+                            f"({options!r:.100}). Build one with mr.data.Options() and set its fields.")
+        return Dataset(_pipeline.WithOptions(self._node, options))
+
     # ------------------------------------------------------------------------------ inspection
+
+    def options(self) -> Options:
+        """The options of this dataset: every with_options upstream, merged in pipeline order."""
+        merged = Options()
+        for node in reversed(_graph(self._node)):
+            if isinstance(node, _pipeline.WithOptions):
+                merged = merged.merge(node.options)
+        return merged
 
     def cardinality(self) -> int:
         """The number of elements, INFINITE_CARDINALITY (-1) or UNKNOWN_CARDINALITY (-2); computed
@@ -382,6 +411,36 @@ class Dataset:
         n = self._node.cardinality()
         size = {INFINITE_CARDINALITY: "infinite", UNKNOWN_CARDINALITY: "unknown"}.get(n, str(n))
         return f"<Dataset {' -> '.join(reversed(chain))}, cardinality={size}>"
+
+
+def _signature_from_types(output_types: Any, output_shapes: Any, where: str) -> Any:
+    """A TensorSpec structure from from_generator's output_types and output_shapes (tf.data's older
+    way to give output_signature): shapes default to unknown rank."""
+    if output_types is None:
+        raise TypeError(f"{where}: output_shapes needs output_types (the dtypes of the same structure).")
+    types, tree = _structure.flatten(output_types)
+    bad = [t for t in types if not isinstance(t, torch.dtype)]
+    if bad or not types:
+        raise TypeError(f"{where}: output_types must be a structure of torch dtypes (e.g. (torch.float32, "
+                        f"torch.int64)); got {output_types!r}.")
+    if output_shapes is None:
+        shapes: list[Any] = [None] * len(types)
+    else:
+        # A shape is a list or tuple of dims: flatten the shapes' structure down to the types' leaves.
+        try:
+            shapes = _structure.flatten_as(tree, output_shapes)
+        except _structure.StructureMismatch as e:
+            raise ValueError(f"{where}: output_shapes {output_shapes!r} does not have the structure of output_types "
+                             f"{output_types!r} ({e}); give one shape (a list of dims) per dtype.") from None
+        for shape in shapes:
+            if shape is not None and (not isinstance(shape, (list, tuple, torch.Size))
+                                      or any(d is not None and (isinstance(d, bool) or not isinstance(d, int))
+                                             for d in shape)):
+                raise TypeError(f"{where}: output_shapes entry {shape!r} is not a shape; give a list of ints "
+                                "(None for a dimension that varies), e.g. [None, 4].")
+    specs = [TensorSpec(shape=None if shape is None else tuple(shape), dtype=dtype)
+             for dtype, shape in zip(types, shapes)]
+    return _structure.unflatten(tree, specs)
 
 
 def _graph(root: _pipeline.Node) -> list[_pipeline.Node]:

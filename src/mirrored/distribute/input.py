@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mirrored.data import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
+from mirrored.data import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, TensorSpec
 from mirrored.distribute.devices import torch_device
 from mirrored.distribute.values import PerReplica, flatten, map_structure, pack_sequence_as
 
@@ -317,6 +317,41 @@ class _Passes:
             return UNKNOWN_CARDINALITY
 
 
+def _distributed_spec(strategy: Strategy, dataset: Any) -> Any:
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        raise TypeError(f"element_spec: the distributed dataset ({type(dataset).__name__}) does not describe its "
+                        "elements; an mr.data.Dataset does (tf.data's element_spec).")
+    local = len(strategy.extended.worker_devices)
+
+    def part(leaf: Any) -> Any:
+        if isinstance(leaf, TensorSpec) and leaf.shape:
+            leaf = TensorSpec(shape=(None, *leaf.shape[1:]), dtype=leaf.dtype)
+        return leaf if local == 1 else PerReplica([leaf] * local)
+
+    return map_structure(part, spec)
+
+
+def _check_shard_policy(strategy: Strategy, dataset: Any) -> None:
+    """Refuses, on more than one worker, a dataset whose options ask for a split other than ours.
+
+    Every worker here reads the same global batches and keeps its replicas' parts (each example once
+    per epoch: TF's DATA policy). OFF (every worker on all the data), FILE and HINT would give other
+    batches in TF; rather than train silently on something else, they are an error naming the fix."""
+    options = getattr(dataset, "options", None)
+    if not callable(options) or strategy.num_replicas_in_sync == len(strategy.extended.worker_devices):
+        return  # not an mr.data.Dataset, or one worker: TF ignores the policy there too
+    policy = getattr(getattr(options(), "experimental_distribute", None), "auto_shard_policy", None)
+    if policy is None or policy.name in ("AUTO", "DATA"):
+        return
+    raise ValueError(
+        f"experimental_distribute_dataset: the dataset's auto_shard_policy is {policy.name}, but this "
+        f"strategy splits each global batch between its {strategy.num_replicas_in_sync} replicas across workers "
+        "(every worker reads the same batches and keeps its part: TF's DATA policy). Set AutoShardPolicy.DATA "
+        "(or AUTO), or, to give each worker data of its own, build it in "
+        "strategy.distribute_datasets_from_function(fn) and shard there with input_context.")
+
+
 class DistributedDataset:
     """What `strategy.experimental_distribute_dataset` returns: iterate it once per epoch.
 
@@ -328,6 +363,7 @@ class DistributedDataset:
         if not isinstance(dataset, Iterable):
             raise TypeError(f"experimental_distribute_dataset: expected a dataset of GLOBAL batches (an "
                             f"mr.data.Dataset, a DataLoader or any iterable); got {type(dataset).__name__}.")
+        _check_shard_policy(strategy, dataset)
         self._strategy = strategy
         self._passes = _Passes(dataset, "experimental_distribute_dataset")
         self._options = options
@@ -357,6 +393,13 @@ class DistributedDataset:
     @property
     def dataset(self) -> Iterable[Any]:
         return self._passes.source
+
+    @property
+    def element_spec(self) -> Any:
+        """The structure of a distributed batch, a TensorSpec per part: each leaf is a PerReplica of the
+        replicas' specs (a plain spec with one replica in this process), their first dimension None
+        (parts differ by a row where the batch does not divide). Needs a dataset with element_spec."""
+        return _distributed_spec(self._strategy, self._passes.source)
 
 
 class DistributedDatasetsFromFunction:
