@@ -703,3 +703,18 @@ def test_no_sync_blocks_are_counted_per_replica_and_outside_run():
 
     assert s.run(fn) == (True, True)
     assert mnet._shared.no_sync == [0, 0] and mnet[0]._shared is mnet._shared  # views share the blocks
+
+
+def test_a_lazy_module_is_refused_until_initialised_so_replicas_cannot_start_apart():
+    """Each copy of a LazyLinear would draw its own weights at its first forward (measured before the
+    refusal: replicas 0.40 and -0.01 apart after one fit); a dry run first makes one set to copy."""
+    strategy = md.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 3))
+    with pytest.raises(ValueError, match=r"Sequential has parameters that are not initialised yet \(1\.weight, "
+                                         r"1\.bias.*module\(x\[:1\]\)"):
+        strategy.mirror(net)
+    net(torch.zeros(1, 5))
+    mnet = strategy.mirror(net)
+    for a, b in zip(mnet.replicas[0].parameters(), mnet.replicas[1].parameters()):
+        assert torch.equal(a, b)

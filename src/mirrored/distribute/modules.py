@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from mirrored.distribute import context, guards
 from mirrored.distribute.devices import torch_device
@@ -101,6 +103,13 @@ class MirroredModule:
             raise TypeError(f"strategy.mirror(module={type(module).__name__}): expected a torch.nn.Module.")
         if isinstance(module, MirroredModule):
             raise TypeError("strategy.mirror: this module is already mirrored.")
+        lazy = [name for name, t in itertools.chain(module.named_parameters(), module.named_buffers()) if is_lazy(t)]
+        if lazy:
+            # Each copy would draw its own initial values at its first forward: replicas out of sync.
+            raise ValueError(
+                f"strategy.mirror: {type(module).__name__} has parameters that are not initialised yet ({', '.join(lazy[:4])}"
+                f"{', ...' if len(lazy) > 4 else ''}: a Lazy module such as LazyLinear). Run it once on a sample batch "
+                "before mirroring it (module(x[:1]) initialises them), or give the layer its input size (nn.Linear).")
         devices = strategy.extended.worker_devices
         first = module.to(torch_device(devices[0]))
         copies = [first] + [copy.deepcopy(first).to(torch_device(d)) for d in devices[1:]]

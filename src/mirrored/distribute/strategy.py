@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 
 from mirrored.distribute import buckets, context, devices, guards, replicas, rollback
 from mirrored.distribute.context import ReplicaContext
@@ -559,7 +560,8 @@ class Strategy:
         from mirrored.distribute.modules import MirroredModule
 
         if isinstance(module, torch.nn.Module) and len(self._devices) > 1:
-            per_copy = sum(t.numel() * t.element_size() for t in itertools.chain(module.parameters(), module.buffers()))
+            per_copy = sum(t.numel() * t.element_size() for t in itertools.chain(module.parameters(), module.buffers())
+                           if not is_lazy(t))  # (MirroredModule refuses lazy ones, naming the fix)
             # On the CPU the module itself is the first copy: only the others are new memory.
             new = self._devices[1:] if self._devices[0].startswith("cpu") else self._devices
             devices.check_replica_memory(per_copy, new, where=f"{type(self).__name__}.mirror")
