@@ -367,3 +367,149 @@ def test_load_state_dict_gives_each_replica_its_own_state_and_keeps_adams_step_w
     assert first[0]["step"].device.type == "cpu" and first[0]["step"].dim() == 0
     assert first[0]["exp_avg"] is not second[0]["exp_avg"] and first[0]["exp_avg"] is not saved["state"][0]["exp_avg"]
     s.check_in_sync(opt)
+
+
+# ---- "mean" reduces when backward ends, as DDP: code between backward and step sees reduced gradients ----
+
+def clipped_plain_steps(data_batches: list, max_norm: float, micro: int = 1) -> nn.Module:
+    """One device: each batch's mean loss in `micro` backward passes (equal slices), clip, step."""
+    ref = net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for x, y in data_batches:
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            F.cross_entropy(ref(xs), ys).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        opt.step()
+    return ref
+
+
+@pytest.mark.parametrize("replicas, n, batch", [(2, 24, 8), (3, 22, 6), (2, 21, 8)])
+def test_clip_grad_norm_between_backward_and_step_clips_the_reduced_gradients_as_ddp(replicas, n, batch):
+    """pytorch/examples' word_language_model and nanoGPT clip between backward and step: under DDP the
+    gradients are averaged by then. Clipping each replica's own gradient instead would change the
+    update whenever clipping acts (it acts on every step here: max_norm 0.05)."""
+    x, y = data(n)
+    ref = clipped_plain_steps(batches(x, y, batch), max_norm=0.05)
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.5)
+    seen = []
+
+    def step(xb, yb):
+        opt.zero_grad()
+        F.cross_entropy(mnet(xb), yb).backward()
+        seen.append([p.grad.clone() for p in mnet.parameters()])  # after backward: already reduced
+        torch.nn.utils.clip_grad_norm_(mnet.parameters(), 0.05)
+        opt.step()
+
+    for xb, yb in strategy.experimental_distribute_dataset(batches(x, y, batch)):
+        seen.clear()
+        strategy.run(step, args=(xb, yb))
+        for other in seen[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(seen[0], other))
+    assert_matches(mnet, ref, strategy, opt)
+
+
+def test_several_backward_passes_per_step_each_reduce_and_accumulate_as_ddp():
+    """Without no_sync, DDP averages each backward's gradients and they accumulate: the same sum as one
+    device's backward passes over the same slices."""
+    x, y = data(24)
+    ref = clipped_plain_steps(batches(x, y, 12), max_norm=0.05, micro=2)
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.5)
+
+    def step(first, second):
+        opt.zero_grad()
+        for xb, yb in (first, second):
+            F.cross_entropy(mnet(xb), yb).backward()
+        torch.nn.utils.clip_grad_norm_(mnet.parameters(), 0.05)
+        opt.step()
+
+    for x12, y12 in batches(x, y, 12):
+        # Each micro-batch of 6 is split over the replicas as the one device's slices are.
+        halves = [strategy.experimental_distribute_values_from_function(
+            lambda ctx, xs=xs, ys=ys: (xs[3 * ctx.replica_id_in_sync_group:3 * ctx.replica_id_in_sync_group + 3],
+                                       ys[3 * ctx.replica_id_in_sync_group:3 * ctx.replica_id_in_sync_group + 3]))
+            for xs, ys in zip(x12.chunk(2), y12.chunk(2))]
+        strategy.run(step, args=(halves[0], halves[1]))
+    assert_matches(mnet, ref, strategy, opt)
+
+
+def test_a_forward_or_zero_grad_between_backward_and_step_keeps_the_update_right():
+    """Gradients reduced at the end of backward are set aside by a following forward (a backward may
+    come) and put back when none did; zero_grad forgets them. Both give one device's update."""
+    x, y = data(16)
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for xb, yb in batches(x, y, 8):
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(xb), yb).backward()
+        ref_opt.step()
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.5)
+
+    def step(xb, yb):
+        F.cross_entropy(mnet(xb), yb).backward()  # a backward whose step is skipped...
+        mnet.zero_grad()  # ...and forgotten
+        F.cross_entropy(mnet(xb), yb).backward()
+        probe = mnet(xb).sum()  # a forward with gradients on and no backward (logging, say)
+        del probe
+        opt.step()
+        opt.zero_grad()
+
+    for xb, yb in strategy.experimental_distribute_dataset(batches(x, y, 8)):
+        strategy.run(step, args=(xb, yb))
+    assert_matches(mnet, ref, strategy, opt)
+
+
+def test_a_step_failing_after_the_backward_reduction_leaves_no_trace():
+    x, y = data(8)
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    F.cross_entropy(ref(x), y).backward()
+    ref_opt.step()
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.5)
+
+    def step(xb, yb, fail):
+        F.cross_entropy(mnet(xb), yb).backward()  # reduced here, on every replica
+        if fail and md.get_replica_context().replica_id_in_sync_group == 1:
+            raise ValueError("boom after backward")
+        opt.step()
+
+    (xb, yb), = strategy.experimental_distribute_dataset([(x, y)])
+    with pytest.raises(ValueError, match="boom after backward"):
+        strategy.run(step, args=(xb, yb, True))
+    assert all(p.grad is None for m in mnet.values for p in m.parameters())
+    strategy.run(step, args=(xb, yb, False))
+    assert_matches(mnet, ref, strategy, opt)
+
+
+def test_sum_reduction_reduce_gradients_then_clip_then_step_reduces_once():
+    """TF's rule ("sum", the loss scaled by the global batch): reduce_gradients(), clip the reduced
+    gradients, step() - which does not reduce them a second time."""
+    x, y = data(16)
+    ref = clipped_plain_steps(batches(x, y, 8), max_norm=0.05)
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.5)
+
+    def step(xb, yb):
+        opt.zero_grad()
+        (F.cross_entropy(mnet(xb), yb, reduction="sum") / 8).backward()
+        opt.reduce_gradients()
+        torch.nn.utils.clip_grad_norm_(mnet.parameters(), 0.05)
+        opt.step()
+
+    for xb, yb in strategy.experimental_distribute_dataset(batches(x, y, 8)):
+        strategy.run(step, args=(xb, yb))
+    assert_matches(mnet, ref, strategy, opt)

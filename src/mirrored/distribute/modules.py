@@ -35,12 +35,15 @@ class _Shared:
     examples its copy saw since its optimizer last stepped (kept once an optimizer with
     gradient_reduction="mean" needs it), and the no_sync() blocks open."""
 
-    __slots__ = ("examples", "no_sync_all", "no_sync")
+    __slots__ = ("examples", "no_sync_all", "no_sync", "grad_sync")
 
     def __init__(self, replicas: int):
         self.examples: list[Tensor] | None = None  # per replica: [examples, forward calls], int64 on the CPU
         self.no_sync_all = 0  # blocks opened outside strategy.run (they hold for every replica)
         self.no_sync = [0] * replicas  # blocks opened by each replica inside strategy.run
+        # The optimizer that all-reduces this module's gradients when backward ends ("mean", as DDP), if
+        # any: told of each forward and of zero_grad (MirroredOptimizer.before_forward / grads_cleared).
+        self.grad_sync: Any = None
 
     def count_examples(self) -> None:
         if self.examples is None:
@@ -164,6 +167,8 @@ class MirroredModule:
             journal.before_forward(copy_)
         if self._shared.examples is not None:  # gradient_reduction="mean" weighs replicas by their examples
             self._shared.add_examples(rid, journal, args, kwargs)
+        if self._shared.grad_sync is not None and torch.is_grad_enabled():
+            self._shared.grad_sync.before_forward(ctx)
         return (copy_ if method is None else copy_.forward)(*args, **kwargs)
 
     def _cross_replica_call(self, method: str | None, args: tuple, kwargs: dict) -> Any:
@@ -273,6 +278,8 @@ class MirroredModule:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the current replica's gradients inside strategy.run, every replica's outside it."""
         self._each("zero_grad", set_to_none=set_to_none)
+        if self._shared.grad_sync is not None:
+            self._shared.grad_sync.grads_cleared()
 
     def apply(self, fn: Callable[[nn.Module], None]) -> MirroredModule:
         """fn(submodule) on every copy's submodules (inside strategy.run, on the replica's own copy)."""
@@ -473,9 +480,9 @@ class MirroredModule:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """A block of micro-steps whose gradients accumulate locally (DDP's no_sync): a mirrored
-        optimizer's step() is refused inside it, and the first step() after it all-reduces what
-        accumulated once. Backward never communicates here (the all-reduce is in step()), so the
-        block costs nothing; open it outside strategy.run (for every replica) or inside it."""
+        optimizer's step() is refused inside it, and the first backward after it (with
+        gradient_reduction="mean") or step() all-reduces what accumulated, once. Backward never
+        communicates inside the block; open it outside strategy.run (for every replica) or inside it."""
         rid = self._replica()
         shared = self._shared
         if rid is None:

@@ -10,7 +10,10 @@ replica applies the same update, so the copies stay bitwise identical; floating-
 - "mean", DDP's rule: an unchanged `F.cross_entropy(out, y).backward()` on each replica's part, and
   the replicas' gradients are averaged. Each replica weighs by the examples its module copy was
   called with since the last step, so an uneven last batch still gives one device's update on the
-  whole batch (DDP weighs every replica alike).
+  whole batch (DDP weighs every replica alike). As in DDP, the all-reduce runs when a backward
+  through the module ends (a hook per parameter queues it on autograd's final callbacks), so code
+  between backward and step() - clip_grad_norm_ - sees reduced gradients; step() then only meets
+  the other replicas, so that no copy updates alone.
 
 torch LR schedulers take it as their optimizer: its param_groups write every replica's, so every
 replica gets the same rate, and `attach_lr_scheduler` saves a scheduler's state with its own. Uses
@@ -19,7 +22,9 @@ context.py, devices.py, guards.py, modules.py, rollback.py and values.py; the st
 from __future__ import annotations
 
 import copy
+import functools
 import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +87,16 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._pending_schedulers: dict[int, dict[str, Any]] = {}  # by attach order: states loaded before it
         if self._mean:
             module._shared.count_examples()
+        # "mean" is DDP's rule, and as in DDP the gradients are all-reduced when backward ends, so code
+        # between backward and step() (clip_grad_norm_, a logged gradient norm) sees the reduced ones.
+        self._sync = [_BackwardSync() for _ in self.replicas]
+        self._tokens: dict[int, Tensor] = {}  # per replica: what _meet() sends
+        self._syncs_in_backward = self._mean and strategy.num_replicas_in_sync > 1
+        if self._syncs_in_backward:
+            module._shared.grad_sync = self  # the latest "mean" optimizer of a module syncs it
+            for rid in range(len(self.replicas)):
+                for param in self._params(rid):
+                    param.register_post_accumulate_grad_hook(functools.partial(_grad_accumulated, weakref.ref(self), rid))
 
     @property
     def values(self) -> tuple[torch.optim.Optimizer, ...]:
@@ -142,21 +157,107 @@ class MirroredOptimizer(torch.optim.Optimizer):
         update = accumulate is None or accumulate()
         examples = None
         if update:
-            self.reduce_gradients()  # (through the public method, which mr.profiler times)
+            if self._settle(ctx):  # reduced already (when backward ended, or by reduce_gradients())
+                self._meet(ctx)
+            else:
+                self.reduce_gradients()  # (through the public method, which mr.profiler times)
             examples = None if ctx is None else self._examples[ctx.local_replica_id]
         result = self.optimizer.step()
         self.finish_step(weight=examples, commit=update)
         return result
 
     def reduce_gradients(self) -> None:
-        """All-reduces the calling replica's gradients in place of its `.grad`s (what step() does first;
-        a loop that clips the reduced gradients calls it, then self.optimizer.step() and finish_step())."""
+        """All-reduces the calling replica's gradients in place of its `.grad`s (what step() does first).
+        With gradient_reduction="sum" a loop that clips the reduced gradients calls it, then step()
+        (which does not reduce them again); with "mean" it is done when backward ends, as in DDP."""
         ctx = self._replica()
         self._refuse_in_no_sync(ctx, "reduce_gradients")
+        if self._settle(ctx):
+            return  # already reduced when backward ended ("mean")
         examples = self._take_examples(ctx)
         if ctx is not None:
             self._examples[ctx.local_replica_id] = examples  # for step()'s buffer average
         self._reduce(ctx, examples)
+        if ctx is not None:
+            self._sync_state(ctx.local_replica_id, journal_of(ctx)).reduced = True  # until the update
+            self._settle(ctx)  # and add what an earlier backward of this step reduced ("mean")
+
+    # ---- "mean": the all-reduce when backward ends, as DDP's ------------------------------------------
+    def _sync_state(self, rid: int, journal: Any) -> _BackwardSync:
+        """Replica `rid`'s state, noted in the step's journal before it changes (a failed step puts it back)."""
+        state = self._sync[rid]
+        if journal is not None:
+            journal.before_change(state, state.saved)
+        return state
+
+    def before_forward(self, ctx: ReplicaContext) -> None:
+        """A forward with gradients on, in replica context (MirroredModule calls it): a backward may
+        follow. Gradients already reduced in this step are set aside, so that backward's own are
+        reduced alone and then added to them: k backward passes accumulate the k reduced gradients,
+        as under DDP."""
+        rid = ctx.local_replica_id
+        state = self._sync_state(rid, journal_of(ctx))
+        state.ctx = ctx
+        if state.reduced:
+            params = self._params(rid)
+            # Copies: reduced gradients may be views of the strategy's reduction buffers, which the next
+            # all-reduce writes into.
+            state.stash = [None if p.grad is None else p.grad.detach().clone() for p in params]
+            for p in params:
+                p.grad = None
+            state.reduced = False
+
+    def grads_cleared(self) -> None:
+        """zero_grad() on the module or this optimizer: nothing reduced or set aside remains."""
+        ctx = self._replica()
+        for rid in (range(len(self._sync)) if ctx is None else [ctx.local_replica_id]):
+            state = self._sync_state(rid, journal_of(ctx))
+            state.reduced, state.stash = False, None
+
+    def _end_backward(self, rid: int) -> None:
+        """Runs when a backward that accumulated into this optimizer's parameters ends, on the replica's
+        own thread (autograd runs final callbacks on the thread that called backward)."""
+        state = self._sync[rid]
+        state.queued = False
+        ctx = context.replica_of(self._strategy)
+        if ctx is None or ctx.local_replica_id != rid:
+            return  # a backward outside strategy.run (refused elsewhere) or through another replica's thread
+        if self._module._shared.in_no_sync(rid) or getattr(self.replicas[rid], "gradient_accumulation_steps", 1) > 1:
+            return  # local accumulation: step() (or the first backward after the block) reduces it all
+        self.reduce_gradients()
+
+    def _meet(self, ctx: ReplicaContext) -> None:
+        """Waits until every replica reaches its update. The reduction met already, but a replica may have
+        failed since (between backward and step): then this raises on the others too, so no copy is
+        updated alone (the step is all or nothing, as when step() itself all-reduces)."""
+        if ctx.num_replicas_in_sync > 1:
+            rid = ctx.local_replica_id
+            token = self._tokens.get(rid)
+            if token is None:
+                device = self._params(rid)[0].device if self._params(rid) else "cpu"
+                token = self._tokens[rid] = torch.zeros(1, device=device)
+            self._strategy.all_reduce_tensors(ctx, ReduceOp.SUM, [token], check_shapes=False)
+
+    def _settle(self, ctx: ReplicaContext | None) -> bool:
+        """Before an update: whether this replica's gradients are reduced already (when its last
+        backward ended); gradients set aside by a forward that no backward followed are put back."""
+        if ctx is None:
+            return False
+        rid = ctx.local_replica_id
+        state = self._sync[rid]
+        if state.stash is not None:
+            state = self._sync_state(rid, journal_of(ctx))
+            params = self._params(rid)
+            if state.reduced or all(p.grad is None for p in params):
+                # Reduced since (add the two), or no backward since the forward (put them back as they were).
+                with torch.no_grad():
+                    for p, kept in zip(params, state.stash):
+                        if kept is not None:
+                            p.grad = kept if p.grad is None else p.grad.add_(kept)
+                state.stash, state.reduced = None, True
+            else:  # a backward inside no_sync since: reduce its gradients, then add
+                return False
+        return state.reduced
 
     def _refuse_in_no_sync(self, ctx: ReplicaContext | None, what: str) -> None:
         if self._module._shared.in_no_sync(0 if ctx is None else ctx.local_replica_id):
@@ -215,8 +316,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
         is not committed: no meeting made every replica take it, so a failure rolls it back too.
         `step()` calls it; a loop that steps `self.optimizer` itself calls it after."""
         self.sync_buffers(weight)
+        ctx = self._replica()
+        journal = journal_of(ctx)
+        if ctx is not None and self._sync[ctx.local_replica_id].reduced:
+            self._sync_state(ctx.local_replica_id, journal).reduced = False  # the update consumed them
         self._opt_called = True  # a torch LR scheduler's check that the optimizer stepped before it
-        journal = journal_of(self._replica())
         if journal is not None and commit:
             journal.commit()
 
@@ -267,6 +371,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         else:
             for opt in self.replicas:
                 opt.zero_grad(set_to_none=set_to_none)
+        self.grads_cleared()
 
     def state_dict(self) -> dict[str, Any]:
         """Replica 0's state_dict (equal to the others'), with the attached LR schedulers' states."""
@@ -413,3 +518,38 @@ class _MirroredGroup(MutableMapping):
 
     def __repr__(self) -> str:
         return f"MirroredGroup({ {k: v for k, v in self._groups[0].items() if k != 'params'} })"
+
+
+class _BackwardSync:
+    """One replica's part in "mean"'s all-reduce at the end of backward: whether its gradients are
+    reduced (until the update), the reduced gradients set aside while another backward accumulates
+    its own, whether the end-of-backward callback is queued, and its replica context."""
+
+    __slots__ = ("reduced", "stash", "queued", "ctx")
+
+    def __init__(self) -> None:
+        self.reduced = False
+        self.stash: list[Tensor | None] | None = None
+        self.queued = False
+        self.ctx: Any = None
+
+    def saved(self) -> Callable[[], None]:
+        """This state as it is now, as a function that puts it back (for StepJournal.before_change)."""
+        reduced, stash = self.reduced, self.stash
+
+        def restore() -> None:
+            self.reduced, self.stash, self.queued = reduced, stash, False
+
+        return restore
+
+
+def _grad_accumulated(optimizer_ref: Any, rid: int, param: Tensor) -> None:
+    """A parameter's gradient was accumulated in backward: queue the replica's all-reduce for the end
+    of this backward (once per backward; autograd runs queued callbacks after every accumulation)."""
+    optimizer = optimizer_ref()
+    if optimizer is None or optimizer._module._shared.grad_sync is not optimizer:
+        return  # a newer "mean" optimizer of the module syncs it now
+    state = optimizer._sync[rid]
+    if not state.queued:
+        state.queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: optimizer._end_backward(rid))

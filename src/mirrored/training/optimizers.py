@@ -362,6 +362,11 @@ class _KerasSteps:
         return [p for group in self.param_groups for p in group["params"]]
 
     @property
+    def gradient_accumulation_steps(self) -> int:
+        """Steps per update (1: every step updates); a mirrored optimizer all-reduces only on updates."""
+        return self._options.accumulation_steps
+
+    @property
     def iterations(self) -> int:
         """Updates applied: steps // gradient_accumulation_steps, as Keras counts them."""
         return self._micro_steps // self._options.accumulation_steps
