@@ -35,10 +35,9 @@ from collections.abc import Callable
 import torch
 
 import mirrored as mr
-from mirrored.distribute import context, guards, replicas, rollback
+from mirrored.distribute import context, replicas, rollback
 from mirrored.distribute import strategy as strategy_module
-from mirrored.distribute.context import ReplicaContext
-from mirrored.distribute.values import regroup, select_replica
+from mirrored.distribute.values import regroup
 
 _TARGET_US = 50.0  # issue 15: a no-op run on 2 replicas
 
@@ -54,10 +53,15 @@ def strategy_of(replicas_: int) -> mr.MirroredStrategy:
 
 
 class HandOffFloor:
-    """N threads woken by raw locks, the last to finish wakes the caller: the least a fan-out costs."""
+    """N threads woken by raw locks, the last to finish wakes the caller: the least a fan-out costs.
+    With caller_is_replica_0, the caller does replica 0's part itself and wakes N - 1 threads (the
+    design strategy.run does not use: see RESULTS.md)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, caller_is_replica_0: bool = False):
         self.n = n
+        self.caller_part = caller_is_replica_0
+        if caller_is_replica_0:
+            n -= 1
         self.go = [self._closed() for _ in range(n)]
         self.done = self._closed()
         self.mutex = _thread.allocate_lock()
@@ -78,15 +82,20 @@ class HandOffFloor:
             self.go[i].acquire()
             if self.stopping:
                 return
-            with self.mutex:
-                self.pending -= 1
-                if self.pending == 0:
-                    self.done.release()
+            self._finish()
+
+    def _finish(self) -> None:
+        with self.mutex:
+            self.pending -= 1
+            if self.pending == 0:
+                self.done.release()
 
     def __call__(self) -> None:
         self.pending = self.n
         for g in self.go:
             g.release()
+        if self.caller_part:
+            self._finish()
         self.done.acquire()
 
     def stop(self) -> None:
@@ -122,35 +131,30 @@ def alternate(fns: dict[str, Callable[[], object]], samples: int, calls: int) ->
 
 # ---- the pieces of a run, each alone on the caller's thread -------------------------------------------
 def pieces(strategy: mr.MirroredStrategy) -> dict[str, Callable[[], object]]:
-    """One callable per piece of `strategy.run(noop)`'s own work (2 replicas), as the run path does it."""
+    """One callable per piece of `strategy.run(noop)`'s own work (2 replicas), calling what run() calls."""
     devices = strategy.extended.worker_devices
     args: tuple = ()
     kwargs: dict = {}
     step = replicas.Rendezvous(devices, 300.0)
-    journal = rollback.StepJournal()
+    journals = [rollback.StepJournal() for _ in devices]
 
-    def entry_checks() -> None:  # what run() does before handing out: nesting, argument lengths
+    def entry_checks() -> None:  # before handing out: nesting (no frame here), PerReplica lengths
         context._current()
-        for leaf in strategy_module.flatten((args, kwargs)):
-            if isinstance(leaf, mr.DistributedValues) and len(leaf.values) != len(devices):
-                raise AssertionError
+        strategy_module._argument_split(args, kwargs, len(devices))
 
     def step_state() -> None:
         replicas.Rendezvous(devices, 300.0)
         [rollback.StepJournal() for _ in devices]
 
     def guard() -> None:
-        with guards.watch(strategy, noop):
+        with strategy._guard(noop):
             pass
 
-    def replica_wrapper() -> None:  # the task each replica thread runs around fn, with fn a no-op
-        ctx = ReplicaContext(strategy, 0)
-        ctx._step = step
-        ctx._journal = journal
-        with context.push(strategy, ctx), strategy_module._entered(()):
-            noop(*select_replica(0, args), **select_replica(0, kwargs))
-        step._done.clear()
-        step.finish(0)
+    task = strategy._replica_task(noop, args, kwargs, strategy_module._SHARED, step, journals, ())
+
+    def replica_wrapper() -> None:  # the task a replica thread runs around fn, with fn a no-op
+        step._done.clear()  # (as if a new step: finish() refuses a replica that finished already)
+        task(0)
 
     def results() -> None:
         regroup([None] * len(devices), where="strategy.run")
@@ -183,15 +187,17 @@ def main() -> None:
     torch.set_num_threads(1)
     strategies = {n: strategy_of(n) for n in counts}
     floors = {n: HandOffFloor(n) for n in counts if n > 1}
+    inline_floors = {n: HandOffFloor(n, caller_is_replica_0=True) for n in counts if n > 1}
     pools = {n: pool_floor(n) for n in counts if n > 1}
     fns: dict[str, Callable[[], object]] = {"bare call": noop}
     for n in counts:
         fns[f"run, {n} replica{'s' if n > 1 else ''}"] = (lambda s=strategies[n]: s.run(noop))
         if n > 1:
             fns[f"hand-off floor, {n} threads"] = floors[n]
+            fns[f"hand-off floor, caller + {n - 1}"] = inline_floors[n]
             fns[f"ReplicaPool.run, {n} threads"] = pools[n][0]
     measured = alternate(fns, samples, calls)
-    for floor in floors.values():
+    for floor in [*floors.values(), *inline_floors.values()]:
         floor.stop()
     for _, stop in pools.values():
         stop()
