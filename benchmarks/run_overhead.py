@@ -15,9 +15,11 @@ a task that does nothing (hand-off plus the pool's bookkeeping, without the stra
 
 Pieces: each part of the strategy's side of a run, timed alone on the caller's thread (they run
 under the GIL, so on the replica threads they add up in series): the entry checks (nesting, PerReplica
-lengths), the per-step state (rendezvous, rollback journals), the caller's grad/autocast modes, the
-guard against shared torch state, one replica's wrapper around fn (its context, modes, argument
-selection, finish), and regrouping the results. They are measured on 2 replicas.
+lengths, how arguments are split), the per-step rendezvous and rollback journals, the caller's
+grad/autocast modes, the guard against shared torch state, one replica's wrapper around fn (its
+context, modes, arguments, finish), and regrouping the results; measured on 2 replicas. Last, a
+2-replica run's median is split into wake-ups (the floor), the pool's bookkeeping (ReplicaPool.run
+less the floor) and the strategy's share (run less ReplicaPool.run).
 """
 from __future__ import annotations
 
@@ -142,8 +144,10 @@ def pieces(strategy: mr.MirroredStrategy) -> dict[str, Callable[[], object]]:
         context._current()
         strategy_module._argument_split(args, kwargs, len(devices))
 
-    def step_state() -> None:
+    def rendezvous() -> None:
         replicas.Rendezvous(devices, 300.0)
+
+    def journals_() -> None:
         [rollback.StepJournal() for _ in devices]
 
     def guard() -> None:
@@ -159,8 +163,9 @@ def pieces(strategy: mr.MirroredStrategy) -> dict[str, Callable[[], object]]:
     def results() -> None:
         regroup([None] * len(devices), where="strategy.run")
 
-    return {"entry checks": entry_checks, "step state": step_state, "caller modes": strategy_module._caller_modes,
-            "guard": guard, "replica wrapper (x1)": replica_wrapper, "regroup results": results}
+    return {"entry checks, arguments": entry_checks, "rendezvous": rendezvous, "rollback journals": journals_,
+            "caller modes": strategy_module._caller_modes, "shared-state guard": guard,
+            "replica wrapper (x1)": replica_wrapper, "regroup results": results}
 
 
 def pool_floor(n: int) -> tuple[Callable[[], object], Callable[[], None]]:
@@ -219,6 +224,12 @@ def main() -> None:
         wrapper = statistics.median(parts["replica wrapper (x1)"])
         total = sum(statistics.median(v) for k, v in parts.items() if k != "replica wrapper (x1)") + 2 * wrapper
         print(f"  {'sum (wrapper x2)':<28}{total * 1e6:>9.2f}")
+        run, pool, floor = (statistics.median(measured[k]) * 1e6 for k in (
+            "run, 2 replicas", "ReplicaPool.run, 2 threads", "hand-off floor, 2 threads"))
+        print("Where a 2-replica run's time goes (medians of the whole calls above)")
+        print(f"  {'wake-ups (hand-off floor)':<28}{floor:>9.1f}")
+        print(f"  {'pool bookkeeping':<28}{pool - floor:>9.1f}   (ReplicaPool.run - floor)")
+        print(f"  {'strategy (pieces, GIL)':<28}{run - pool:>9.1f}   (run - ReplicaPool.run; the pieces sum above)")
     if hasattr(os, "getloadavg"):
         print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
