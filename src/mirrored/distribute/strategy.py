@@ -219,7 +219,7 @@ class Strategy:
         if outcome.interrupted is not None:  # the step finished on every replica first: it stays applied
             raise outcome.interrupted
         try:
-            return regroup(outcome.results, where="strategy.run")
+            return _run_result(outcome.results)
         except ValueError:  # the replicas returned different structures: the step failed as a whole
             self._roll_back(journals, outcome.finished)
             raise
@@ -665,6 +665,16 @@ def _caller_modes() -> tuple[Any, ...]:
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)  # one call for every device type
+
+
+def _run_result(results: list[Any]) -> Any:
+    """strategy.run's result from the replicas' results: regroup's, with its first answer (every
+    replica returned the same object, None say) found without its walk."""
+    first = results[0]
+    for result in results:
+        if result is not first:
+            return regroup(results, where="strategy.run")
+    return first
 
 
 def _argument_split(args: tuple, kwargs: dict, n: int) -> int:
