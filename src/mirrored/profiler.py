@@ -13,11 +13,22 @@ start and an end) from three sources:
     whole function). A replica's compute is its replica_step minus its all_reduce.
   - `trace(name)` blocks, which anyone may add on any thread.
 Out come `summary()`, a Chrome trace (`save_chrome_trace`; chrome://tracing or ui.perfetto.dev) and
-a PNG of the per-step breakdown (`plot`). In fit() the optimizer is `model.mirrored_optimizer`. Spans are host wall time: on CUDA, where
-kernels run asynchronously, time shows up where the host waits for the device (at the latest when
-fit() reads the step's metrics), so use the step totals there and the per-phase split with care.
-Uses the public names of mirrored.distribute, the Callback base, numpy and matplotlib (Agg canvas,
-no pyplot state).
+a PNG of the per-step breakdown (`plot`). In fit() the optimizer is `model.mirrored_optimizer`.
+
+`breakdown()` splits each step's wall time (its input wait plus the step) into four phases that add
+up to it: input, compute and all-reduce of the step's slowest replica (the one on the critical path;
+it arrives last at the all-reduce, so its all-reduce is the communication itself), and overhead (the
+step outside that replica's function: hand-offs to the replica threads, splitting the batch, the
+loop's bookkeeping). `bottleneck()` names the largest in words ("compute-bound: 97% of the step
+computes; all-reduce 1%; input 1%; overhead 1%"), and `scaling()` compares the step with the limit:
+every replica as fast as one replica alone (`time_alone` measures that; without it, this run's own
+compute stands in).
+
+Spans are host wall time. On CUDA, where kernels run asynchronously, the profiler synchronises the
+device at every span boundary (the step's on the main thread, each replica's on its own thread), so
+each phase holds the device work it queued; a profiled step thereby loses its host/device overlap.
+Uses the public names of mirrored.distribute, the Callback base, torch (device synchronisation),
+numpy and matplotlib (Agg canvas, no pyplot state).
 """
 from __future__ import annotations
 
@@ -33,21 +44,47 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 
 import mirrored.distribute as md
 from mirrored.training.callbacks import Callback
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Profiler", "Span", "trace"]
+__all__ = ["Profiler", "Span", "time_alone", "trace"]
 
 _TRACE_FILE = "trace{suffix}.json"  # worker N > 0 of a multi-worker run adds ".workerN"
 _PLOT_FILE = "timeline{suffix}.png"
+PHASES = ("compute", "all_reduce", "input", "overhead")  # breakdown()'s phases, in the order they are printed
+_PHASE_WORDS = {  # phase -> (the bottleneck's name, what the step does in it, the phase's short name)
+    "compute": ("compute-bound", "computes", "compute"),
+    "all_reduce": ("all-reduce-bound", "all-reduces", "all-reduce"),
+    "input": ("input-bound", "waits for input", "input"),
+    "overhead": ("overhead-bound", "is overhead (hand-offs to the replicas, bookkeeping)", "overhead"),
+}
 
 
 def _now() -> int:
     """The clock every span reads: monotonic nanoseconds, the same on every thread."""
     return time.perf_counter_ns()
+
+
+def _device_sync(devices: tuple[str, ...] | list[str]) -> Callable[[], None] | None:
+    """What waits for the work queued on `devices`' CUDA GPUs (the main thread's step boundaries);
+    None where none is a GPU."""
+    indices = sorted({int(d.split(":")[1]) if ":" in d else 0 for d in devices if d.startswith("cuda")})
+    if not indices:
+        return None
+
+    def sync() -> None:
+        for i in indices:
+            torch.cuda.synchronize(i)
+    return sync
+
+
+def _sync_current() -> None:
+    """Waits for the calling thread's current CUDA device (a replica thread's own GPU)."""
+    torch.cuda.synchronize()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +117,15 @@ class _Recorder:
         self.next_step = 0
         self.step_start_ns = 0
         self.last_end_ns = self.t0_ns
+        self.sync: Callable[[], None] | None = None  # waits for every GPU of the strategy (CUDA only)
+        self.replicas: int | None = None  # the strategy's num_replicas_in_sync, when one is profiled
         self._lock = threading.Lock()
+
+    def now(self) -> int:
+        """The clock at a step boundary: on CUDA, after the devices finished what was queued so far."""
+        if self.sync is not None:
+            self.sync()
+        return _now()
 
     def record(self, name: str, start_ns: int, end_ns: int, args: dict[str, Any] | None = None,
                in_replica: bool = True) -> None:
@@ -121,12 +166,19 @@ def trace(name: str) -> Iterator[None]:
             rec.record(name, start, end)
 
 
-def _timed(rec: _Recorder, name: str | Callable[[], str], call: Callable[..., Any]) -> Callable[..., Any]:
+def _timed(rec: _Recorder, name: str | Callable[[], str], call: Callable[..., Any],
+           sync: Callable[[], None] | None = None) -> Callable[..., Any]:
+    """`call`, recording a span `name` around it; with `sync` (CUDA), the device is waited for at both
+    ends, so the span holds the kernels the call queued and none from before it."""
     def timed(*args: Any, **kwargs: Any) -> Any:
+        if sync is not None:
+            sync()
         start = _now()
         try:
             return call(*args, **kwargs)
         finally:
+            if sync is not None:
+                sync()
             rec.record(name if isinstance(name, str) else name(), start, _now())
     return timed
 
@@ -204,16 +256,21 @@ class Profiler(Callback):
         self._epoch = self._batch = None
         resolver = getattr(strategy, "cluster_resolver", None)  # multi-worker: this process's rank
         self._worker = getattr(resolver, "task_id", None) or 0
+        devices = tuple(strategy.extended.worker_devices) if strategy is not None else ()
+        if strategy is not None:
+            rec.replicas = strategy.num_replicas_in_sync
+        rec.sync = _device_sync(devices)
+        replica_sync = _sync_current if rec.sync is not None else None
         if optimizer is not None:
             self._undo.append(_wrap_method(optimizer, "reduce_gradients",
-                                           lambda call: _timed(rec, "all_reduce", call)))
+                                           lambda call: _timed(rec, "all_reduce", call, replica_sync)))
         if strategy is not None:
             def replica_name() -> str:
                 return "replica_step" if rec.step is not None else "replica_run"
 
             def wrap_run(call: Callable[..., Any]) -> Callable[..., Any]:
                 def run(fn: Any, *args: Any, **kwargs: Any) -> Any:
-                    return call(_timed(rec, replica_name, fn) if callable(fn) else fn, *args, **kwargs)
+                    return call(_timed(rec, replica_name, fn, replica_sync) if callable(fn) else fn, *args, **kwargs)
                 return run
             self._undo.append(_wrap_method(strategy, "run", wrap_run))
         with _active_lock:
@@ -263,7 +320,7 @@ class Profiler(Callback):
                                "the loop, or pass the profiler to model.fit(callbacks=[...]).")
         if rec.step is not None:
             raise RuntimeError(f"Profiler: a step began while step {rec.step} was still open; steps do not nest.")
-        now = _now()
+        now = rec.now()
         rec.step = rec.next_step
         rec.record("input", rec.last_end_ns, now, in_replica=False)
         rec.step_start_ns = now
@@ -273,7 +330,7 @@ class Profiler(Callback):
         rec = self._rec
         if rec.step is None:
             return
-        now = _now()
+        now = rec.now()
         examples = logs.get("num_examples", logs.get("size"))
         args = {"epoch": self._epoch, "batch": self._batch, "num_examples": examples}
         rec.record("step", rec.step_start_ns, now, {k: v for k, v in args.items() if v is not None},
@@ -343,7 +400,58 @@ class Profiler(Callback):
             "images": images,
             "images_per_s": images / wall if images is not None and wall > 0 else None,
             "input_fraction": input_total / wall if wall > 0 else None,
+            "phases": self.breakdown(),
+            "bottleneck": self.bottleneck(),
+            "scaling": self.scaling(),
         }
+
+    def breakdown(self) -> dict[str, Any]:
+        """The profiled wall time (input waits + steps) split into PHASES that add up to it: per phase,
+        its total seconds and its fraction of the wall time; also `wall_s` and `steps`. Each step
+        counts its slowest replica (see the module docstring)."""
+        rows = self._steps()
+        totals = dict.fromkeys(PHASES, 0.0)
+        for row in rows:
+            for name, seconds in _phases(row).items():
+                totals[name] += seconds
+        wall = sum(row["input_s"] + row["step_s"] for row in rows)
+        out: dict[str, Any] = {name: {"total_s": t, "fraction": t / wall if wall > 0 else None}
+                               for name, t in totals.items()}
+        out["wall_s"], out["steps"] = wall, len(rows)
+        return out
+
+    def bottleneck(self) -> str | None:
+        """What limits the step, in words, with the numbers: "compute-bound: 97% of the step computes;
+        all-reduce 1%; input 1%; overhead 1%". None before any step was recorded."""
+        phases = self.breakdown()
+        if not phases["steps"] or not phases["wall_s"] > 0:
+            return None
+        order = sorted(PHASES, key=lambda name: -phases[name]["fraction"])
+        name, doing, _ = _PHASE_WORDS[order[0]]
+        rest = "; ".join(f"{_PHASE_WORDS[p][2]} {_percent(phases[p]['fraction'])}" for p in order[1:])
+        return f"{name}: {_percent(phases[order[0]]['fraction'])} of the step {doing}; {rest}"
+
+    def scaling(self, alone_step_s: float | None = None) -> dict[str, Any] | None:
+        """Scaling efficiency against the limit, N replicas each as fast as one replica alone: one
+        replica's step timed alone (`alone_step_s`, e.g. from `time_alone` on a per-replica batch) over
+        the measured wall time per step (median of input wait + step). Without `alone_step_s`, this
+        run's median compute time of the slowest replica stands in: that limit leaves out what the
+        replicas cost each other (shared cores, caches, memory bandwidth), so its efficiency is an
+        upper bound. None before any step was recorded."""
+        if alone_step_s is not None and not (isinstance(alone_step_s, (int, float)) and alone_step_s > 0):
+            raise ValueError(f"Profiler.scaling(alone_step_s={alone_step_s!r}): give one replica's step time "
+                             "alone in seconds, a positive number (e.g. from mr.profiler.time_alone).")
+        rows = self._steps()
+        if not rows:
+            return None
+        measured = float(np.median([row["input_s"] + row["step_s"] for row in rows]))
+        if alone_step_s is None:
+            limit, source = float(np.median([_phases(row)["compute"] for row in rows])), "this run's compute"
+        else:
+            limit, source = float(alone_step_s), "timed alone"
+        replicas = self._rec.replicas or max(1, len({r for row in rows for r in row["replica_s"]}))
+        return {"replicas": replicas, "step_s": measured, "limit_step_s": limit, "limit_source": source,
+                "efficiency": limit / measured if measured > 0 else None}
 
     def print_summary(self) -> None:
         """Prints summary() as a small table (the only output of this module that is printed)."""
@@ -361,6 +469,13 @@ class Profiler(Callback):
         lines = [head, f"{'':<22}{'median':>12}{'p90':>12}{'total':>12}"]
         lines += [f"{name:<22}{_ms(st['median']):>12}{_ms(st['p90']):>12}{_ms(st['total']):>12}"
                   for name, st in rows]
+        if s["bottleneck"] is not None:
+            lines.append(s["bottleneck"])
+        scaling = s["scaling"]
+        if scaling is not None and scaling["efficiency"] is not None:
+            lines.append(f"scaling efficiency {100 * scaling['efficiency']:.0f}% of the limit ({scaling['replicas']} "
+                         f"replicas each at {_ms(scaling['limit_step_s'])} per step, {scaling['limit_source']}; "
+                         f"measured {_ms(scaling['step_s'])})")
         print("\n".join(lines))
 
     def chrome_trace(self) -> dict[str, Any]:
@@ -414,18 +529,20 @@ class Profiler(Callback):
         FigureCanvasAgg(fig)
         axes = fig.subplots(2 if replicas else 1, 1, sharex=True, squeeze=False)[:, 0]
         x = np.arange(len(rows))
-        inp = np.array([row["input_s"] for row in rows]) * 1e3
-        step = np.array([row["step_s"] for row in rows]) * 1e3
-        # The fastest replica's all-reduce is the communication itself; what the others spend beyond
-        # it is waiting for the slowest replica, i.e. compute imbalance, so it stays in "compute".
-        reduce = np.array([min(row["all_reduce_s"].values(), default=0.0) for row in rows]) * 1e3
+        phases = [_phases(row) for row in rows]  # the slowest replica's, as breakdown() counts them
         ax = axes[0]
-        ax.bar(x, inp, width=1.0, label="input wait", color="tab:orange")
-        ax.bar(x, step - reduce, width=1.0, bottom=inp, label="compute", color="tab:blue")
-        ax.bar(x, reduce, width=1.0, bottom=inp + step - reduce, label="all-reduce", color="tab:green")
+        bottom = np.zeros(len(rows))
+        for name, label, color in (("input", "input wait", "tab:orange"), ("compute", "compute", "tab:blue"),
+                                   ("all_reduce", "all-reduce", "tab:green"), ("overhead", "overhead", "tab:gray")):
+            height = np.array([p[name] for p in phases]) * 1e3
+            ax.bar(x, height, width=1.0, bottom=bottom, label=label, color=color)
+            bottom += height
         summary = self.summary()
         rate = f", {summary['images_per_s']:.1f} images/s" if summary["images_per_s"] is not None else ""
-        ax.set_title(f"Step time breakdown ({len(rows)} steps{rate})")
+        title = f"Step time breakdown ({len(rows)} steps{rate})"
+        if summary["bottleneck"] is not None:
+            title += f"\n{summary['bottleneck']}"
+        ax.set_title(title, fontsize="medium")
         ax.set_ylabel("ms")
         ax.legend(loc="upper right")
         if not rows:
@@ -445,6 +562,52 @@ class Profiler(Callback):
 
     def __repr__(self) -> str:
         return f"Profiler(log_dir={self.log_dir!r}, steps={self._rec.next_step}, recording={self._recording})"
+
+
+def time_alone(fn: Callable[..., Any], *args: Any, repeats: int = 5, warmup: int = 1, num_threads: int | None = None,
+               device: str | None = None, **kwargs: Any) -> float:
+    """Median seconds of fn(*args, **kwargs) on the calling thread, nothing else running: one replica's
+    step alone, the limit that Profiler.scaling compares with. `num_threads`: torch's intra-op threads
+    while timing (a CPU replica's share of the cores; restored after); `device` "cuda:N" waits for that
+    GPU after each call."""
+    if not callable(fn):
+        raise TypeError(f"mr.profiler.time_alone(fn={fn!r}): fn must be callable (one replica's step).")
+    if not (isinstance(repeats, int) and repeats >= 1) or not (isinstance(warmup, int) and warmup >= 0):
+        raise ValueError(f"mr.profiler.time_alone(repeats={repeats!r}, warmup={warmup!r}): give repeats >= 1 and "
+                         "warmup >= 0, whole numbers.")
+    sync = _device_sync([device]) if device is not None else None
+    before = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        times = []
+        for i in range(warmup + repeats):
+            start = _now()
+            fn(*args, **kwargs)
+            if sync is not None:
+                sync()
+            if i >= warmup:
+                times.append((_now() - start) / 1e9)
+    finally:
+        torch.set_num_threads(before)
+    return float(np.median(times))
+
+
+def _phases(row: dict[str, Any]) -> dict[str, float]:
+    """One step's wall time (input wait + step) as PHASES, adding up to it exactly."""
+    step = row["step_s"]
+    if row["replica_s"]:  # the slowest replica is the critical path; it waits least in the all-reduce
+        slowest = max(row["replica_s"], key=row["replica_s"].get)
+        body, reduce = row["replica_s"][slowest], row["all_reduce_s"].get(slowest, 0.0)
+    else:  # no replica function timed (no strategy given): the fastest all-reduce is the communication
+        body, reduce = step, min(row["all_reduce_s"].values(), default=0.0)
+    body = min(body, step)  # a replica's function lies within its step; this only absorbs rounding
+    reduce = min(reduce, body)
+    return {"compute": body - reduce, "all_reduce": reduce, "input": row["input_s"], "overhead": step - body}
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.0f}%" if fraction >= 0.095 or fraction == 0 else f"{100 * fraction:.1f}%"
 
 
 def _stats(values: list[float]) -> dict[str, Any]:

@@ -57,6 +57,9 @@ class Rendezvous:
     makes one Rendezvous; its gates are made on first use, so a step without collectives costs
     one lock."""
 
+    __slots__ = ("_devices", "_n", "_timeout_s", "_mutex", "_gates", "_waiting", "_generation", "_slots", "_whats",
+                 "_arrived", "_combining", "_result", "_done", "error")
+
     def __init__(self, devices: Sequence[Device], timeout_s: float):
         self._devices = tuple(devices)
         self._n = len(devices)
@@ -201,7 +204,8 @@ class Rendezvous:
 
 class _Run:
     """Bookkeeping of one `ReplicaPool.run` call. Workers record their outcome under `lock` and open
-    `wake` (a raw lock the caller blocks on) when the last one finishes or one fails."""
+    `wake` (a raw lock the caller blocks on) when the last one finishes or one fails. The pool reuses
+    it for the next call when every worker finished (no thread can touch it any more)."""
 
     __slots__ = ("lock", "wake", "woken", "pending", "results", "errors", "finished")
 
@@ -209,6 +213,13 @@ class _Run:
         self.lock = _thread.allocate_lock()
         self.wake = _thread.allocate_lock()
         self.wake.acquire()
+        self.woken = False
+        self.reset(n)
+
+    def reset(self, n: int) -> None:
+        """Ready for a new call; no worker may hold this object any more."""
+        if self.woken:  # opened by the last worker after the caller took it for an earlier error: close it
+            self.wake.acquire()
         self.woken = False  # wake is open and not yet taken by the caller
         self.pending = n
         self.results: list[Any] = [None] * n
@@ -271,11 +282,14 @@ class ReplicaPool:
         self._devices = tuple(devices)
         self._intra_op = intra_op_threads
         self._workers: list[_Worker] | None = None
+        self._inboxes: list[queue.SimpleQueue] = []  # the workers', in replica order
+        self._spare: _Run | None = None  # the last call's bookkeeping, when no worker holds it any more
         self._lock = threading.Lock()
 
     def _ensure_started(self) -> list[_Worker]:
         if self._workers is None:
             self._workers = [_Worker(i, d, self._intra_op) for i, d in enumerate(self._devices)]
+            self._inboxes = [w.inbox for w in self._workers]
             logger.debug("started %d replica threads", len(self._workers))
         return self._workers
 
@@ -294,11 +308,15 @@ class ReplicaPool:
             raise RuntimeError("strategy.run is already running on this strategy in another thread; "
                                "calls to run() on one strategy must not overlap.")
         try:
-            workers = self._ensure_started()
-            run = _Run(len(workers))
+            n = len(self._ensure_started())
+            run, self._spare = self._spare, None
+            if run is None:
+                run = _Run(n)
+            else:
+                run.reset(n)
             # Handed out in C, with no Python bytecode between the puts: an interrupt cannot land between
             # two of them and leave some replicas waiting in a step the others never start.
-            list(map(queue.SimpleQueue.put, [w.inbox for w in workers], itertools.repeat((run, task))))
+            list(map(queue.SimpleQueue.put, self._inboxes, itertools.repeat((run, task))))
             interrupted: BaseException | None = None
             interrupts = 0
             deadline = None
@@ -310,6 +328,8 @@ class ReplicaPool:
                         time.sleep(_POLL_S)
                     with run.lock:
                         if run.pending == 0:
+                            if interrupted is None:  # `wake` is held again, and no worker holds `run`
+                                self._spare = run
                             break
                         if run.errors and deadline is None:  # the others get grace_s to finish
                             deadline = time.monotonic() + grace_s
@@ -329,19 +349,25 @@ class ReplicaPool:
                         deadline = time.monotonic() + grace_s
                     else:
                         break
-            finished = list(run.finished)
-            stuck = [i for i, done in enumerate(finished) if not done]
-            if stuck:
-                self._replace(stuck)
-            return Outcome(run.results, run.errors, finished, interrupted)
+            finished = run.finished  # final once pending is 0 (the common case): no copy needed
+            if run.pending:
+                finished = list(finished)  # a snapshot: an abandoned worker may still finish
+                self._replace([i for i, done in enumerate(finished) if not done])
+            outcome = Outcome(run.results, run.errors, finished, interrupted)
+            if self._spare is run:  # kept for the next call, which must not find this call's results in it
+                run.results, run.errors, run.finished = [], {}, []
+            return outcome
         finally:
             self._lock.release()
 
     @staticmethod
     def _wait(run: _Run, deadline: float | None) -> None:
         """Blocks until a worker opens `run.wake` (the last finished, or one failed) or `deadline`."""
-        remaining = -1 if deadline is None else max(0.0, deadline - time.monotonic())
-        taken = run.wake.acquire(timeout=remaining)
+        if deadline is None:
+            run.wake.acquire()
+            taken = True
+        else:
+            taken = run.wake.acquire(timeout=max(0.0, deadline - time.monotonic()))
         with run.lock:
             if run.woken:
                 if not taken:
@@ -354,6 +380,7 @@ class ReplicaPool:
             old = self._workers[i]
             old.inbox.put(_STOP)  # it exits once its current task returns
             self._workers[i] = _Worker(i, self._devices[i], self._intra_op)
+            self._inboxes[i] = self._workers[i].inbox
             logger.warning("replica %d (%s) did not finish after a failed step; started a new thread for it",
                            i, self._devices[i])
 
@@ -365,6 +392,7 @@ class ReplicaPool:
         for w in self._workers or []:
             w.inbox.put(_STOP)
         self._workers = None
+        self._inboxes = []
 
 
 def stop_on_collect(owner: object, pool: ReplicaPool) -> weakref.finalize:

@@ -36,6 +36,9 @@ DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a missing replica 
 _DIRECT_NUMEL = 1 << 16  # tensors this large are reduced where they lie; packing them would only copy
 _LAYOUTS_KEPT = 4  # gradient layouts (persistent reduction buffers) kept per optimizer and replica
 _VALUE_LAYOUTS_KEPT = 16  # ctx.all_reduce layouts (plans, no buffers) kept per replica
+_WATCHED_KEPT = 256  # replica functions remembered as guarded already (as guards.py remembers them)
+# How strategy.run hands its arguments to each replica (see _argument_split).
+_SHARED, _FLAT, _NESTED = 0, 1, 2
 
 
 class OutOfSyncError(RuntimeError):
@@ -156,6 +159,7 @@ class Strategy:
         self._timeout_s = float(timeout_s)
         self._pool: replicas.ReplicaPool | None = None
         self._value_layouts: dict[int, dict] = {}  # ctx.all_reduce's layouts, by replica and signature
+        self._watched: set[Any] = set()  # codes of replica functions whose guarded first run is done
         if len(self._devices) > 1:
             self._pool = replicas.ReplicaPool(self._devices, intra_op_threads(self._devices))
             replicas.stop_on_collect(self, self._pool)
@@ -195,6 +199,65 @@ class Strategy:
         if not callable(fn):
             raise TypeError(f"strategy.run(fn={fn!r}): fn must be callable.")
         frame = context._current()
+        if frame is not None or self._is_default:
+            self._refuse_nested_run(frame)
+        args = args if type(args) is tuple else tuple(args)
+        kwargs = dict(kwargs) if kwargs else {}
+        split = _argument_split(args, kwargs, len(self._devices))
+        if self._pool is None:
+            return self._run_inline(fn, args, kwargs, split)
+        step = replicas.Rendezvous(self._devices, self._timeout_s)
+        journals = [rollback.StepJournal() for _ in self._devices]
+        modes = _caller_modes()
+        task = self._replica_task(fn, args, kwargs, split, step, journals, modes)
+        with self._guard(fn):  # refuses plain torch optimizers and modules that the threads would share
+            outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
+        if outcome.errors or step.error is not None:
+            self._roll_back(journals, outcome.finished)
+            if outcome.interrupted is not None:
+                raise outcome.interrupted
+            raise self._step_error(outcome.errors, step)
+        if outcome.interrupted is not None:  # the step finished on every replica first: it stays applied
+            raise outcome.interrupted
+        try:
+            return _run_result(outcome.results)
+        except ValueError:  # the replicas returned different structures: the step failed as a whole
+            self._roll_back(journals, outcome.finished)
+            raise
+
+    def _replica_task(self, fn: Callable[..., Any], args: tuple, kwargs: dict, split: int, step: replicas.Rendezvous,
+                      journals: list[rollback.StepJournal], modes: tuple[Any, ...]) -> Callable[[int], Any]:
+        """What each replica thread runs for one strategy.run: fn in the replica's context, with its
+        arguments, the caller's modes and its journal; a failure releases the other replicas."""
+        def task(replica_id: int) -> Any:
+            ctx = ReplicaContext(self, replica_id)
+            ctx._step = step
+            ctx._journal = journals[replica_id]
+            # The frame goes on this thread's context stack directly: context.push, a generator-based
+            # context manager, costs ~3 us per replica per step, a tenth of a no-op run (issue 15).
+            stack = context._stack()
+            stack.append(context._Frame(self, ctx))
+            try:
+                try:
+                    call_args, call_kwargs = _replica_arguments(replica_id, args, kwargs, split)
+                    if modes:
+                        with _entered(modes):
+                            result = fn(*call_args, **call_kwargs)
+                    else:
+                        result = fn(*call_args, **call_kwargs)
+                finally:
+                    stack.pop()
+            except BaseException as e:
+                if not isinstance(e, replicas._Released):
+                    step.abort(e)
+                raise
+            step.finish(replica_id)
+            return result
+        return task
+
+    def _refuse_nested_run(self, frame: context._Frame | None) -> None:
+        """Raises where run() may not start: inside a replica function, a merge_call function, or the
+        scope of another strategy."""
         if frame is not None and frame.replica_context is not None and not frame.strategy._is_default:
             raise RuntimeError("strategy.run was called inside strategy.run (from replica "
                                f"{frame.replica_context.replica_id_in_sync_group}'s function). Call the inner "
@@ -213,58 +276,34 @@ class Strategy:
             raise RuntimeError(f"{self!r}.run was called inside the scope of {frame.strategy!r}: mixing two "
                                "strategies is not supported (as in tf.distribute). Leave the other strategy's "
                                "scope first.")
-        args, kwargs = tuple(args), dict(kwargs or {})
-        local = len(self._devices)
-        for leaf in flatten((args, kwargs)):
-            if isinstance(leaf, DistributedValues) and len(leaf.values) != local:
-                raise ValueError(f"strategy.run: an argument is a {type(leaf).__name__} of {len(leaf.values)} values, "
-                                 f"but this strategy runs {local} replica{'s' if local > 1 else ''} here. Pass what "
-                                 "this strategy made (its distributed dataset, run results, "
-                                 "experimental_distribute_values_from_function).")
-        if self._pool is None:
-            return self._run_inline(fn, args, kwargs)
-        step = replicas.Rendezvous(self._devices, self._timeout_s)
-        journals = [rollback.StepJournal() for _ in self._devices]
-        modes = _caller_modes()
 
-        def task(replica_id: int) -> Any:
-            ctx = ReplicaContext(self, replica_id)
-            ctx._step = step
-            ctx._journal = journals[replica_id]
-            try:
-                with context.push(self, ctx), _entered(modes):
-                    result = fn(*select_replica(replica_id, args), **select_replica(replica_id, kwargs))
-            except BaseException as e:
-                if not isinstance(e, replicas._Released):
-                    step.abort(e)
-                raise
-            step.finish(replica_id)
-            return result
+    def _guard(self, fn: Callable[..., Any]) -> AbstractContextManager:
+        """guards.watch(self, fn), skipped for a function whose first run was watched already: watch
+        would return a null context for it, after ~1 us of weak-dictionary lookups per run."""
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is not None and code in self._watched:
+            return nullcontext()
+        watch = guards.watch(self, fn)
+        if code is not None and isinstance(watch, nullcontext):
+            if len(self._watched) >= _WATCHED_KEPT:
+                self._watched.clear()
+            self._watched.add(code)
+        return watch
 
-        with guards.watch(self, fn):  # refuses plain torch optimizers and modules that the threads would share
-            outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
-        if outcome.errors or step.error is not None:
-            self._roll_back(journals, outcome.finished)
-            if outcome.interrupted is not None:
-                raise outcome.interrupted
-            raise self._step_error(outcome.errors, step)
-        if outcome.interrupted is not None:  # the step finished on every replica first: it stays applied
-            raise outcome.interrupted
-        try:
-            return regroup(outcome.results, where="strategy.run")
-        except ValueError:  # the replicas returned different structures: the step failed as a whole
-            self._roll_back(journals, outcome.finished)
-            raise
-
-    def _run_inline(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _run_inline(self, fn: Callable[..., Any], args: tuple, kwargs: dict, split: int) -> Any:
         """One replica on the caller's thread (the default and one-device strategies, one device)."""
         ctx = ReplicaContext(self, 0) if not self._is_default else self._default_replica_context
         journal = rollback.StepJournal()
         ctx._journal = journal
         _inline_runs.depth = getattr(_inline_runs, "depth", 0) + 1
+        stack = context._stack()
         try:
-            with context.push(self, ctx):
-                return fn(*select_replica(0, args), **select_replica(0, kwargs))
+            stack.append(context._Frame(self, ctx))  # as in run(): context.push costs more than the rest
+            try:
+                call_args, call_kwargs = _replica_arguments(0, args, kwargs, split)
+                return fn(*call_args, **call_kwargs)
+            finally:
+                stack.pop()
         except BaseException:
             journal.rollback()
             raise
@@ -614,6 +653,8 @@ def _caller_modes() -> tuple[Any, ...]:
     (torch keeps them per thread): `with torch.no_grad(): strategy.run(f)` must run f without grad
     on every replica, as torch's DataParallel propagates them. Empty in the common case (grad on,
     no inference mode, no autocast), which costs nothing per replica."""
+    if torch.is_grad_enabled() and _any_autocast is not None and not _any_autocast():
+        return ()  # the common case in two calls (inference mode turns grad off, so it is excluded too)
     modes: list[Any] = []
     if torch.is_inference_mode_enabled():
         modes.append(torch.inference_mode())
@@ -623,6 +664,55 @@ def _caller_modes() -> tuple[Any, ...]:
         if torch.is_autocast_enabled(device_type):
             modes.append(torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type)))
     return tuple(modes)
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)  # one call for every device type
+
+
+def _run_result(results: list[Any]) -> Any:
+    """strategy.run's result from the replicas' results: regroup's, with its first answer (every
+    replica returned the same object, None say) found without its walk."""
+    first = results[0]
+    for result in results:
+        if result is not first:
+            return regroup(results, where="strategy.run")
+    return first
+
+
+def _argument_split(args: tuple, kwargs: dict, n: int) -> int:
+    """How run() gives each of its `n` replicas its arguments, once it checked every PerReplica's length:
+    _SHARED (no distributed value, no container: every replica gets them as they are), _FLAT (only
+    top-level values, some distributed: a comprehension picks each replica's) or _NESTED
+    (select_replica, which rebuilds every list, dict and tuple, so each replica has its own copy of
+    a mutable container, as in TF)."""
+    if not args and not kwargs:
+        return _SHARED
+    nested = False
+    for value in itertools.chain(args, kwargs.values()):
+        if isinstance(value, (list, tuple, dict)):
+            nested = True
+            break
+    split = _NESTED if nested else _SHARED
+    for leaf in flatten((args, kwargs)) if nested else itertools.chain(args, kwargs.values()):
+        if isinstance(leaf, DistributedValues):
+            if len(leaf.values) != n:
+                raise ValueError(f"strategy.run: an argument is a {type(leaf).__name__} of {len(leaf.values)} "
+                                 f"values, but this strategy runs {n} replica{'s' if n > 1 else ''} here. Pass what "
+                                 "this strategy made (its distributed dataset, run results, "
+                                 "experimental_distribute_values_from_function).")
+            if not nested:
+                split = _FLAT
+    return split
+
+
+def _replica_arguments(replica_id: int, args: tuple, kwargs: dict, split: int) -> tuple[tuple, dict]:
+    """Replica `replica_id`'s positional and keyword arguments (`split` from _argument_split)."""
+    if split == _SHARED:
+        return args, kwargs
+    if split == _FLAT:
+        return (tuple(a.values[replica_id] if isinstance(a, DistributedValues) else a for a in args),
+                {k: v.values[replica_id] if isinstance(v, DistributedValues) else v for k, v in kwargs.items()})
+    return select_replica(replica_id, args), select_replica(replica_id, kwargs)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,236 @@
+"""mr.profiler's breakdown (issue 15): the phases of a step add up to it, the bottleneck is named in
+words with its numbers, scaling is measured against one replica alone, and on CUDA every span boundary
+waits for the device. Arithmetic is checked against spans and clocks scripted by hand; a real fit
+checks only structure and sums, never how fast anything is. The CUDA path runs here with a scripted
+device (torch.cuda.synchronize replaced); the real-GPU test is marked `cuda`."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mirrored as mr
+from mirrored import profiler as profiler_lib
+from mirrored.profiler import Span
+
+MS = 1_000_000  # ns
+N_EXAMPLES, GLOBAL_BATCH = 48, 8
+
+
+class _Clock:
+    """A scripted perf_counter_ns: time moves only when the test says so."""
+
+    def __init__(self):
+        self.ns = 0
+
+    def __call__(self):
+        return self.ns
+
+    def advance_ms(self, ms):
+        self.ns += int(ms * MS)
+
+
+def _scripted_profiler() -> mr.profiler.Profiler:
+    """Two steps of a 2-replica record, written span by span (ms):
+    step 0: input 2, step 10; replica 0 runs 8 of which all-reduce 1, replica 1 runs 6 of which 3.
+    step 1: input 1, step 20; replica 0 runs 12 of which 2, replica 1 runs 18 of which 1."""
+    profiler = mr.profiler.Profiler()
+    spans = profiler._rec.spans
+    t = 0
+    for step, (inp, dur, bodies) in enumerate([(2, 10, {0: (8, 1), 1: (6, 3)}), (1, 20, {0: (12, 2), 1: (18, 1)})]):
+        spans.append(Span("input", t * MS, (t + inp) * MS, 1, None, step))
+        t += inp
+        spans.append(Span("step", t * MS, (t + dur) * MS, 1, None, step, {"num_examples": 8}))
+        for r, (body, reduce) in bodies.items():
+            spans.append(Span("replica_step", t * MS, (t + body) * MS, 2 + r, r, step))
+            spans.append(Span("all_reduce", (t + body - reduce) * MS, (t + body) * MS, 2 + r, r, step))
+        t += dur
+    return profiler
+
+
+def test_phases_of_scripted_steps_match_a_hand_computation():
+    b = _scripted_profiler().breakdown()
+    # By hand, the slowest replica of each step: step 0 replica 0 (compute 7, all-reduce 1, overhead
+    # 10 - 8 = 2, input 2); step 1 replica 1 (compute 17, all-reduce 1, overhead 2, input 1).
+    want_ms = {"compute": 24, "all_reduce": 2, "input": 3, "overhead": 4}
+    assert b["steps"] == 2 and b["wall_s"] == pytest.approx(33e-3)
+    for name, ms in want_ms.items():
+        assert b[name]["total_s"] == pytest.approx(ms * 1e-3), name
+        assert b[name]["fraction"] == pytest.approx(ms / 33), name
+
+
+def test_the_bottleneck_is_named_in_words_with_every_phase():
+    assert _scripted_profiler().bottleneck() == (
+        "compute-bound: 73% of the step computes; overhead 12%; input 9.1%; all-reduce 6.1%")
+    assert mr.profiler.Profiler().bottleneck() is None  # nothing recorded
+
+
+@pytest.mark.parametrize("slow, words", [("input", "input-bound: 70% of the step waits for input"),
+                                         ("all_reduce", "all-reduce-bound: 70% of the step all-reduces"),
+                                         ("overhead", "overhead-bound: 70% of the step is overhead")])
+def test_each_phase_can_be_the_bottleneck(slow, words):
+    # one step of 10 ms wall: 7 ms in `slow`, 1 ms in each other phase
+    ms = {"compute": 1, "all_reduce": 1, "input": 1, "overhead": 1, slow: 7}
+    body = ms["compute"] + ms["all_reduce"]
+    step = body + ms["overhead"]
+    profiler = mr.profiler.Profiler()
+    profiler._rec.spans += [
+        Span("input", 0, ms["input"] * MS, 1, None, 0),
+        Span("step", ms["input"] * MS, (ms["input"] + step) * MS, 1, None, 0),
+        Span("replica_step", ms["input"] * MS, (ms["input"] + body) * MS, 2, 0, 0),
+        Span("all_reduce", (ms["input"] + ms["compute"]) * MS, (ms["input"] + body) * MS, 2, 0, 0)]
+    text = profiler.bottleneck()
+    assert text.startswith(words) and text.count("10%") == 3, text
+
+
+def test_scaling_against_one_replica_alone_and_against_this_runs_compute():
+    profiler = _scripted_profiler()
+    # measured: median wall per step of (12, 21) ms = 16.5 ms; alone: 10.5 ms per step
+    given = profiler.scaling(alone_step_s=10.5e-3)
+    assert given["efficiency"] == pytest.approx(10.5 / 16.5)
+    assert given["step_s"] == pytest.approx(16.5e-3) and given["limit_source"] == "timed alone"
+    estimated = profiler.scaling()  # limit: median compute of the slowest replica, (7, 17) -> 12 ms
+    assert estimated["limit_step_s"] == pytest.approx(12e-3)
+    assert estimated["efficiency"] == pytest.approx(12 / 16.5)
+    assert estimated["replicas"] == 2
+    with pytest.raises(ValueError, match="alone_step_s=0"):
+        profiler.scaling(alone_step_s=0)
+    assert mr.profiler.Profiler().scaling() is None
+
+
+def test_time_alone_is_the_median_after_warmup_and_restores_threads(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(profiler_lib, "_now", clock)
+    durations = iter([50, 3, 6, 4])  # the first call is warm-up
+    seen_threads = []
+
+    def step():
+        seen_threads.append(torch.get_num_threads())
+        clock.advance_ms(next(durations))
+
+    before = torch.get_num_threads()
+    assert mr.profiler.time_alone(step, repeats=3, num_threads=1) == pytest.approx(4e-3)
+    assert seen_threads == [1] * 4 and torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="repeats=0"):
+        mr.profiler.time_alone(step, repeats=0)
+
+
+# ---- a real fit: structure and sums only ------------------------------------------------------------
+def _model(strategy):
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = mr.Model(torch.nn.Sequential(torch.nn.Linear(5, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)))
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _dataset():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(N_EXAMPLES, 5, generator=g), torch.randint(0, 3, (N_EXAMPLES,), generator=g)
+    return mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH), x, y
+
+
+def test_fit_phases_add_up_to_the_profiled_time_and_name_the_bottleneck(capsys):
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    model = _model(strategy)
+    ds, x, y = _dataset()
+    profiler = mr.profiler.Profiler()
+    model.fit(ds, epochs=2, verbose=0, callbacks=[profiler])
+    s = profiler.summary()
+    phases = s["phases"]
+    wall = s["input_wait_s"]["total"] + s["step_s"]["total"]  # the step and input spans, summed on their own
+    parts = sum(phases[name]["total_s"] for name in profiler_lib.PHASES)
+    assert phases["steps"] == s["steps"] == 2 * N_EXAMPLES // GLOBAL_BATCH
+    assert parts == pytest.approx(wall, rel=0.05)
+    assert sum(phases[name]["fraction"] for name in profiler_lib.PHASES) == pytest.approx(1.0, rel=0.05)
+    assert all(phases[name]["total_s"] >= 0 for name in profiler_lib.PHASES)
+    assert phases["all_reduce"]["total_s"] > 0  # every step all-reduced its gradients
+    # the slowest replica's compute and all-reduce lie within its steps
+    assert phases["compute"]["total_s"] + phases["all_reduce"]["total_s"] <= s["step_s"]["total"] * (1 + 1e-9)
+    words = s["bottleneck"]
+    assert words.split(":")[0] in {"compute-bound", "all-reduce-bound", "input-bound", "overhead-bound"}
+    for short in ("compute", "all-reduce", "input", "overhead"):
+        assert short in words
+
+    # the limit: one replica's step (its half of the global batch, one intra-op thread) timed alone
+    net = model.replicas[0]
+    xb, yb = x[:GLOBAL_BATCH // 2], y[:GLOBAL_BATCH // 2]
+
+    def one_replica_step():
+        net.zero_grad(set_to_none=True)
+        F.cross_entropy(net(xb), yb).backward()
+
+    alone = mr.profiler.time_alone(one_replica_step, repeats=3, num_threads=1)
+    net.zero_grad(set_to_none=True)
+    scaling = profiler.scaling(alone_step_s=alone)
+    assert scaling["replicas"] == 2 and scaling["efficiency"] == pytest.approx(alone / scaling["step_s"])
+    profiler.print_summary()
+    out = capsys.readouterr().out
+    assert words in out and "scaling efficiency" in out
+
+
+# ---- CUDA: synchronised span boundaries, with a scripted device ---------------------------------------
+def test_device_sync_waits_for_each_gpu_of_the_strategy(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    assert profiler_lib._device_sync(["cpu:0", "cpu:1"]) is None
+    profiler_lib._device_sync(["cuda:1", "cuda:0", "cuda:1"])()
+    assert calls == [0, 1]
+
+
+def test_a_span_holds_the_device_work_its_call_queued(monkeypatch):
+    """A scripted device: each synchronize waits 2 ms for queued kernels. The span starts after the
+    work queued before it is done and ends after its own is done: 5 ms of host work + 2 ms tail."""
+    clock = _Clock()
+    monkeypatch.setattr(profiler_lib, "_now", clock)
+    rec = profiler_lib._Recorder()
+    timed = profiler_lib._timed(rec, "all_reduce", lambda: clock.advance_ms(5), sync=lambda: clock.advance_ms(2))
+    timed()
+    (span,) = rec.spans
+    assert span.end_ns - span.start_ns == 7 * MS and span.start_ns == 2 * MS
+
+
+def test_on_cuda_devices_the_profiler_synchronises_steps_and_replica_spans(monkeypatch):
+    """start() with a strategy on GPUs waits for them at each step boundary (main thread) and around
+    every replica span (on the replica's thread). The device is scripted: the strategy runs on CPU
+    replicas, and the profiler is told its devices are GPUs."""
+    main_syncs, replica_syncs = [], []
+    monkeypatch.setattr(profiler_lib, "_device_sync", lambda devices: (lambda: main_syncs.append(tuple(devices))))
+    monkeypatch.setattr(profiler_lib, "_sync_current", lambda: replica_syncs.append(mr.get_replica_context()
+                                                                                  .replica_id_in_sync_group))
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        mnet = strategy.mirror(torch.nn.Linear(5, 3))
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+    ds, _, _ = _dataset()
+
+    def step_fn(xb, yb):
+        loss = F.cross_entropy(mnet(xb), yb, reduction="none")
+        mr.losses.compute_average_loss(loss, global_batch_size=GLOBAL_BATCH).backward()
+        opt.step()
+        opt.zero_grad()
+
+    profiler = mr.profiler.Profiler()
+    steps = 0
+    with profiler.start(optimizer=opt, strategy=strategy):
+        for xb, yb in strategy.experimental_distribute_dataset(ds):
+            with profiler.step(num_examples=GLOBAL_BATCH):
+                strategy.run(step_fn, args=(xb, yb))
+            steps += 1
+    assert main_syncs == [("cpu:0", "cpu:1")] * (2 * steps)  # at each step's start and end
+    # per replica and step: before and after its function, before and after its all-reduce
+    assert sorted(replica_syncs) == [0] * (4 * steps) + [1] * (4 * steps)
+    assert profiler.breakdown()["steps"] == steps
+
+
+@pytest.mark.cuda
+def test_fit_on_a_gpu_phases_add_up_to_the_profiled_time():
+    strategy = mr.MirroredStrategy(devices=["cuda:0"])
+    model = _model(strategy)
+    ds, _, _ = _dataset()
+    profiler = mr.profiler.Profiler()
+    model.fit(ds, epochs=2, verbose=0, callbacks=[profiler])
+    s = profiler.summary()
+    wall = s["input_wait_s"]["total"] + s["step_s"]["total"]
+    assert sum(s["phases"][name]["total_s"] for name in profiler_lib.PHASES) == pytest.approx(wall, rel=0.05)
+    assert s["bottleneck"] is not None and s["scaling"]["efficiency"] > 0
