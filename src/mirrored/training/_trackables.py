@@ -105,7 +105,8 @@ def _optimizers_of(obj: Any, path: str) -> list[torch.optim.Optimizer]:
     built = obj._live()  # an mr.optimizers recipe: the torch optimizers built from it
     if not built:
         raise ValueError(f"Checkpoint: {path} is {obj!r}, which has not been built into an optimizer yet. "
-                         "Compile the model (or call strategy.mirror_optimizer) before saving or restoring it.")
+                         "Compile the model, call strategy.mirror_optimizer, or (a plain module) give "
+                         f"{type(obj).__name__}(...).build(module.parameters()) before saving or restoring it.")
     return built
 
 
