@@ -242,9 +242,11 @@ class LossScale:
         self._scalers = list(scalers)
 
     def get_state(self) -> dict[str, Any]:
+        """The first scaler's state_dict (scale, growth factors, steps since the last growth)."""
         return dict(self._scalers[0].state_dict())
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Loads `state` (get_state()'s) into every replica's scaler."""
         for scaler in self._scalers:
             scaler.load_state_dict(dict(state))
 
