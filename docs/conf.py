@@ -179,8 +179,19 @@ def _process_bases(app, name, obj, options, bases: list) -> None:  # noqa: ANN00
     bases[:] = _public_bases(bases)
 
 
+def _purge_outdated_first(app, env, docnames: list[str]) -> None:  # noqa: ANN001 - Sphinx's hook
+    """Forgets every outdated page's objects before any is read again, as Sphinx's parallel reader does.
+    The serial reader purges one page just before reading it, so a name that moved to an earlier page
+    of the reference (mr.distribute.X now documented as mr.X) met its old entry and failed an
+    incremental -W build with "duplicate object description", though a fresh build passed."""
+    for docname in docnames:
+        app.emit("env-purge-doc", env, docname)
+        env.clear_doc(docname)
+
+
 def setup(app) -> dict:  # noqa: ANN001 - Sphinx's hook
     app.connect("builder-inited", _write_generated_pages)
     app.connect("autodoc-process-bases", _process_bases)
+    app.connect("env-before-read-docs", _purge_outdated_first)
     app.connect("autodoc-process-docstring", _process_docstring, priority=400)  # before napoleon (500)
     return {"parallel_read_safe": True}

@@ -8,12 +8,14 @@
   GPUs, a long training run) carries the line `% ci: parse-only (why)` right above its fence, and is
   then compiled (Python) or checked with `bash -n` (shell). ```text blocks are output, not code.
 - Every `{py:...}` cross-reference of the guides names an object that exists.
+- Every promise of docs/guarantees.md names the tests that hold it, and each named test exists.
 
 The site itself is built by `make docs` (Sphinx with -W: a broken reference or a malformed docstring
 fails it); these tests need no Sphinx.
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import json
@@ -32,14 +34,7 @@ _PAGE_TIMEOUT_S = 100  # below pytest's 120 s: a hung block fails here, with its
 
 # Public names without a docstring today. The lead writes them; this list may only shrink (a name
 # that gains a docstring must leave it: test_allowlist_is_current fails until it does).
-UNDOCUMENTED = {
-    "mirrored.data.tfrecord.BytesList",
-    "mirrored.data.tfrecord.Example",
-    "mirrored.data.tfrecord.Feature",
-    "mirrored.data.tfrecord.Features",
-    "mirrored.data.tfrecord.FloatList",
-    "mirrored.data.tfrecord.Int64List",
-}
+UNDOCUMENTED: set[str] = set()
 
 
 def _load_docs_module(name: str):
@@ -236,3 +231,58 @@ def test_layering_test_cites_the_architecture_page():
     assert "## What may import what" in page
     layering = (REPO / "tests" / "distribute" / "test_layering.py").read_text()
     assert "docs/architecture.md" in layering
+
+
+# ---- the guarantees page ------------------------------------------------------------------------------
+
+_TEST_REF = re.compile(r"`(tests/[\w/]+\.py)::(\w+)(?:::(\w+))?`")
+
+
+def _test_names(path: Path) -> set[str]:
+    """The tests a file defines, as pytest names them: `test_x` and `TestClass::test_x` (read with ast,
+    without importing the file)."""
+    names = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            names.update(f"{node.name}::{item.name}" for item in node.body
+                         if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name.startswith("test"))
+    return names
+
+
+def _guarantees() -> dict[str, list[tuple[str, str]]]:
+    """Each `## ` section of docs/guarantees.md and the (file, test) pairs it names."""
+    sections: dict[str, list[tuple[str, str]]] = {}
+    title = None
+    for line in (DOCS / "guarantees.md").read_text().splitlines():
+        if line.startswith("## "):
+            title = line[3:].strip()
+            sections[title] = []
+        elif title is not None:
+            sections[title] += [(f, "::".join(p for p in rest if p)) for f, *rest in _TEST_REF.findall(line)]
+    return sections
+
+
+def test_every_guarantee_names_tests_that_exist():
+    """A promise on the Guarantees page is only as good as its tests: each section names at least one,
+    and a renamed or deleted test fails here until the page follows."""
+    sections = _guarantees()
+    assert len(sections) >= 10, f"docs/guarantees.md: expected its promises as `## ` sections, found {list(sections)}"
+    unbacked = [title for title, refs in sections.items() if not refs]
+    assert not unbacked, f"docs/guarantees.md: sections that name no test: {unbacked}"
+    missing = []
+    for title, refs in sections.items():
+        for file, name in refs:
+            path = REPO / file
+            if not path.is_file() or name not in _test_names(path):
+                missing.append(f"{title!r}: {file}::{name}")
+    assert not missing, f"docs/guarantees.md names tests that do not exist: {missing}"
+
+
+def test_the_guarantees_check_sees_a_missing_test():
+    """The check above fails for a name that is not there (it cannot pass by finding nothing)."""
+    names = _test_names(REPO / "tests" / "test_docs.py")
+    assert "test_every_guarantee_names_tests_that_exist" in names
+    assert "test_no_such_test" not in names
+    assert _TEST_REF.findall("`tests/a/b.py::TestX::test_y`") == [("tests/a/b.py", "TestX", "test_y")]

@@ -17,7 +17,8 @@ from typing import Any
 
 from mirrored.distribute import (CollectiveAllReduce, CollectiveMismatchError, CollectiveTimeoutError, CrossDeviceOps,
                                  DistributedValues, HierarchicalCopyAllReduce, InMemoryAllReduce, InputContext,
-                                 InputOptions, Mirrored, MirroredStrategy, MirroredVariable, NcclAllReduce,
+                                 InputOptions, Mirrored, MirroredModule, MirroredOptimizer, MirroredStrategy,
+                                 MirroredVariable, NcclAllReduce,
                                  OneDeviceStrategy, OutOfSyncError, PerReplica, ReduceOp, ReductionToOneDevice,
                                  ReplicaContext, Strategy, SyncOnReadVariable, ValueContext, Variable,
                                  VariableAggregation, VariableSynchronization, get_replica_context, get_strategy,
@@ -64,7 +65,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CollectiveAllReduce", "CommunicationOptions", "MultiWorkerMirroredStrategy", "CollectiveMismatchError", "CollectiveTimeoutError", "CrossDeviceOps", "DistributedValues",
     "HierarchicalCopyAllReduce", "InMemoryAllReduce", "InputContext", "InputOptions", "Mirrored",
-    "MirroredStrategy", "MirroredVariable", "NcclAllReduce", "OneDeviceStrategy", "OutOfSyncError", "PerReplica",
+    "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable", "NcclAllReduce", "OneDeviceStrategy", "OutOfSyncError", "PerReplica",
     "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "SyncOnReadVariable", "ValueContext",
     "Variable", "VariableAggregation", "VariableSynchronization", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "tune_allocator", *_NAMESPACES, *_LAZY_NAMES,

@@ -59,8 +59,8 @@ def _train_args(epochs: int, out: str) -> argparse.ArgumentParser:
     train.add_argument("--data-dir", default=None, help="TFDS data directory (default: $TFDS_DATA_DIR or "
                        "~/tensorflow_datasets)")
     train.add_argument("--download", action="store_true", help="download cassava if it is missing")
-    train.add_argument("--model", default=None, help="resnet_cifar (default for digits), resnet18, resnet34, "
-                       "resnet50 (default for images)")
+    train.add_argument("--model", default=None, help="resnet_cifar (default for digits), resnet18 (default for images), "
+                       "resnet34, resnet50")
     where = train.add_mutually_exclusive_group()
     where.add_argument("--replicas", type=_positive_int, default=None,
                        help="N logical replicas (cpu:0..N-1, or the first N GPUs)")

@@ -76,12 +76,14 @@ class Image:
         self.channels = self.shape[-1] or 0  # 0: as stored
 
     def decode(self, value: list[bytes] | np.ndarray, where: str) -> torch.Tensor:
+        """The image of one record's bytes, as a uint8 HWC tensor; `where` names the record in errors."""
         if not _is_bytes_list(value):
             raise ValueError(f"{where}: the image feature holds {_held(value)}, not encoded image bytes; the "
                              "shard is damaged or from another dataset: prepare it again.")
         return decode_image(value[0], self.channels, name=where)
 
     def to_json(self) -> dict[str, Any]:
+        """This feature as TFDS writes it in features.json."""
         dims = [str(-1 if d is None else d) for d in self.shape]
         return {"image": {"dtype": "uint8", "shape": {"dimensions": dims}},
                 "pythonClassName": _TFDS + "image_feature.Image"}
@@ -103,15 +105,18 @@ class ClassLabel:
         self.num_classes = len(self.names)
 
     def str2int(self, name: str) -> int:
+        """The class id of `name` (tfds's ClassLabel.str2int); an unknown name is a ValueError listing the names."""
         try:
             return self.names.index(name)
         except ValueError:
             raise ValueError(f"ClassLabel: unknown class name {name!r}; the names are {self.names}.") from None
 
     def int2str(self, label: int) -> str:
+        """The name of class id `label` (tfds's ClassLabel.int2str)."""
         return self.names[label]
 
     def decode(self, value: list[bytes] | np.ndarray, where: str) -> torch.Tensor:
+        """The class id of one record's int64 value, as a 0-d int64 tensor, checked against num_classes."""
         if not (isinstance(value, np.ndarray) and value.dtype == np.int64):  # a float 2.7 or b"3" is no class id
             raise ValueError(f"{where}: the label feature holds {_held(value)}, not an int64 class id; the "
                              "shard is damaged or from another dataset: prepare it again.")
@@ -122,6 +127,7 @@ class ClassLabel:
         return torch.tensor(int(value[0]), dtype=torch.int64)
 
     def to_json(self) -> dict[str, Any]:
+        """This feature as TFDS writes it in features.json."""
         return {"classLabel": {"numClasses": str(self.num_classes)},
                 "pythonClassName": _TFDS + "class_label_feature.ClassLabel"}
 
@@ -133,6 +139,7 @@ class Text:
     """A UTF-8 string, served as str (tfds.features.Text)."""
 
     def decode(self, value: list[bytes] | np.ndarray, where: str) -> str:
+        """One record's bytes as a str (UTF-8)."""
         if isinstance(value, list) and not value:
             return ""
         if not _is_bytes_list(value):
@@ -145,6 +152,7 @@ class Text:
                              "another dataset: prepare it again.") from None
 
     def to_json(self) -> dict[str, Any]:
+        """This feature as TFDS writes it in features.json."""
         return {"pythonClassName": _TFDS + "text_feature.Text", "text": {}}
 
     def __repr__(self) -> str:
@@ -212,10 +220,12 @@ class SplitInfo:
 
     @property
     def num_examples(self) -> int:
+        """The examples of the split: the sum of its shards' lengths."""
         return sum(self.shard_lengths)
 
     @property
     def num_shards(self) -> int:
+        """How many files (shards) the split has."""
         return len(self.shard_lengths)
 
     def filenames(self, dataset_name: str) -> list[str]:
@@ -244,6 +254,7 @@ class SplitDict(dict):
 
     @property
     def total_num_examples(self) -> int:
+        """The examples of every split together (tfds's SplitDict.total_num_examples)."""
         return sum(s.num_examples for s in self.values())
 
 
@@ -404,6 +415,7 @@ class DatasetInfo:
 
     @property
     def full_name(self) -> str:
+        """"name/config/version" (tfds's DatasetInfo.full_name), without the empty parts."""
         return "/".join(filter(None, [self.name, self.config_name, self.version]))
 
     def __repr__(self) -> str:

@@ -511,6 +511,14 @@ Feature = _EXAMPLE_CLASSES["Feature"]
 BytesList = _EXAMPLE_CLASSES["BytesList"]
 FloatList = _EXAMPLE_CLASSES["FloatList"]
 Int64List = _EXAMPLE_CLASSES["Int64List"]
+# The generated classes carry no docstring; these say what each message is (as tf.train's do).
+Example.__doc__ = """tf.train.Example: one record's features, `Example(features=Features(...))`; its
+SerializeToString() bytes are TensorFlow's. parse_example/encode_example convert it to and from a dict."""
+Features.__doc__ = """tf.train.Features: a map from feature name to Feature, `Features(feature={"label": ...})`."""
+Feature.__doc__ = """tf.train.Feature: one named value, exactly one of `bytes_list`, `float_list` or `int64_list`."""
+BytesList.__doc__ = """tf.train.BytesList: a list of byte strings (`value=[b"..."]`), e.g. an encoded image."""
+FloatList.__doc__ = """tf.train.FloatList: a list of float32 values (`value=[0.5, ...]`), stored packed."""
+Int64List.__doc__ = """tf.train.Int64List: a list of int64 values (`value=[3, ...]`), e.g. a label, stored packed."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -127,10 +127,12 @@ class ReplicaContext:
 
     @property
     def strategy(self) -> Strategy:
+        """The strategy whose `run` made this context."""
         return self._strategy
 
     @property
     def replica_id_in_sync_group(self) -> int:
+        """This replica's id among all replicas in sync, 0..num_replicas_in_sync-1 (across workers too)."""
         # _replica_id indexes this process's replicas (their devices, module copies); the id in the
         # sync group counts every worker's replicas before this process's too.
         return self._strategy.first_replica_id + self._replica_id
@@ -144,10 +146,12 @@ class ReplicaContext:
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """How many replicas run the step together (every worker's); what a loss divides the batch by."""
         return self._strategy.num_replicas_in_sync
 
     @property
     def devices(self) -> tuple[str, ...]:
+        """The device this replica runs on, as a 1-tuple (TF's ReplicaContext.devices), e.g. ("cpu:1",)."""
         return (self._strategy.extended.worker_devices[self._replica_id],)
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: Nested, options: Any = None) -> Nested:

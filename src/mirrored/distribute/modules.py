@@ -141,6 +141,7 @@ class MirroredModule:
 
     @property
     def values(self) -> tuple[nn.Module, ...]:
+        """The module's copies, one per replica, in replica order (as a DistributedValues')."""
         return self.replicas
 
     @property
@@ -264,14 +265,17 @@ class MirroredModule:
         return [getattr(m, what)(*args, **kwargs) for m in self._targets(what)]
 
     def train(self, mode: bool = True) -> MirroredModule:
+        """Sets training mode on every copy (inside strategy.run, on the replica's own copy)."""
         self._each("train", mode)
         return self
 
     def eval(self) -> MirroredModule:
+        """Sets evaluation mode on every copy (inside strategy.run, on the replica's own copy)."""
         self._each("eval")
         return self
 
     def requires_grad_(self, requires_grad: bool = True) -> MirroredModule:
+        """Sets requires_grad on every copy's parameters (inside strategy.run, on the replica's own)."""
         self._each("requires_grad_", requires_grad)
         return self
 
@@ -300,29 +304,37 @@ class MirroredModule:
         return self
 
     def cpu(self) -> MirroredModule:
+        """A no-op where every copy is on the CPU already; a move is refused (see to())."""
         return self.to("cpu")  # a no-op where every copy is on the CPU already; refused otherwise
 
     def cuda(self, device: Any = None) -> MirroredModule:
+        """A no-op where every copy is on CUDA already; a move to one device is refused (see to())."""
         return self.to("cuda" if device is None else torch.device("cuda", device) if isinstance(device, int)
                        else device)
 
     def double(self) -> MirroredModule:
+        """Casts every copy to float64."""
         return self.to(torch.float64)
 
     def float(self) -> MirroredModule:
+        """Casts every copy to float32."""
         return self.to(torch.float32)
 
     def half(self) -> MirroredModule:
+        """Casts every copy to float16."""
         return self.to(torch.float16)
 
     def bfloat16(self) -> MirroredModule:
+        """Casts every copy to bfloat16."""
         return self.to(torch.bfloat16)
 
     def type(self, dst_type: Any) -> MirroredModule:
+        """nn.Module.type on every copy (a dtype; a device type that moves the copies fails in torch)."""
         self._each("type", dst_type)
         return self
 
     def share_memory(self) -> MirroredModule:
+        """nn.Module.share_memory on every copy."""
         self._each("share_memory")
         return self
 
@@ -340,6 +352,7 @@ class MirroredModule:
         return results[0]
 
     def set_extra_state(self, state: Any) -> None:
+        """Gives every copy its own deep copy of `state`."""
         for m in self._targets("set_extra_state"):
             m.set_extra_state(copy.deepcopy(state))
 
@@ -352,6 +365,7 @@ class MirroredModule:
                              "value. Add it to the module before strategy.mirror(), which broadcasts rank 0's.")
 
     def register_buffer(self, name: str, tensor: Tensor | None, persistent: bool = True) -> None:
+        """Adds the buffer to every copy, each its own tensor on its device (one process only)."""
         self._one_process("register_buffer")
         for m, device in zip(self._targets("register_buffer"), self._devices()):
             m.register_buffer(name, None if tensor is None else tensor.detach().to(device, copy=True), persistent)
@@ -364,12 +378,15 @@ class MirroredModule:
                                  nn.Parameter(param.detach().to(device, copy=True), param.requires_grad))
 
     def add_module(self, name: str, module: nn.Module | None) -> None:
+        """Adds a deep copy of `module` to every copy, on its device (one process only)."""
         self._new_module("add_module", lambda m, new: m.add_module(name, new), module)
 
     def register_module(self, name: str, module: nn.Module | None) -> None:
+        """Adds a deep copy of `module` to every copy, on its device (one process only)."""
         self._new_module("register_module", lambda m, new: m.register_module(name, new), module)
 
     def set_submodule(self, target: str, module: nn.Module, strict: bool = False) -> None:
+        """Replaces `target` in every copy with its own deep copy of `module` (one process only)."""
         self._new_module("set_submodule", lambda m, new: m.set_submodule(target, new, strict=strict), module)
 
     def _new_module(self, what: str, put: Callable[[nn.Module, Any], None], module: nn.Module | None) -> None:
@@ -385,30 +402,39 @@ class MirroredModule:
 
     # Hooks: registered on every copy; each runs on its replica's thread, with that replica's copy.
     def register_forward_hook(self, hook: Callable[..., Any], **kwargs: Any) -> HookHandles:
+        """Registers `hook` on every copy; it runs on each replica's thread with its copy."""
         return HookHandles(self._each("register_forward_hook", hook, **kwargs))
 
     def register_forward_pre_hook(self, hook: Callable[..., Any], **kwargs: Any) -> HookHandles:
+        """Registers `hook` on every copy; it runs on each replica's thread with its copy."""
         return HookHandles(self._each("register_forward_pre_hook", hook, **kwargs))
 
     def register_full_backward_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandles:
+        """Registers `hook` on every copy; it runs on each replica's thread with its copy."""
         return HookHandles(self._each("register_full_backward_hook", hook, prepend=prepend))
 
     def register_full_backward_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandles:
+        """Registers `hook` on every copy; it runs on each replica's thread with its copy."""
         return HookHandles(self._each("register_full_backward_pre_hook", hook, prepend=prepend))
 
     def register_backward_hook(self, hook: Callable[..., Any]) -> HookHandles:
+        """Registers `hook` on every copy (torch's deprecated form; prefer the full hook)."""
         return HookHandles(self._each("register_backward_hook", hook))
 
     def register_state_dict_pre_hook(self, hook: Callable[..., Any]) -> HookHandles:
+        """Registers `hook` on every copy's state_dict()."""
         return HookHandles(self._each("register_state_dict_pre_hook", hook))
 
     def register_state_dict_post_hook(self, hook: Callable[..., Any]) -> HookHandles:
+        """Registers `hook` on every copy's state_dict()."""
         return HookHandles(self._each("register_state_dict_post_hook", hook))
 
     def register_load_state_dict_pre_hook(self, hook: Callable[..., Any]) -> HookHandles:
+        """Registers `hook` on every copy's load_state_dict()."""
         return HookHandles(self._each("register_load_state_dict_pre_hook", hook))
 
     def register_load_state_dict_post_hook(self, hook: Callable[..., Any]) -> HookHandles:
+        """Registers `hook` on every copy's load_state_dict()."""
         return HookHandles(self._each("register_load_state_dict_post_hook", hook))
 
     # ---- reads: the replica's copy inside strategy.run, replica 0's outside it (they are equal) -------
@@ -416,45 +442,59 @@ class MirroredModule:
         return self.replicas[self._replica() or 0]
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The parameters of the replica's copy inside strategy.run, of replica 0's outside it (equal)."""
         return self._read().parameters(recurse)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """As parameters(), with names."""
         return self._read().named_parameters(*args, **kwargs)
 
     def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
+        """The buffers of the replica's copy inside strategy.run, of replica 0's outside it (equal)."""
         return self._read().buffers(recurse)
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Tensor]]:
+        """As buffers(), with names."""
         return self._read().named_buffers(*args, **kwargs)
 
     def children(self) -> Iterator[nn.Module]:
+        """The replica's copy's children inside strategy.run, replica 0's outside it."""
         return self._read().children()
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        """As children(), with names."""
         return self._read().named_children()
 
     def modules(self) -> Iterator[nn.Module]:
+        """The replica's copy's modules inside strategy.run, replica 0's outside it."""
         return self._read().modules()
 
     def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
+        """As modules(), with names."""
         return self._read().named_modules(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The state_dict of replica 0's copy (equal to every other's), or the replica's own inside run."""
         return self._read().state_dict(*args, **kwargs)
 
     def get_parameter(self, target: str) -> nn.Parameter:
+        """The parameter `target` of the replica's copy (replica 0's outside strategy.run)."""
         return self._read().get_parameter(target)
 
     def get_buffer(self, target: str) -> Tensor:
+        """The buffer `target` of the replica's copy (replica 0's outside strategy.run)."""
         return self._read().get_buffer(target)
 
     def get_submodule(self, target: str) -> nn.Module:
+        """The submodule `target` of the replica's copy (replica 0's outside strategy.run)."""
         return self._read().get_submodule(target)
 
     def get_extra_state(self) -> Any:
+        """The extra state of the replica's copy (replica 0's outside strategy.run)."""
         return self._read().get_extra_state()
 
     def extra_repr(self) -> str:
+        """The extra_repr of the wrapped module."""
         return self._read().extra_repr()
 
     # ---- refused -------------------------------------------------------------------------------
@@ -465,15 +505,19 @@ class MirroredModule:
                          "MirroredStrategy(devices=[...]).")
 
     def to_empty(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the copies live on their replicas' devices."""
         self._refuse_move("to_empty")
 
     def ipu(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the copies live on their replicas' devices."""
         self._refuse_move("ipu")
 
     def xpu(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the copies live on their replicas' devices."""
         self._refuse_move("xpu")
 
     def mtia(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the copies live on their replicas' devices."""
         self._refuse_move("mtia")
 
     # ---- DDP's no_sync ------------------------------------------------------------------------------
@@ -505,6 +549,7 @@ class HookHandles:
         self.handles = handles
 
     def remove(self) -> None:
+        """Removes the hook from every replica's copy."""
         for h in self.handles:
             h.remove()
 

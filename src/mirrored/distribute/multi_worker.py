@@ -544,6 +544,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """The world size: one replica per worker process."""
         return self._world_size
 
     @property
@@ -554,20 +555,25 @@ class MultiWorkerMirroredStrategy(Strategy):
     # ---- extension points (Strategy's): one replica per process, over torch.distributed ----------------
     @property
     def num_workers(self) -> int:
+        """The world size (torchrun's WORLD_SIZE)."""
         return self._world_size
 
     @property
     def first_replica_id(self) -> int:
+        """This worker's rank: its one replica's replica_id_in_sync_group."""
         return self._rank  # one replica per worker: replica_id_in_sync_group == rank
 
     def has_peers(self, ctx: ReplicaContext) -> bool:
+        """Whether other workers exist to reduce with (world size above 1)."""
         return self._world_size > 1
 
     def all_reduce_tensors(self, ctx: ReplicaContext, op: ReduceOp, leaves: list[Tensor],
                            check_shapes: bool = True) -> list[Tensor]:
+        """Strategy.all_reduce_tensors across the worker processes, through torch.distributed."""
         return self._collectives.all_reduce(op, leaves, "ReplicaContext.all_reduce", check_shapes=check_shapes)
 
     def sum_over_workers(self, count: int) -> int:
+        """`count` summed over every worker (one all-reduce; `count` itself on one worker)."""
         if self._world_size == 1:
             return count
         n = torch.tensor([count], dtype=torch.int64, device=self._collectives._wire)

@@ -100,10 +100,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     @property
     def values(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The replicas' torch optimizers, one per replica, in replica order (as a DistributedValues')."""
         return self.replicas
 
     @property
     def gradient_reduction(self) -> str:
+        """How step() combines the replicas' gradients: "sum" (TF's rule) or "mean" (DDP's, weighted by examples)."""
         return "mean" if self._mean else "sum"
 
     def _replica(self) -> ReplicaContext | None:
@@ -463,6 +465,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return self._register("register_load_state_dict_post_hook", hook, prepend=prepend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: a group holds one copy's parameters; build the groups in the optimizer instead."""
         raise ValueError("MirroredOptimizer.add_param_group: each replica's optimizer holds its own copy's "
                          "parameters, so a group of one copy's parameters cannot be added to all. Build the "
                          "groups in the optimizer: strategy.mirror_optimizer(lambda params: torch.optim.SGD("

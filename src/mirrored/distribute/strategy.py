@@ -174,10 +174,12 @@ class Strategy:
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """How many replicas run each step: the GLOBAL batch is split over this many."""
         return len(self._devices)
 
     @property
     def extended(self) -> StrategyExtended:
+        """TF's `strategy.extended`: worker_devices, update, value_container, colocate_vars_with."""
         # Built on access, not stored: a strategy must hold no reference cycle, so that dropping the
         # last reference stops its replica threads at once instead of at the next cyclic GC.
         return StrategyExtended(self)

@@ -38,6 +38,7 @@ class DistributedValues:
 
     @property
     def values(self) -> tuple[Any, ...]:
+        """One component per local replica, in replica order (strategy.experimental_local_results)."""
         return self._values
 
     def __repr__(self) -> str:

@@ -126,13 +126,17 @@ class Variable:
         """One tensor per replica, in replica order."""
         return self._values
 
-    name = property(lambda self: self._name)
-    trainable = property(lambda self: self._trainable)
-    synchronization = property(lambda self: self._sync)
-    aggregation = property(lambda self: self._aggregation)
-    shape = property(lambda self: self._values[0].shape)
-    dtype = property(lambda self: self._values[0].dtype)
-    device = property(lambda self: self._local().device)
+    name = property(lambda self: self._name, doc="The name given at creation (default \"Variable\").")
+    trainable = property(lambda self: self._trainable,
+                         doc="Whether gradients flow to it (default: True unless synchronization is ON_READ).")
+    synchronization = property(lambda self: self._sync,
+                               doc="When the copies agree: ON_WRITE (mirrored) or ON_READ (aggregated when read).")
+    aggregation = property(lambda self: self._aggregation,
+                           doc="How copies combine: NONE, SUM, MEAN or ONLY_FIRST_REPLICA (a VariableAggregation).")
+    shape = property(lambda self: self._values[0].shape, doc="The shape of every copy (a torch.Size).")
+    dtype = property(lambda self: self._values[0].dtype, doc="The dtype of every copy.")
+    device = property(lambda self: self._local().device,
+                      doc="The device of the copy this context reads (the replica's; replica 0's outside run).")
 
     @property
     def distribute_strategy(self) -> Strategy | None:
@@ -156,12 +160,15 @@ class Variable:
         return self._local().clone()
 
     def value(self) -> Tensor:
+        """read_value() (TF's name for the same snapshot)."""
         return self.read_value()
 
     def numpy(self) -> Any:
+        """read_value() as a numpy array, on the CPU."""
         return self.read_value().detach().cpu().numpy()
 
     def item(self) -> Any:
+        """read_value() of a one-element variable as a Python number."""
         return self.read_value().item()
 
     # ---- writes: a plain variable has one copy -----------------------------------------------
@@ -169,18 +176,25 @@ class Variable:
     # read_value=False returns None instead of the variable.
     def assign(self, value: Any, use_locking: bool = False, name: str | None = None,
                read_value: bool = True) -> Variable | None:
+        """Writes `value` with the semantics of the context (subclasses: every copy, or this replica's).
+
+        Returns:
+            The variable, or None with read_value=False (TF's signature; use_locking and name do nothing).
+        """
         del use_locking, name
         self._update(value, "assign")
         return self if read_value else None
 
     def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None,
                    read_value: bool = True) -> Variable | None:
+        """Adds `delta` in place, as assign() writes; returns the variable (None with read_value=False)."""
         del use_locking, name
         self._update(delta, "assign_add")
         return self if read_value else None
 
     def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None,
                    read_value: bool = True) -> Variable | None:
+        """Subtracts `delta` in place, as assign() writes; returns the variable (None with read_value=False)."""
         del use_locking, name
         self._update(delta, "assign_sub")
         return self if read_value else None
@@ -402,6 +416,8 @@ class SyncOnReadVariable(Variable):
     total) is ambiguous."""
 
     def read_value(self) -> Tensor:
+        """This replica's copy in replica context; in cross-replica context the copies aggregated by
+        the variable's aggregation (SUM, MEAN, or replica 0's for ONLY_FIRST_REPLICA; NONE is refused)."""
         rid = self._replica_id()
         if rid is not None:
             return self._values[rid].clone()  # a snapshot, as Variable.read_value

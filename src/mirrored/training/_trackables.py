@@ -105,7 +105,8 @@ def _optimizers_of(obj: Any, path: str) -> list[torch.optim.Optimizer]:
     built = obj._live()  # an mr.optimizers recipe: the torch optimizers built from it
     if not built:
         raise ValueError(f"Checkpoint: {path} is {obj!r}, which has not been built into an optimizer yet. "
-                         "Compile the model (or call strategy.mirror_optimizer) before saving or restoring it.")
+                         "Compile the model, call strategy.mirror_optimizer, or (a plain module) give "
+                         f"{type(obj).__name__}(...).build(module.parameters()) before saving or restoring it.")
     return built
 
 
@@ -241,9 +242,11 @@ class LossScale:
         self._scalers = list(scalers)
 
     def get_state(self) -> dict[str, Any]:
+        """The first scaler's state_dict (scale, growth factors, steps since the last growth)."""
         return dict(self._scalers[0].state_dict())
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Loads `state` (get_state()'s) into every replica's scaler."""
         for scaler in self._scalers:
             scaler.load_state_dict(dict(state))
 

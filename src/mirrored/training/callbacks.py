@@ -72,6 +72,7 @@ class CallbackList(Callback):
             self.set_params(params)
 
     def append(self, callback: Callback) -> None:
+        """Adds `callback` at the end of the list."""
         self.callbacks.append(callback)
 
     def __iter__(self) -> Iterator[Callback]:
@@ -81,11 +82,13 @@ class CallbackList(Callback):
         return len(self.callbacks)
 
     def set_params(self, params: Mapping[str, Any]) -> None:
+        """Gives `params` (epochs, steps, verbose) to this list and every callback in it."""
         super().set_params(params)
         for cb in self.callbacks:
             cb.set_params(params)
 
     def set_model(self, model: Any) -> None:
+        """Gives `model` to this list and every callback in it."""
         super().set_model(model)
         for cb in self.callbacks:
             cb.set_model(model)
@@ -96,45 +99,59 @@ class CallbackList(Callback):
             getattr(cb, hook)(*args, logs)
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Calls on_train_begin of every callback, in order."""
         self._call("on_train_begin", logs=logs)
 
     def on_train_end(self, logs: Logs | None = None) -> None:
+        """Calls on_train_end of every callback, in order."""
         self._call("on_train_end", logs=logs)
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        """Calls on_epoch_begin of every callback, in order."""
         self._call("on_epoch_begin", epoch, logs=logs)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Calls on_epoch_end of every callback, in order."""
         self._call("on_epoch_end", epoch, logs=logs)
 
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        """Calls on_train_batch_begin of every callback, in order."""
         self._call("on_train_batch_begin", batch, logs=logs)
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Calls on_train_batch_end of every callback, in order."""
         self._call("on_train_batch_end", batch, logs=logs)
 
     def on_test_begin(self, logs: Logs | None = None) -> None:
+        """Calls on_test_begin of every callback, in order."""
         self._call("on_test_begin", logs=logs)
 
     def on_test_end(self, logs: Logs | None = None) -> None:
+        """Calls on_test_end of every callback, in order."""
         self._call("on_test_end", logs=logs)
 
     def on_test_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        """Calls on_test_batch_begin of every callback, in order."""
         self._call("on_test_batch_begin", batch, logs=logs)
 
     def on_test_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Calls on_test_batch_end of every callback, in order."""
         self._call("on_test_batch_end", batch, logs=logs)
 
     def on_predict_begin(self, logs: Logs | None = None) -> None:
+        """Calls on_predict_begin of every callback, in order."""
         self._call("on_predict_begin", logs=logs)
 
     def on_predict_end(self, logs: Logs | None = None) -> None:
+        """Calls on_predict_end of every callback, in order."""
         self._call("on_predict_end", logs=logs)
 
     def on_predict_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        """Calls on_predict_batch_begin of every callback, in order."""
         self._call("on_predict_batch_begin", batch, logs=logs)
 
     def on_predict_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Calls on_predict_batch_end of every callback, in order."""
         self._call("on_predict_batch_end", batch, logs=logs)
 
     def __repr__(self) -> str:
@@ -151,13 +168,16 @@ class History(Callback):
         self.epoch: list[int] = []
 
     def set_model(self, model: Any) -> None:
+        """Makes this History `model.history`, as Keras does."""
         super().set_model(model)
         model.history = self
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Starts a new record of epochs (a reused History keeps its metrics' lists)."""
         self.epoch = []
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Appends the epoch and each metric of `logs` to `history`."""
         self.epoch.append(epoch)
         for key, value in (logs or {}).items():
             if key not in NOT_METRICS:
@@ -201,19 +221,23 @@ class ModelCheckpoint(Callback):
         self._steps = StepCounter(save_freq) if save_freq != "epoch" else None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Resolves the monitor's mode (save_best_only) and restarts the step count."""
         if self.save_best_only:
             self._direction = resolve_mode("ModelCheckpoint", self.monitor, self.mode, self.model)
         if self._steps is not None:
             self._steps = StepCounter(self.save_freq)
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        """Notes the epoch, for file names of saves made mid-epoch."""
         self._current_epoch = epoch
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Saves every `save_freq` steps, when save_freq is a number."""
         if self._steps is not None and self._steps.due(batch):
             self._save(self._current_epoch, batch, logs or {})
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Saves after the epoch (save_freq="epoch"), if it improved with save_best_only."""
         if self.save_freq == "epoch":
             self._save(epoch, None, logs or {})
 
@@ -295,6 +319,7 @@ class BackupAndRestore(Callback):
         self._steps = StepCounter(save_freq) if save_freq != "epoch" else None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Restores a backup left in backup_dir, all of it or nothing (it is checked in full first)."""
         fit = getattr(self.model, "_epoch_iterator", None)
         if fit is None:
             raise TypeError(f"BackupAndRestore needs a mirrored Model's fit() (one with an epoch iterator); "
@@ -315,14 +340,17 @@ class BackupAndRestore(Callback):
             self._steps = StepCounter(self.save_freq, last_batch=fit.step - 1)
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Backs up every `save_freq` steps, when save_freq is a number."""
         if self._steps is not None and self._steps.due(batch):
             self._backup()
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Backs up after the epoch (save_freq="epoch")."""
         if self.save_freq == "epoch":
             self._backup()
 
     def on_train_end(self, logs: Logs | None = None) -> None:
+        """Deletes the backup after a fit() that finished (unless delete_checkpoint=False)."""
         if not self.delete_checkpoint:
             return
         try:
@@ -383,10 +411,12 @@ class EarlyStopping(Callback):
         self.best_epoch = 0
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Resets the wait, the best value and the best weights (an instance may serve several fits)."""
         self._reset()  # an instance may be reused by several fit() calls
         self._direction = resolve_mode("EarlyStopping", self.monitor, self.mode, self.model)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Compares the monitored value with the best; stops fit after `patience` epochs without improvement."""
         current = monitor_value(self, logs)
         if current is None or epoch < self.start_from_epoch:
             return
@@ -456,11 +486,13 @@ class ReduceLROnPlateau(Callback):
         self.best: float | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Resets the wait and cooldown; checks the optimizer's rate can be set."""
         self._reset()
         settable_learning_rate("ReduceLROnPlateau", self.model)
         self._direction = resolve_mode("ReduceLROnPlateau", self.monitor, self.mode, self.model)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Logs the rate; multiplies it by `factor` after `patience` epochs without improvement."""
         logs = {} if logs is None else logs
         optimizer = optimizer_of("ReduceLROnPlateau", self.model)
         logs["learning_rate"] = float(optimizer.learning_rate)
@@ -508,9 +540,11 @@ class LearningRateScheduler(Callback):
         self._takes_lr = _accepts_two_args(schedule)
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Checks that the optimizer's rate can be set (not a schedule of mr.optimizers)."""
         settable_learning_rate("LearningRateScheduler", self.model)
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        """Sets every replica's rate to schedule(epoch) (or schedule(epoch, rate))."""
         optimizer = optimizer_of("LearningRateScheduler", self.model)
         current = float(optimizer.learning_rate)
         lr = self.schedule(epoch, current) if self._takes_lr else self.schedule(epoch)
@@ -523,6 +557,7 @@ class LearningRateScheduler(Callback):
             say(f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {float(lr)}.")
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Adds the epoch's rate to `logs` as "learning_rate"."""
         if logs is not None:
             logs["learning_rate"] = float(optimizer_of("LearningRateScheduler",
                                                        self.model).learning_rate)
@@ -551,6 +586,7 @@ class TerminateOnNaN(Callback):
         self.raise_error = raise_error
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Stops fit (or raises, with raise_error=True) when the batch's loss is not finite."""
         loss = (logs or {}).get("loss")
         if loss is not None and not math.isfinite(float(loss)):
             if self.raise_error:
@@ -583,6 +619,7 @@ class CSVLogger(Callback):
         self._dropped: set[str] = set()
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Creates (or, with append=True, continues) the file and its header."""
         self.keys, self._dropped = None, set()
         directory = os.path.dirname(self.filename)
         if directory:
@@ -597,6 +634,7 @@ class CSVLogger(Callback):
         open(self.filename, "w").close()
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Writes the epoch's row of metrics."""
         logs = {k: v for k, v in (logs or {}).items() if k not in NOT_METRICS}
         rows = []
         if self.keys is None:
@@ -670,6 +708,7 @@ class TorchLRScheduler(Callback):
         self.verbose = verbose
 
     def set_model(self, model: Any) -> None:
+        """Builds the scheduler on the model's mirrored optimizer (if compiled) and attaches it, so it is saved."""
         super().set_model(model)
         optimizer = getattr(model, "mirrored_optimizer", None)
         if optimizer is not None:  # (compiled: fit() needs it; predict() does not)
@@ -686,20 +725,24 @@ class TorchLRScheduler(Callback):
         optimizer.attach_lr_scheduler(self.scheduler)  # its state is saved with the optimizer's
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Checks there is an optimizer to schedule."""
         if self.scheduler is None or getattr(self.model, "mirrored_optimizer", None) is None:
             raise RuntimeError("TorchLRScheduler: the model has no optimizer to schedule; call "
                                "model.compile(optimizer=...) before fit().")
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        """Sets every replica's rate to the scheduler's (a resumed fit follows the schedule)."""
         # A resumed fit set the optimizer's rate from its own records: the schedule's rate wins.
         for group, lr in zip(self.model.mirrored_optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Steps the scheduler after every batch, with step_per="batch"."""
         if self.step_per == "batch":
             self.scheduler.step()
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Steps the scheduler (ReduceLROnPlateau with the monitored value) and logs the epoch's rate."""
         import torch
 
         before = self._rate()

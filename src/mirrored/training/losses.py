@@ -445,6 +445,7 @@ class Loss:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Loss:
+        """A new instance from get_config()'s dict (Keras's from_config)."""
         return cls(**config)
 
     def __repr__(self) -> str:
@@ -477,6 +478,7 @@ class SparseCategoricalCrossentropy(Loss):
         return self.kept(y_true).clamp(min=1)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {**super().get_config(), "from_logits": self.from_logits, "ignore_class": self.ignore_class,
                 "axis": self.axis}
 
@@ -504,6 +506,7 @@ class CategoricalCrossentropy(Loss):
         return categorical_crossentropy(y_true, y_pred, self.from_logits, self.label_smoothing, self.axis)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {**super().get_config(), "from_logits": self.from_logits, "label_smoothing": self.label_smoothing,
                 "axis": self.axis}
 
@@ -526,6 +529,7 @@ class BinaryCrossentropy(Loss):
         return binary_crossentropy(y_true, y_pred, self.from_logits, self.label_smoothing)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {**super().get_config(), "from_logits": self.from_logits, "label_smoothing": self.label_smoothing}
 
     def __repr__(self) -> str:
@@ -579,6 +583,7 @@ class LossFunctionWrapper(Loss):
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Loss:
+        """A new instance from get_config()'s dict (Keras's from_config)."""
         config = dict(config)
         name = config.pop("fn", None)
         if name not in _LOSS_FUNCTIONS:
@@ -611,6 +616,7 @@ class TorchLossWrapper(Loss):
         return self.module(y_pred, y_true)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         raise NotImplementedError(f"{self!r}: a torch.nn loss module has no config; load with compile=False and "
                                   "compile(...) with it again.")
 

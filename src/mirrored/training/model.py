@@ -188,6 +188,7 @@ class Model:
 
     @property
     def replicas(self) -> tuple[nn.Module, ...]:
+        """The module's copies, one per replica (replica 0's is `module`)."""
         return self._net.replicas
 
     @property
@@ -197,6 +198,7 @@ class Model:
 
     @property
     def metrics(self) -> list[Any]:
+        """The loss tracker (once compiled) and the compiled metrics, as Keras's `model.metrics`."""
         return ([self._loss_tracker] if self._loss_tracker is not None else []) + list(self._metrics)
 
     def __call__(self, x: Any, *args: Any, training: bool = False, **kwargs: Any) -> Any:
@@ -596,6 +598,7 @@ class Model:
 
     # ---- metrics -----------------------------------------------------------------------------------
     def reset_metrics(self) -> None:
+        """Resets every metric's state (every replica's copy), as fit does at each epoch's start."""
         for m in self.metrics:
             m.reset_state()
 
@@ -651,6 +654,7 @@ class Model:
         checkpoint.save_checkpoint(path, tensors, meta)
 
     def save_weights(self, path: str | Path) -> None:
+        """The weights alone (no optimizer state), in one safetensors file, written atomically."""
         tensors, meta = self._state_tensors(with_optimizer=False)
         checkpoint.save_checkpoint(path, tensors, meta)
 

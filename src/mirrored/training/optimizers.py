@@ -183,6 +183,7 @@ class Optimizer:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Optimizer:
+        """A new instance from get_config()'s dict (Keras's from_config)."""
         config = dict(config)
         if isinstance(config.get("learning_rate"), Mapping):
             config["learning_rate"] = schedules.deserialize(config["learning_rate"])
@@ -229,6 +230,7 @@ class SGD(Optimizer):
         self._settings = {"weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov}
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {**self._option_config(), **self._settings}
 
 
@@ -250,6 +252,7 @@ class Adam(Optimizer):
                           "amsgrad": amsgrad}
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {**self._option_config(), **self._settings}
 
 
@@ -270,6 +273,7 @@ class AdamW(Optimizer):
                           "amsgrad": amsgrad}
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {**self._option_config(), **self._settings}
 
 
@@ -289,6 +293,7 @@ class RMSprop(Optimizer):
         self._settings = {"rho": rho, "momentum": momentum, "epsilon": epsilon, "centered": centered}
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {**self._option_config(), **self._settings}
 
 

@@ -29,11 +29,13 @@ class LearningRateSchedule:
         raise NotImplementedError(f"learning rate schedule {type(self).__name__} must override __call__(step).")
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         raise NotImplementedError(f"learning rate schedule {type(self).__name__} must override get_config() to "
                                   "be saved with a model.")
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> LearningRateSchedule:
+        """A new instance from get_config()'s dict (Keras's from_config)."""
         return cls(**config)
 
     def __repr__(self) -> str:
@@ -80,6 +82,7 @@ class _StepRatioDecay(LearningRateSchedule):
         return float(self._rate(p))
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {"initial_learning_rate": self.initial_learning_rate, "decay_steps": self.decay_steps,
                 "decay_rate": self.decay_rate, "staircase": self.staircase, "name": self.name}
 
@@ -116,6 +119,7 @@ class PiecewiseConstantDecay(LearningRateSchedule):
         return float(self.values[-1])
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {"boundaries": self.boundaries, "values": self.values, "name": self.name}
 
 
@@ -144,6 +148,7 @@ class PolynomialDecay(LearningRateSchedule):
                      + self.end_learning_rate)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {"initial_learning_rate": self.initial_learning_rate, "decay_steps": self.decay_steps,
                 "end_learning_rate": self.end_learning_rate, "power": self.power, "cycle": self.cycle,
                 "name": self.name}
@@ -190,6 +195,7 @@ class CosineDecay(LearningRateSchedule):
         return float(self._decayed(s - self.warmup_steps, self.warmup_target))
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {"initial_learning_rate": self.initial_learning_rate, "decay_steps": self.decay_steps,
                 "alpha": self.alpha, "name": self.name, "warmup_target": self.warmup_target,
                 "warmup_steps": self.warmup_steps}
@@ -226,6 +232,7 @@ class CosineDecayRestarts(LearningRateSchedule):
         return float(self.initial_learning_rate * ((1 - self.alpha) * cosine + self.alpha))
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {"initial_learning_rate": self.initial_learning_rate, "first_decay_steps": self.first_decay_steps,
                 "t_mul": self.t_mul, "m_mul": self.m_mul, "alpha": self.alpha, "name": self.name}
 

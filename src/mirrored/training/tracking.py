@@ -422,9 +422,10 @@ class CheckpointManager:
                 if min(stamp, now) > self._last_preserved:
                     self._maybe_delete[path] = min(stamp, now)
 
-    directory = property(lambda self: self._directory)
-    checkpoint = property(lambda self: self._checkpoint)
-    checkpoint_interval = property(lambda self: self._checkpoint_interval)
+    directory = property(lambda self: self._directory, doc="The directory the manager saves into.")
+    checkpoint = property(lambda self: self._checkpoint, doc="The Checkpoint whose saves it numbers.")
+    checkpoint_interval = property(lambda self: self._checkpoint_interval,
+                                   doc="Steps of step_counter between saves (None: every save() saves).")
 
     @property
     def latest_checkpoint(self) -> str | None:
