@@ -513,3 +513,26 @@ def test_sum_reduction_reduce_gradients_then_clip_then_step_reduces_once():
     for xb, yb in strategy.experimental_distribute_dataset(batches(x, y, 8)):
         strategy.run(step, args=(xb, yb))
     assert_matches(mnet, ref, strategy, opt)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_autograd_runs_the_queued_end_of_backward_on_the_thread_that_called_backward(device):
+    """What "mean"'s all-reduce at the end of backward relies on: autograd's final callbacks run on the
+    thread that called backward (the replica's, with its replica context), after every gradient was
+    accumulated, also when the graph ran on a GPU's own autograd thread; their errors reach backward."""
+    import threading
+
+    param = nn.Parameter(torch.ones(3, device=device))
+    seen = []
+
+    def queue(p):
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: seen.append((threading.current_thread().name, p.grad.clone().cpu())))
+
+    param.register_post_accumulate_grad_hook(queue)
+    caller = threading.Thread(target=lambda: (param * 2).sum().backward(), name="replica-thread")
+    caller.start()
+    caller.join(timeout=TIMEOUT_S)
+    assert not caller.is_alive()
+    assert len(seen) == 1 and seen[0][0] == "replica-thread"
+    assert torch.equal(seen[0][1], torch.full((3,), 2.0))  # every gradient accumulated by then
