@@ -519,7 +519,7 @@ def test_sum_reduction_reduce_gradients_then_clip_then_step_reduces_once():
 def test_autograd_runs_the_queued_end_of_backward_on_the_thread_that_called_backward(device):
     """What "mean"'s all-reduce at the end of backward relies on: autograd's final callbacks run on the
     thread that called backward (the replica's, with its replica context), after every gradient was
-    accumulated, also when the graph ran on a GPU's own autograd thread; their errors reach backward."""
+    accumulated, also when the graph ran on a GPU's own autograd thread."""
     import threading
 
     param = nn.Parameter(torch.ones(3, device=device))
