@@ -8,6 +8,7 @@ import os
 import pickle
 import random
 import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -530,3 +531,20 @@ def test_checkpoint_files_get_the_usual_permissions(tmp_path):
     finally:
         os.umask(old_umask)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
+
+
+@pytest.mark.parametrize("name, fmt", [("model.h5", "HDF5"), ("m.weights.h5", "HDF5"), ("model.keras", "Keras zip"),
+                                       ("model.pt", "torch.save"), ("model.PTH", "torch.save")])
+def test_a_suffix_of_another_format_warns_once_and_the_file_is_safetensors(tmp_path, name, fmt):
+    """Keras code saves to model.h5 / model.keras and torch code to model.pt; the file is written (the
+    port keeps working) but the name would send h5py, keras or torch.load to a file they cannot read."""
+    path = tmp_path / name
+    stem = str(path)[: -len(path.suffix)]
+    with pytest.warns(UserWarning, match=rf"safetensors \+ JSON, not {fmt}.*{stem.split('/')[-1]}\.safetensors"):
+        save_checkpoint(path, {"w": torch.ones(2)}, {"k": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per path: a ModelCheckpoint saving every epoch warns once
+        save_checkpoint(path, {"w": torch.zeros(2)}, {"k": 2})
+    tensors, meta = load_checkpoint(path)
+    assert torch.equal(tensors["w"], torch.zeros(2)) and meta == {"k": 2}
+    assert path.read_bytes()[8:9] == b"{"  # a safetensors header, whatever the suffix

@@ -77,11 +77,26 @@ class CheckpointMismatchError(CheckpointError, AssertionError):
 # Files
 
 
+# Names other tools read as their own format: Keras's HDF5 and zip files, torch.save's pickles.
+_FOREIGN_SUFFIXES = {".h5": "HDF5", ".hdf5": "HDF5", ".keras": "Keras zip", ".pt": "torch.save",
+                     ".pth": "torch.save", ".pkl": "pickle"}
+_warned_paths: set[str] = set()
+
+
 def check_file_path(path: str, where: str) -> None:
-    """Refuses a path that names a directory (a TF SavedModel habit): a checkpoint is one file."""
+    """Refuses a path that names a directory (a TF SavedModel habit): a checkpoint is one file. Warns,
+    once per path, where its suffix promises another format (model.h5, a .keras or .pt file): the file
+    is safetensors whatever its name, and tools of that format would fail on it."""
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
         raise ValueError(f"{where}({path!r}): that is a directory; a checkpoint is one safetensors file. Give "
                          f"a file name, e.g. {os.path.join(path, 'model.safetensors')!r}.")
+    stem, suffix = os.path.splitext(path)
+    foreign = _FOREIGN_SUFFIXES.get(suffix.lower())
+    if foreign is not None and path not in _warned_paths:
+        _warned_paths.add(path)
+        warnings.warn(f"{where}({path!r}): the file will be safetensors + JSON, not {foreign}, whatever its "
+                      f"suffix; name it {stem + '.safetensors'!r} so that no tool takes it for {foreign}.",
+                      UserWarning, stacklevel=3)
 
 
 def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, Tensor],
