@@ -4,9 +4,11 @@ A prepared directory `<data_dir>/<name>/<version>/` holds dataset_info.json (spl
 lengths), features.json (the type of each feature), `<feature>.labels.txt` (class names) and TFRecord
 shards `<name>-<split>.tfrecord-00000-of-00004` of tf.train.Example records. `PreparedDataset(dir)`
 reads one: `.info` (DatasetInfo: features, splits, supervised_keys) and `.as_dataset(split)`, a
-Dataset of feature dicts whose images are decoded in a parallel map. Split specs follow TFDS
-(`parse_split`: "train[:80%]+test"). `write_split` and `write_info` write the same layout, so TFDS
-reads what we prepare. Uses dataset.py, tfrecord.py and images.py.
+Dataset of feature dicts whose images are decoded in a parallel map. `write_split` and `write_info`
+write the same layout, so TFDS reads what we prepare. The feature types (Image, ClassLabel, Text) live
+in _tfds_features.py and the splits and split specs (SplitInfo, parse_split: "train[:80%]+test") in
+_tfds_splits.py; both are re-exported here, where users import them. Uses dataset.py, tfrecord.py,
+_tfds_features.py and _tfds_splits.py.
 """
 from __future__ import annotations
 
@@ -20,13 +22,14 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from mirrored._files import config_of
 from mirrored.data import _pipeline
+from mirrored.data._tfds_features import _TFDS, ClassLabel, Feature, FeaturesDict, Image, Text, _feature_from_json
+from mirrored.data._tfds_splits import (DEFAULT_FILEPATH_TEMPLATE, FileInstruction, ReadInstruction, SplitDict,
+                                        SplitInfo, _shard_takes, parse_split, split_ranges)
 from mirrored.data.dataset import AUTOTUNE, Dataset
-from mirrored.data.images import decode_image
 from mirrored.data.tfrecord import TFRecordWriter, parse_example, read_records
 
 __all__ = [
@@ -35,8 +38,6 @@ __all__ = [
     "parse_split", "shard_boundaries", "shard_count", "split_ranges", "write_info", "write_split",
 ]
 
-DEFAULT_FILEPATH_TEMPLATE = "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"
-_TFDS = "tensorflow_datasets.core.features."
 _VERSION_RE = re.compile(r"^\d+\.\d+\.\d+$")
 # TFDS' shard sizing: 64 MiB .. 1 GiB per shard, each record costing 16 bytes of framing on disk.
 _MIN_SHARD_BYTES, _MAX_SHARD_BYTES, _RECORD_OVERHEAD = 64 << 20, 1 << 30, 16
@@ -63,334 +64,6 @@ def find_version_dir(dataset_dir: str | os.PathLike, version: str | None = None)
     if not versions:
         return None
     return os.path.join(dataset_dir, max(versions, key=lambda v: tuple(map(int, v.split(".")))))
-
-
-# ------------------------------------------------------------------------------------ features
-
-
-class Image:
-    """An encoded image (JPEG/PNG bytes on disk), served as a uint8 HWC tensor (tfds.features.Image)."""
-
-    def __init__(self, shape: Sequence[int | None] = (None, None, 3)):
-        self.shape = tuple(None if d is None or d < 0 else int(d) for d in shape)
-        self.channels = self.shape[-1] or 0  # 0: as stored
-
-    def decode(self, value: list[bytes] | np.ndarray, where: str) -> torch.Tensor:
-        """The image of one record's bytes, as a uint8 HWC tensor; `where` names the record in errors."""
-        if not _is_bytes_list(value):
-            raise ValueError(f"{where}: the image feature holds {_held(value)}, not encoded image bytes; the "
-                             "shard is damaged or from another dataset: prepare it again.")
-        return decode_image(value[0], self.channels, name=where)
-
-    def to_json(self) -> dict[str, Any]:
-        """This feature as TFDS writes it in features.json."""
-        dims = [str(-1 if d is None else d) for d in self.shape]
-        return {"image": {"dtype": "uint8", "shape": {"dimensions": dims}},
-                "pythonClassName": _TFDS + "image_feature.Image"}
-
-    def __repr__(self) -> str:
-        return f"Image(shape={self.shape}, dtype=torch.uint8)"
-
-
-class ClassLabel:
-    """An int64 class id in [0, num_classes), with names (tfds.features.ClassLabel)."""
-
-    def __init__(self, names: Sequence[str] | None = None, num_classes: int | None = None):
-        if names is None and num_classes is None:
-            raise ValueError("ClassLabel: give names= (e.g. ['cat', 'dog']) or num_classes=.")
-        self.names = [str(n) for n in names] if names is not None else [str(i) for i in range(num_classes)]
-        if num_classes is not None and num_classes != len(self.names):
-            raise ValueError(f"ClassLabel: {len(self.names)} names {self.names} but num_classes={num_classes}; "
-                             "give one name per class.")
-        self.num_classes = len(self.names)
-
-    def str2int(self, name: str) -> int:
-        """The class id of `name` (tfds's ClassLabel.str2int); an unknown name is a ValueError listing the names."""
-        try:
-            return self.names.index(name)
-        except ValueError:
-            raise ValueError(f"ClassLabel: unknown class name {name!r}; the names are {self.names}.") from None
-
-    def int2str(self, label: int) -> str:
-        """The name of class id `label` (tfds's ClassLabel.int2str)."""
-        return self.names[label]
-
-    def decode(self, value: list[bytes] | np.ndarray, where: str) -> torch.Tensor:
-        """The class id of one record's int64 value, as a 0-d int64 tensor, checked against num_classes."""
-        if not (isinstance(value, np.ndarray) and value.dtype == np.int64):  # a float 2.7 or b"3" is no class id
-            raise ValueError(f"{where}: the label feature holds {_held(value)}, not an int64 class id; the "
-                             "shard is damaged or from another dataset: prepare it again.")
-        if len(value) != 1 or not 0 <= int(value[0]) < self.num_classes:
-            raise ValueError(f"{where}: label {value.tolist()} is outside [0, {self.num_classes}) (classes "
-                             f"{', '.join(self.names)}). The file is damaged or belongs to another "
-                             "dataset version: prepare it again.")
-        return torch.tensor(int(value[0]), dtype=torch.int64)
-
-    def to_json(self) -> dict[str, Any]:
-        """This feature as TFDS writes it in features.json."""
-        return {"classLabel": {"numClasses": str(self.num_classes)},
-                "pythonClassName": _TFDS + "class_label_feature.ClassLabel"}
-
-    def __repr__(self) -> str:
-        return f"ClassLabel(num_classes={self.num_classes}, names={self.names})"
-
-
-class Text:
-    """A UTF-8 string, served as str (tfds.features.Text)."""
-
-    def decode(self, value: list[bytes] | np.ndarray, where: str) -> str:
-        """One record's bytes as a str (UTF-8)."""
-        if isinstance(value, list) and not value:
-            return ""
-        if not _is_bytes_list(value):
-            raise ValueError(f"{where}: the text feature holds {_held(value)}, not UTF-8 bytes; the shard is "
-                             "damaged or from another dataset: prepare it again.")
-        try:
-            return value[0].decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{where}: the text feature is not UTF-8 ({e}); the shard is damaged or from "
-                             "another dataset: prepare it again.") from None
-
-    def to_json(self) -> dict[str, Any]:
-        """This feature as TFDS writes it in features.json."""
-        return {"pythonClassName": _TFDS + "text_feature.Text", "text": {}}
-
-    def __repr__(self) -> str:
-        return "Text()"
-
-
-Feature = Image | ClassLabel | Text
-
-
-def _is_bytes_list(value: Any) -> bool:
-    """Whether a parsed feature is one bytes value (a bytes_list of length 1), as images and text are."""
-    return isinstance(value, list) and len(value) == 1 and isinstance(value[0], bytes)
-
-
-def _held(value: Any) -> str:
-    """What a parsed tf.train.Example feature holds, for errors: its list kind and its first values."""
-    if isinstance(value, np.ndarray):
-        kind = {"i": "an int64_list", "f": "a float_list"}.get(value.dtype.kind, f"a {value.dtype} array")
-        return f"{kind} of {len(value)} {value[:4].tolist()}{'...' if len(value) > 4 else ''}"
-    if isinstance(value, list):
-        return f"a bytes_list of {len(value)}{f' starting {value[0][:16]!r}' if value else ''}"
-    return f"a {type(value).__name__}"
-
-
-class FeaturesDict(dict):
-    """{feature name: feature} in the order TFDS serves them (sorted names)."""
-
-    def __repr__(self) -> str:
-        inner = ",\n".join(f"    {k!r}: {v!r}" for k, v in self.items())
-        return f"FeaturesDict({{\n{inner}\n}})"
-
-
-def _feature_from_json(key: str, spec: Mapping[str, Any], names: list[str] | None, where: str) -> Feature:
-    kind = spec.get("pythonClassName") or spec.get("type", "")  # 4.x: pythonClassName; 3.x: type/content
-    content = spec.get("content", {})
-    short = kind.rsplit(".", 1)[-1]
-    if short == "Image":
-        dims = spec["image"]["shape"]["dimensions"] if "image" in spec else content.get("shape", [None, None, 3])
-        return Image([None if d is None else int(d) for d in dims])
-    if short == "ClassLabel":
-        n = int(spec["classLabel"]["numClasses"]) if "classLabel" in spec else content.get("num_classes")
-        if names is not None and n is not None and len(names) != n:
-            raise ValueError(f"{where}: feature {key!r} has numClasses {n} but {key}.labels.txt lists "
-                             f"{len(names)} names; the directory is inconsistent: prepare it again.")
-        return ClassLabel(names=names, num_classes=None if names is not None else n)
-    if short == "Text":
-        return Text()
-    raise ValueError(f"{where}: feature {key!r} is a {kind or spec!r}, which mirrored does not decode "
-                     "(it reads Image, ClassLabel and Text features). Load an image-classification "
-                     "dataset, or read the shards with mirrored.data.tfrecord.")
-
-
-# -------------------------------------------------------------------------------------- splits
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitInfo:
-    """One split: examples per shard file (tfds.core.SplitInfo). A sub-split such as
-    info.splits["train[:10%]"] lists the examples it takes from each shard instead."""
-
-    name: str
-    shard_lengths: tuple[int, ...]
-    num_bytes: int = 0
-    filepath_template: str | None = DEFAULT_FILEPATH_TEMPLATE
-
-    @property
-    def num_examples(self) -> int:
-        """The examples of the split: the sum of its shards' lengths."""
-        return sum(self.shard_lengths)
-
-    @property
-    def num_shards(self) -> int:
-        """How many files (shards) the split has."""
-        return len(self.shard_lengths)
-
-    def filenames(self, dataset_name: str) -> list[str]:
-        """The shard file names, in shard order."""
-        if self.filepath_template is None:
-            raise ValueError(f"SplitInfo {self.name!r} is a sub-split; its files are those of its split.")
-        n = self.num_shards
-        return [self.filepath_template.replace("{DATASET}", dataset_name).replace("{SPLIT}", self.name)
-                .replace("{FILEFORMAT}", "tfrecord").replace("{SHARD_X_OF_Y}", f"{i:05d}-of-{n:05d}")
-                .replace("{SHARD_INDEX}", f"{i:05d}").replace("{NUM_SHARDS}", f"{n:05d}") for i in range(n)]
-
-    def __repr__(self) -> str:
-        return f"<SplitInfo {self.name!r} num_examples={self.num_examples}, num_shards={self.num_shards}>"
-
-
-class SplitDict(dict):
-    """{split name: SplitInfo}; a spec such as splits["train[:80%]"] gives that sub-split's SplitInfo."""
-
-    def __getitem__(self, key: str) -> SplitInfo:
-        if dict.__contains__(self, key):
-            return dict.__getitem__(self, key)
-        lengths: list[int] = []
-        for name, start, stop in split_ranges(key, self):
-            lengths += [take for _, _, take in _shard_takes(self.get(name).shard_lengths, start, stop)]
-        return SplitInfo(str(key), tuple(lengths), 0, None)
-
-    @property
-    def total_num_examples(self) -> int:
-        """The examples of every split together (tfds's SplitDict.total_num_examples)."""
-        return sum(s.num_examples for s in self.values())
-
-
-# One part of a spec: name, then an optional [from:to] with ints, floats with %, or "shard" units.
-_PART_RE = re.compile(r"^\s*(?P<name>[\w-]+)\s*(?:\[(?P<slice>[^\]]*)\])?\s*$")
-_BOUND_RE = re.compile(r"^\s*(?P<value>[-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(?P<unit>%|shard)?\s*$")
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadInstruction:
-    """One parsed part of a split spec: split name and slice bounds in `unit` ('abs', '%', 'shard')."""
-
-    split: str
-    start: float | None = None
-    stop: float | None = None
-    unit: str = "abs"
-
-
-def parse_split(spec: str) -> list[ReadInstruction]:
-    """Parses a TFDS split spec: parts joined by '+', each `name`, `name[a:b]` (examples, negative
-    from the end), `name[a%:b%]` (percent, may be fractional), `name[a shard:b shard]` or `name[k shard]`;
-    "all" is every split."""
-    if not isinstance(spec, str):
-        raise TypeError(f"split must be a str such as 'train[:80%]'; got {spec!r} ({type(spec).__name__}).")
-    out = []
-    for part in spec.split("+"):
-        match = _PART_RE.match(part)
-        if not match:
-            raise ValueError(f"split {spec!r}: cannot parse {part.strip()!r}. Write e.g. 'train', 'train[:80%]', "
-                             "'train[10:20]', 'train[-5:]' or 'train[:50%]+test'.")
-        name, selector = match["name"], match["slice"]
-        if selector is None:
-            out.append(ReadInstruction(name))
-            continue
-        if name == "all":
-            raise ValueError(f"split {spec!r}: 'all' cannot be sliced; slice the splits and join them with '+'.")
-        out.append(_parse_slice(name, selector, spec))
-    return out
-
-
-def _parse_slice(name: str, selector: str, spec: str) -> ReadInstruction:
-    pieces = selector.split(":")
-    bounds = [None if not p.strip() else _BOUND_RE.match(p) for p in pieces]
-    bad = len(pieces) > 2 or any(p.strip() and b is None for p, b in zip(pieces, bounds)) or not any(bounds)
-    if bad:
-        raise ValueError(f"split {spec!r}: cannot parse the slice [{selector}]. Write [from:to] with ints "
-                         "(examples), percents such as [:80%] or [10%:], or shards such as [:2shard].")
-    units = {b["unit"] for b in bounds if b is not None and b["unit"]}
-    if len(units) > 1:
-        raise ValueError(f"split {spec!r}: the slice [{selector}] mixes units {sorted(units)}; use one unit.")
-    unit = {"%": "%", "shard": "shard"}.get(units.pop() if units else "", "abs")
-    if len(pieces) == 1:  # name[k shard]: one shard
-        if unit != "shard":
-            raise ValueError(f"split {spec!r}: [{selector}] needs a colon, e.g. [{selector}:] or [:{selector}]; "
-                             "only shards can be picked by a single index ([3shard]).")
-        k = int(bounds[0]["value"])
-        return ReadInstruction(name, k, k + 1 if k != -1 else None, unit)
-    values = []
-    for b in bounds:
-        if b is None:
-            values.append(None)
-        elif unit == "%":
-            values.append(float(b["value"]))
-        elif re.fullmatch(r"[-+]?\d+", b["value"].strip()):
-            values.append(int(b["value"]))
-        else:
-            raise ValueError(f"split {spec!r}: {b['value']} is not a whole number; only percents may be "
-                             "fractional ([:33.3%]).")
-    if unit == "%" and any(v is not None and abs(v) > 100 for v in values):
-        raise ValueError(f"split {spec!r}: percent bounds must be within [-100%, 100%].")
-    return ReadInstruction(name, values[0], values[1], unit)
-
-
-def _percent_to_index(percent: float, num_examples: int) -> int:
-    # TFDS' default "closest" rounding: Python's round() (ties to even) of the float product, so
-    # train[:50%] of 5 examples has 2 and train[:50%] of 7 has 4, exactly as tfds.load gives them.
-    return int(round(percent * num_examples / 100.0))
-
-
-def split_ranges(spec: str, splits: Mapping[str, SplitInfo | int]) -> list[tuple[str, int, int]]:
-    """`spec` as (split, start, stop) example ranges, given each split's SplitInfo or size.
-    An unknown split is a ValueError listing the available ones."""
-    out = []
-    for instr in parse_split(spec):
-        names = list(splits) if instr.split == "all" else [instr.split]
-        for name in names:
-            if name not in splits:
-                raise ValueError(f"split {spec!r}: unknown split {name!r}; the dataset has "
-                                 f"{', '.join(map(repr, splits))}. Use one of those (sliced if you like, e.g. "
-                                 f"'{next(iter(splits), 'train')}[:80%]'), or 'all'.")
-            info = splits[name]
-            n = info if isinstance(info, int) else info.num_examples
-            start, stop = _absolute(instr, n, info, spec)
-            out.append((name, start, max(start, stop)))
-    return out
-
-
-def _absolute(instr: ReadInstruction, n: int, info: SplitInfo | int, spec: str) -> tuple[int, int]:
-    start, stop = instr.start, instr.stop
-    if instr.unit == "%":
-        start = 0 if start is None else _percent_to_index(start, n)
-        stop = n if stop is None else _percent_to_index(stop, n)
-    elif instr.unit == "shard":
-        lengths = list(info.shard_lengths) if isinstance(info, SplitInfo) else [n]
-        if any(abs(b) > len(lengths) for b in (start, stop) if b is not None):
-            raise ValueError(f"split {spec!r}: shard bound out of range; split {instr.split!r} has "
-                             f"{len(lengths)} shard(s).")
-        start = 0 if start is None else sum(lengths[:start])
-        stop = n if stop is None else sum(lengths[:stop]) if stop > 0 else sum(lengths[:len(lengths) + stop])
-    else:
-        start, stop = (0 if start is None else start), (n if stop is None else stop)
-        if abs(start) > n or abs(stop) > n:
-            raise ValueError(f"split {spec!r}: slice [{instr.start if instr.start is not None else ''}:"
-                             f"{instr.stop if instr.stop is not None else ''}] is out of range for split "
-                             f"{instr.split!r} of {n} examples; use bounds within [-{n}, {n}], or percents.")
-    return (n + start if start < 0 else start), (n + stop if stop < 0 else stop)
-
-
-@dataclasses.dataclass(frozen=True)
-class FileInstruction:
-    """Read `take` records of shard `path` after skipping `skip` (tfds' FileInstruction)."""
-
-    path: str
-    skip: int
-    take: int
-
-
-def _shard_takes(shard_lengths: Sequence[int], start: int, stop: int) -> list[tuple[int, int, int]]:
-    """(shard index, skip, take) covering examples [start, stop) of shards of these lengths."""
-    out, first = [], 0
-    for index, length in enumerate(shard_lengths):
-        lo, hi = max(start, first), min(stop, first + length)
-        if lo < hi:
-            out.append((index, lo - first, hi - lo))
-        first += length
-    return out
 
 
 # ------------------------------------------------------------------------------------ info
