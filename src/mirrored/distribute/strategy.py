@@ -4,15 +4,14 @@ One `Strategy` class does the work; the three differ only in their devices and i
 run on threads. `run` hands the function to one persistent thread per replica (a single replica runs
 inline, on the caller's thread); replicas meet in collectives through a per-run `Rendezvous`;
 cross-replica `reduce`/`gather` combine `PerReplica` values on the first replica's device.
-Uses every other module of `distribute/` but multi_worker.py.
+What run hands each replica thread, and its checks, are in _run_path.py; what the replicas keep
+between in-step all-reduces in _replica_reduce.py; the leaf-by-leaf work of reduce and gather in
+_cross_replica.py. Uses every other module of `distribute/` but multi_worker.py.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import itertools
 import logging
-import math
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -23,22 +22,26 @@ from torch import Tensor
 from torch.nn.parameter import is_lazy
 
 from mirrored.distribute import buckets, context, devices, guards, replicas, rollback
+# (_is_mirrored_variable, _LAYOUTS_KEPT and _SHARED are not used here: multi_worker.py, tests and
+# benchmarks import them from this module, where they were defined before the split.)
+from mirrored.distribute._cross_replica import (_as_tensor, _bitwise_equal, _component, _is_mirrored_variable,
+                                                _local_copies, gather_leaf, reduce_leaves)
+from mirrored.distribute._replica_reduce import (_DIRECT_NUMEL, _LAYOUTS_KEPT, _VALUE_LAYOUTS_KEPT,
+                                                 _AllReduceFunction, _GradientState, _recent, _replica_entry,
+                                                 _union_is_exact, _union_of)
+from mirrored.distribute._run_path import (_SHARED, _argument_split, _caller_modes, _entered, _inline_runs,
+                                           _replica_arguments, _run_result, refuse_nested_run, step_error)
 from mirrored.distribute.context import ReplicaContext
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, as_reduce_op, default_for,
                                                 mean_of_sum, shape_mismatch, shapes_of)
 from mirrored.distribute.devices import Device, intra_op_threads, resolve_devices, torch_device
-from mirrored.distribute.values import (DistributedValues, Mirrored, Nested, PerReplica, ReduceOp, flatten,
-                                        is_nested, map_structure, pack_sequence_as, regroup, select_replica)
+from mirrored.distribute.values import (DistributedValues, Nested, ReduceOp, flatten, is_nested, map_structure,
+                                        pack_sequence_as, regroup, select_replica)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a missing replica before failing
-_DIRECT_NUMEL = 1 << 16  # tensors this large are reduced where they lie; packing them would only copy
-_LAYOUTS_KEPT = 4  # gradient layouts (persistent reduction buffers) kept per optimizer and replica
-_VALUE_LAYOUTS_KEPT = 16  # ctx.all_reduce layouts (plans, no buffers) kept per replica
 _WATCHED_KEPT = 256  # replica functions remembered as guarded already (as guards.py remembers them)
-# How strategy.run hands its arguments to each replica (see _argument_split).
-_SHARED, _FLAT, _NESTED = 0, 1, 2
 
 
 class OutOfSyncError(RuntimeError):
@@ -202,7 +205,7 @@ class Strategy:
             raise TypeError(f"strategy.run(fn={fn!r}): fn must be callable.")
         frame = context._current()
         if frame is not None or self._is_default:
-            self._refuse_nested_run(frame)
+            refuse_nested_run(self, frame)
         args = args if type(args) is tuple else tuple(args)
         kwargs = dict(kwargs) if kwargs else {}
         split = _argument_split(args, kwargs, len(self._devices))
@@ -218,7 +221,7 @@ class Strategy:
             self._roll_back(journals, outcome.finished)
             if outcome.interrupted is not None:
                 raise outcome.interrupted
-            raise self._step_error(outcome.errors, step)
+            raise step_error(self, outcome.errors, step)
         if outcome.interrupted is not None:  # the step finished on every replica first: it stays applied
             raise outcome.interrupted
         try:
@@ -256,28 +259,6 @@ class Strategy:
             step.finish(replica_id)
             return result
         return task
-
-    def _refuse_nested_run(self, frame: context._Frame | None) -> None:
-        """Raises where run() may not start: inside a replica function, a merge_call function, or the
-        scope of another strategy."""
-        if frame is not None and frame.replica_context is not None and not frame.strategy._is_default:
-            raise RuntimeError("strategy.run was called inside strategy.run (from replica "
-                               f"{frame.replica_context.replica_id_in_sync_group}'s function). Call the inner "
-                               "function directly: it already runs on every replica.")
-        if self._is_default:  # its scope holds its replica context too: a run is told apart by _inline_runs
-            if getattr(_inline_runs, "depth", 0):
-                raise RuntimeError("strategy.run was called inside strategy.run of the default strategy (TF "
-                                   "refuses this too). Call the inner function directly.")
-        elif frame is not None and any(f.strategy is self and f.replica_context is not None
-                                       for f in context._stack()):
-            raise RuntimeError("strategy.run was called inside a merge_call function, while the replicas wait in "
-                               "that merge_call; this is not supported. Return what you need from merge_fn and "
-                               "call run() after the current step.")
-        if frame is not None and frame.strategy is not self and not frame.strategy._is_default:
-            # TF's run enters this strategy's scope, which refuses to nest in another strategy's.
-            raise RuntimeError(f"{self!r}.run was called inside the scope of {frame.strategy!r}: mixing two "
-                               "strategies is not supported (as in tf.distribute). Leave the other strategy's "
-                               "scope first.")
 
     def _guard(self, fn: Callable[..., Any]) -> AbstractContextManager:
         """guards.watch(self, fn), skipped for a function whose first run was watched already: watch
@@ -325,21 +306,6 @@ class Strategy:
             logger.warning("replica %s did not finish the failed step in time; what it changed was not rolled "
                            "back, so the replicas may differ: check with strategy.check_in_sync(...) or restore "
                            "a checkpoint.", ", ".join(f"{i} ({self._devices[i]})" for i in stuck))
-
-    def _step_error(self, errors: dict[int, BaseException], step: replicas.Rendezvous) -> BaseException:
-        """The exception a failed step raises: the first replica's own error, named by replica."""
-        for rid in sorted(errors):
-            e = errors[rid]
-            if not isinstance(e, replicas._Released):
-                prefix = f"replica {rid} ({self._devices[rid]}): "
-                if len(e.args) == 1 and isinstance(e.args[0], str) and not e.args[0].startswith(prefix):
-                    e.args = (prefix + e.args[0],)
-                else:
-                    e.add_note(f"raised in {prefix.rstrip(': ')} of {self.num_replicas_in_sync}")
-                return e
-        if step.error is not None:
-            return step.error
-        return RuntimeError("strategy.run failed without an error from any replica (internal error).")
 
     def _merge_call(self, ctx: ReplicaContext, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if ctx._step is None:
@@ -494,81 +460,16 @@ class Strategy:
         op = as_reduce_op(reduce_op, "strategy.reduce")
         with torch.no_grad():
             if not is_nested(value):
-                return self._reduce_leaves(op, [value], axis, nested=False)[0]
-            return pack_sequence_as(value, self._reduce_leaves(op, flatten(value), axis, nested=True))
-
-    def _reduce_leaves(self, op: ReduceOp, leaves: list[Any], axis: int | Sequence[int] | None,
-                       nested: bool) -> list[Any]:
-        """`reduce` of each leaf: what needs a cross-replica sum goes into one `_sum_to_first` call."""
-        n = self.num_replicas_in_sync
-        out: list[Any] = [None] * len(leaves)
-        to_sum: list[tuple[int, list[Tensor]]] = []  # (leaf index, its per-replica parts)
-        counts: dict[int, int] = {}  # leaf index -> elements summed along `axis`, for MEAN
-        axes = None if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
-        for i, leaf in enumerate(leaves):
-            distributed = _is_distributed(leaf)
-            if axes is not None:
-                local = self.experimental_local_results(leaf) if distributed else [leaf] * n
-                parts = [_as_tensor(p, None) for p in local]
-                to_sum.append((i, [_sum_along(p, axes) for p in parts]))
-                counts[i] = sum(math.prod(p.shape[a] for a in axes) for p in parts)
-            elif not distributed:
-                if n == 1 or op is ReduceOp.MEAN:
-                    out[i] = leaf.clone() if isinstance(leaf, Tensor) else leaf
-                elif isinstance(leaf, (int, float)) and leaf == 0:
-                    out[i] = leaf
-                else:
-                    where = f" (leaf {i} of the nest)" if nested else ""
-                    raise ValueError(
-                        f"strategy.reduce(SUM, value) got a plain {type(leaf).__name__}{where}, not a PerReplica, "
-                        f"on {n} replicas: it is unclear whether it is one replica's value or the total (TF refuses "
-                        "this too). Pass the PerReplica that strategy.run returned, or use ReduceOp.MEAN for a value "
-                        "that is the same on every replica.")
-            elif op is ReduceOp.MEAN and isinstance(leaf, Mirrored):
-                first = leaf.values[0]
-                out[i] = first.clone() if isinstance(first, Tensor) else first
-            elif op is ReduceOp.MEAN and _is_mirrored_variable(leaf):  # identical copies: no rounding, as in TF
-                out[i] = leaf.values[0].detach().clone()
-            else:
-                to_sum.append((i, [_as_tensor(p, None) for p in self.experimental_local_results(leaf)]))
-        totals = self._sum_to_first([parts for _, parts in to_sum])
-        for (i, _), total in zip(to_sum, totals):
-            if axes is not None:
-                out[i] = total if op is ReduceOp.SUM else mean_of_sum(total, counts[i])
-            else:  # one replica: TF reduces nothing, and the dtype stays
-                out[i] = mean_of_sum(total, n) if op is ReduceOp.MEAN and n > 1 else total
-        return out
-
-    def _sum_to_first(self, columns: list[list[Tensor]]) -> list[Tensor]:
-        """Each column's per-replica parts summed on the first replica's device: new tensors, even of
-        one part. The columns travel together, packed into buckets: one cross-device call in all."""
-        if not columns:
-            return []
-        if len(columns[0]) == 1:
-            return [parts[0].clone() for parts in columns]
-        pairs = [(PerReplica(parts), self._devices[0]) for parts in columns]
-        return [mirrored.values[0] for mirrored in self._cross_device_ops.batch_reduce(ReduceOp.SUM, pairs)]
+                return reduce_leaves(self, op, [value], axis, nested=False)[0]
+            return pack_sequence_as(value, reduce_leaves(self, op, flatten(value), axis, nested=True))
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates the replicas' values along `axis` on the first replica's device (tf's gather);
         a nest of such values gathers leaf by leaf."""
         context.require_cross_replica("strategy.gather")
         if is_nested(value):
-            return map_structure(lambda leaf: self._gather_leaf(leaf, axis), value)
-        return self._gather_leaf(value, axis)
-
-    def _gather_leaf(self, value: Any, axis: int) -> Any:
-        if not _is_distributed(value):
-            if self.num_replicas_in_sync == 1:
-                return value
-            raise ValueError("strategy.gather got a plain value, not a PerReplica: pass what strategy.run "
-                             "returned (a plain tensor has no per-replica parts to gather).")
-        parts = [_as_tensor(p, None) for p in self.experimental_local_results(value)]
-        if any(p.dim() == 0 for p in parts):
-            raise ValueError("strategy.gather: the per-replica values are scalars (rank 0), which have no axis to "
-                             "concatenate along. Gather tensors of rank >= 1, e.g. v.reshape(1).")
-        target = torch_device(self._devices[0])
-        return torch.cat([p.to(target) for p in parts], dim=axis)
+            return map_structure(lambda leaf: gather_leaf(self, leaf, axis), value)
+        return gather_leaf(self, value, axis)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The per-replica components of `value` as a tuple: a PerReplica's values; a mirrored variable's,
@@ -648,219 +549,6 @@ class Strategy:
         from mirrored.distribute.input import DistributedDatasetsFromFunction
 
         return DistributedDatasetsFromFunction(self, dataset_fn, options)
-
-
-def _caller_modes() -> tuple[Any, ...]:
-    """The caller's thread-local autograd and autocast modes, which replica threads do not inherit
-    (torch keeps them per thread): `with torch.no_grad(): strategy.run(f)` must run f without grad
-    on every replica, as torch's DataParallel propagates them. Empty in the common case (grad on,
-    no inference mode, no autocast), which costs nothing per replica."""
-    if torch.is_grad_enabled() and _any_autocast is not None and not _any_autocast():
-        return ()  # the common case in two calls (inference mode turns grad off, so it is excluded too)
-    modes: list[Any] = []
-    if torch.is_inference_mode_enabled():
-        modes.append(torch.inference_mode())
-    elif not torch.is_grad_enabled():
-        modes.append(torch.no_grad())
-    for device_type in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(device_type):
-            modes.append(torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type)))
-    return tuple(modes)
-
-
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)  # one call for every device type
-
-
-def _run_result(results: list[Any]) -> Any:
-    """strategy.run's result from the replicas' results: regroup's, with its first answer (every
-    replica returned the same object, None say) found without its walk."""
-    first = results[0]
-    for result in results:
-        if result is not first:
-            return regroup(results, where="strategy.run")
-    return first
-
-
-def _argument_split(args: tuple, kwargs: dict, n: int) -> int:
-    """How run() gives each of its `n` replicas its arguments, once it checked every PerReplica's length:
-    _SHARED (no distributed value, no container: every replica gets them as they are), _FLAT (only
-    top-level values, some distributed: a comprehension picks each replica's) or _NESTED
-    (select_replica, which rebuilds every list, dict and tuple, so each replica has its own copy of
-    a mutable container, as in TF)."""
-    if not args and not kwargs:
-        return _SHARED
-    nested = False
-    for value in itertools.chain(args, kwargs.values()):
-        if isinstance(value, (list, tuple, dict)):
-            nested = True
-            break
-    split = _NESTED if nested else _SHARED
-    for leaf in flatten((args, kwargs)) if nested else itertools.chain(args, kwargs.values()):
-        if isinstance(leaf, DistributedValues):
-            if len(leaf.values) != n:
-                raise ValueError(f"strategy.run: an argument is a {type(leaf).__name__} of {len(leaf.values)} "
-                                 f"values, but this strategy runs {n} replica{'s' if n > 1 else ''} here. Pass what "
-                                 "this strategy made (its distributed dataset, run results, "
-                                 "experimental_distribute_values_from_function).")
-            if not nested:
-                split = _FLAT
-    return split
-
-
-def _replica_arguments(replica_id: int, args: tuple, kwargs: dict, split: int) -> tuple[tuple, dict]:
-    """Replica `replica_id`'s positional and keyword arguments (`split` from _argument_split)."""
-    if split == _SHARED:
-        return args, kwargs
-    if split == _FLAT:
-        return (tuple(a.values[replica_id] if isinstance(a, DistributedValues) else a for a in args),
-                {k: v.values[replica_id] if isinstance(v, DistributedValues) else v for k, v in kwargs.items()})
-    return select_replica(replica_id, args), select_replica(replica_id, kwargs)
-
-
-@contextlib.contextmanager
-def _entered(modes: tuple[Any, ...]) -> Iterator[None]:
-    if not modes:
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        for mode in modes:
-            stack.enter_context(copy.copy(mode))  # a context manager object is entered once per thread
-        yield
-
-
-def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
-    """Same bits (NaN equals NaN, -0.0 differs from 0.0), whatever the strides (channels_last state too)."""
-    if a.is_floating_point() or a.is_complex():
-        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    return torch.equal(a, b)
-
-
-def _is_mirrored_variable(value: Any) -> bool:
-    from mirrored.distribute.variables import MirroredVariable
-
-    return isinstance(value, MirroredVariable)
-
-
-_inline_runs = threading.local()  # per thread: how deep in an inline (one-replica) run we are
-
-
-def _is_distributed(value: Any) -> bool:
-    from mirrored.distribute.variables import Variable
-
-    return isinstance(value, DistributedValues) or (isinstance(value, Variable) and len(value.values) > 1)
-
-
-def _local_copies(value: Any) -> tuple[Any, ...] | None:
-    """This process's copies of a mirrored variable, module or optimizer; None for anything else."""
-    from mirrored.distribute.modules import MirroredModule
-    from mirrored.distribute.optimizer import MirroredOptimizer
-    from mirrored.distribute.variables import Variable
-
-    if isinstance(value, Variable):
-        return value.values if len(value.values) > 1 else None
-    if isinstance(value, (MirroredModule, MirroredOptimizer)):
-        return value.replicas
-    return None
-
-
-def _component(value: Any, replica: int) -> Any:
-    """Replica `replica`'s part of one leaf of a nest (the leaf itself where it has no parts)."""
-    if isinstance(value, DistributedValues):
-        return value.values[replica]
-    copies = _local_copies(value)
-    return value if copies is None else copies[replica]
-
-
-def _sum_along(part: Tensor, axes: tuple[int, ...]) -> Tensor:
-    """part summed over `axes`, keeping an integer dtype as TF's reduce_sum does (torch widens to int64)."""
-    keep = not (part.is_floating_point() or part.is_complex() or part.dtype == torch.bool)
-    return part.sum(dim=axes, dtype=part.dtype if keep else None)
-
-
-class _GradientState:
-    """One replica's gradient buffers for one optimizer: a few sets, least recently used out, and
-    the mask unions learned (which gradients the other replicas had when this one lacked some)."""
-
-    def __init__(self) -> None:
-        self.layouts: dict[tuple, buckets.LayoutBuffers] = {}  # by (mask union, dtypes)
-        self.unions: dict[tuple[bool, ...], tuple[bool, ...]] = {}
-
-    def buffers(self, grads: Sequence[Tensor | None], union: tuple[bool, ...],
-                bytes_per_pack: int) -> buckets.LayoutBuffers:
-        """Buffers for `grads`, which are present exactly where `union` says. Keyed by the union and
-        the gradients' dtypes, not their shapes too (a third of the cost): torch holds each .grad to
-        its parameter's shape, which does not change, while .double() or .half() changes a
-        parameter's dtype in place. (A module moved to another device is not a replica any more.)"""
-        key = (union, tuple(g.dtype for g in grads if g is not None))
-        return _recent(self.layouts, key,
-                       lambda: buckets.Layout(grads, bytes_per_pack, _DIRECT_NUMEL).buffers(in_place=True),
-                       _LAYOUTS_KEPT)
-
-    def learn(self, mask: tuple[bool, ...], union: tuple[bool, ...]) -> None:
-        if len(self.unions) >= 4 * _LAYOUTS_KEPT:
-            self.unions.clear()
-        self.unions[mask] = union
-
-
-def _replica_entry(ctx: ReplicaContext, cache: dict, make: Callable[[], Any], what: str) -> Any:
-    """The calling replica's entry of `cache`, made on first use: each replica thread has its own,
-    and setdefault is atomic. An abandoned replica of a failed step gets _Released instead, so it
-    never touches what its replacement thread now uses."""
-    if ctx._step.error is not None:
-        raise replicas._Released(what)
-    entry = cache.get(ctx._replica_id)
-    return entry if entry is not None else cache.setdefault(ctx._replica_id, make())
-
-
-def _recent(cache: dict, key: Any, make: Callable[[], Any], kept: int) -> Any:
-    """cache[key], made by `make()` when missing; keeps the `kept` most recently used."""
-    value = cache.pop(key, None)
-    if value is None:
-        while len(cache) >= kept:
-            del cache[next(iter(cache))]
-        value = make()
-    cache[key] = value  # most recently used last
-    return value
-
-
-def _union_is_exact(tokens: list[tuple[tuple[bool, ...], tuple[bool, ...]]]) -> bool:
-    """Every replica expected the same union of gradient masks, and it is the true one."""
-    expected = tokens[0][1]
-    if all(mask == expected for mask, _ in tokens):  # the common case: everyone has the same gradients
-        return all(union == expected for _, union in tokens)
-    if any(union != expected or len(mask) != len(expected) for mask, union in tokens):
-        return False
-    return expected == _union_of([mask for mask, _ in tokens])
-
-
-def _union_of(masks: Sequence[tuple[bool, ...]]) -> tuple[bool, ...]:
-    """Which gradients at least one replica has (masks of equal length)."""
-    return tuple(map(any, zip(*masks)))
-
-
-class _AllReduceFunction(torch.autograd.Function):
-    """ctx.all_reduce under autograd: backward all-reduces the upstream gradients with the same op
-    (d/dx_r of sum_k L_k for y = SUM_r x_r is SUM_k dL_k/dy), as TF's all-reduce gradient does."""
-
-    @staticmethod
-    def forward(fctx: Any, strategy: Strategy, rctx: ReplicaContext, op: ReduceOp, *leaves: Tensor) -> tuple:
-        fctx.strategy, fctx.rctx, fctx.op = strategy, rctx, op
-        return tuple(strategy._all_reduce_leaves(rctx, op, leaves))
-
-    @staticmethod
-    def backward(fctx: Any, *upstream: Tensor) -> tuple:
-        reduced = fctx.strategy._all_reduce_leaves(fctx.rctx, fctx.op, upstream)
-        return (None, None, None, *reduced)
-
-
-def _as_tensor(value: Any, device: torch.device | None) -> Tensor:
-    if isinstance(value, Tensor):
-        t = value
-    else:
-        from mirrored.distribute.variables import Variable
-
-        t = torch.as_tensor(value.read_value() if isinstance(value, Variable) else value)
-    return t if device is None or t.device == device else t.to(device)
 
 
 class MirroredStrategy(Strategy):
