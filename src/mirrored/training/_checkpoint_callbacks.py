@@ -1,0 +1,196 @@
+"""The callbacks that save during fit: ModelCheckpoint (the model or its weights, every epoch or
+`save_freq` steps, optionally only the best) and BackupAndRestore (the whole training state, so an
+interrupted fit() resumes where it stopped). callbacks.py re-exports both, where users import them
+(mr.callbacks). Uses _callback.py, checkpoint.py for paths, checkpoint_checks.py, and mr.train's
+Checkpoint (tracking.py) for BackupAndRestore.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+from mirrored.training import checkpoint, checkpoint_checks, tracking
+from mirrored.training._callback import (NOT_METRICS, Callback, Logs, StepCounter, check_mode, check_save_freq,
+                                         improved, monitor_value, resolve_mode, say)
+
+logger = logging.getLogger(__name__)
+
+_BACKUP_FILE = "training_state.safetensors"
+
+
+class ModelCheckpoint(Callback):
+    """Saves the model (model.save) or its weights (model.save_weights) every epoch or every
+    `save_freq` steps; with save_best_only, only when `monitor` improves.
+
+    `filepath` may hold {epoch} (1-based), {batch} (1-based, with an int save_freq) and log keys,
+    e.g. "ckpt/weights.{epoch:02d}-{val_loss:.2f}.safetensors". Its directory is created.
+    """
+
+    def __init__(self, filepath: str | os.PathLike, monitor: str = "val_loss", verbose: int = 0,
+                 save_best_only: bool = False, save_weights_only: bool = False, mode: str = "auto",
+                 save_freq: str | int = "epoch", initial_value_threshold: float | None = None):
+        super().__init__()
+        check_mode("ModelCheckpoint", mode)
+        check_save_freq("ModelCheckpoint", save_freq)
+        self.filepath = os.fspath(filepath)
+        checkpoint.check_file_path(self.filepath, "ModelCheckpoint")  # now, not after the first epoch
+        self.monitor = monitor
+        self.verbose = verbose
+        self.save_best_only = save_best_only
+        self.save_weights_only = save_weights_only
+        self.mode = mode
+        self.save_freq = save_freq
+        self.best: float | None = initial_value_threshold
+        self._direction: str | None = None
+        self._current_epoch = 0
+        self._steps = StepCounter(save_freq) if save_freq != "epoch" else None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Resolves the monitor's mode (save_best_only) and restarts the step count."""
+        if self.save_best_only:
+            self._direction = resolve_mode("ModelCheckpoint", self.monitor, self.mode, self.model)
+        if self._steps is not None:
+            self._steps = StepCounter(self.save_freq)
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        """Notes the epoch, for file names of saves made mid-epoch."""
+        self._current_epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Saves every `save_freq` steps, when save_freq is a number."""
+        if self._steps is not None and self._steps.due(batch):
+            self._save(self._current_epoch, batch, logs or {})
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Saves after the epoch (save_freq="epoch"), if it improved with save_best_only."""
+        if self.save_freq == "epoch":
+            self._save(epoch, None, logs or {})
+
+    def _save(self, epoch: int, batch: int | None, logs: Logs) -> None:
+        path = self._format_path(epoch, batch, logs)
+        if self.save_best_only:
+            current = monitor_value(self, logs)
+            if current is None:
+                return
+            if self._direction is None:
+                self._direction = resolve_mode("ModelCheckpoint", self.monitor, self.mode, self.model)
+            if math.isnan(current) or not improved(self._direction, current, self.best, 0.0):
+                if self.verbose:
+                    say(f"Epoch {epoch + 1}: {self.monitor} did not improve from {self.best}")
+                return
+            if self.verbose:
+                say(f"Epoch {epoch + 1}: {self.monitor} improved from {self.best} to "
+                    f"{current}, saving model to {path}")
+            self.best = current
+        elif self.verbose:
+            say(f"Epoch {epoch + 1}: saving model to {path}")
+        directory = os.path.dirname(path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        if self.save_weights_only:
+            self.model.save_weights(path)
+        else:
+            self.model.save(path)
+
+    def _format_path(self, epoch: int, batch: int | None, logs: Logs) -> str:
+        fields = {k: v for k, v in logs.items() if k not in NOT_METRICS}
+        fields["epoch"] = epoch + 1
+        if batch is not None:
+            fields["batch"] = batch + 1
+        try:
+            return self.filepath.format(**fields)
+        except KeyError as e:
+            raise ValueError(
+                f"ModelCheckpoint(filepath={self.filepath!r}): the placeholder {{{e.args[0]}}} "
+                f"names no log key at epoch {epoch + 1} (available: {', '.join(fields)}). Use "
+                f"one of those; val_ keys need fit(validation_data=...).") from e
+        except (IndexError, ValueError) as e:
+            raise ValueError(f"ModelCheckpoint(filepath={self.filepath!r}): cannot format the "
+                             f"path ({e}). Use named fields such as {{epoch:02d}} or "
+                             f"{{val_loss:.4f}}, and double braces for literal ones.") from e
+
+    def __repr__(self) -> str:
+        return (f"ModelCheckpoint({self.filepath!r}, monitor={self.monitor!r}, "
+                f"save_best_only={self.save_best_only}, save_freq={self.save_freq!r})")
+
+
+class BackupAndRestore(Callback):
+    """Lets an interrupted fit() resume where it stopped: saves the whole training state to
+    `backup_dir` every epoch or every `save_freq` steps, and at the start of fit() restores a backup
+    left there by a run that did not finish.
+
+    The backup is an mr.train.Checkpoint (one file, written atomically) of the model (weights and
+    optimizer, with its step count), its metrics, the random generators and fit's EpochIterator
+    (the epoch, the steps done in it and the place in the data), which the restore moves to where
+    the backup was taken, as Keras's callback sets model._initial_epoch. The backup must fit this
+    fit() in full: every value is checked against the model, optimizer, metrics and data before any
+    is assigned, and one that does not (or a damaged file) is a CheckpointError naming the file, with
+    the model left as it was. After a fit() that ends normally the backup is deleted (unless
+    delete_checkpoint=False).
+    """
+
+    def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
+                 delete_checkpoint: bool = True):
+        super().__init__()
+        if not backup_dir:
+            raise ValueError("BackupAndRestore(backup_dir=...): give a directory for the backup, "
+                             "e.g. '/tmp/backup'.")
+        check_save_freq("BackupAndRestore", save_freq)
+        self.backup_dir = os.fspath(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.path = os.path.join(self.backup_dir, _BACKUP_FILE)
+        self._checkpoint: tracking.Checkpoint | None = None
+        self._steps = StepCounter(save_freq) if save_freq != "epoch" else None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Restores a backup left in backup_dir, all of it or nothing (it is checked in full first)."""
+        fit = getattr(self.model, "_epoch_iterator", None)
+        if fit is None:
+            raise TypeError(f"BackupAndRestore needs a mirrored Model's fit() (one with an epoch iterator); "
+                            f"got {type(self.model).__name__}.")
+        self._checkpoint = tracking.Checkpoint(model=self.model, metrics=list(self.model.metrics), fit=fit,
+                                               rng=tracking.RandomState())
+        if os.path.exists(self.path):
+            origin = checkpoint_checks.Origin(
+                f"BackupAndRestore: cannot resume from {self.path!r}",
+                "It holds another run's state (another model, optimizer, metrics or data, or an older mirrored's "
+                "backup): delete it to start afresh, or resume with the model, optimizer and data that made it.")
+            # complete: a backup restores all of the run or none of it, so nothing is assigned unless
+            # every value pairs up with this fit's (CheckpointMismatchError, an AssertionError, otherwise).
+            self._checkpoint._read(self.path, "BackupAndRestore", restore_counter=False, origin=origin, complete=True)
+            logger.info("BackupAndRestore: resuming from %s at epoch %d, step %d",
+                        self.path, fit.initial_epoch + 1, fit.step)
+        if self._steps is not None:
+            self._steps = StepCounter(self.save_freq, last_batch=fit.step - 1)
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Backs up every `save_freq` steps, when save_freq is a number."""
+        if self._steps is not None and self._steps.due(batch):
+            self._backup()
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Backs up after the epoch (save_freq="epoch")."""
+        if self.save_freq == "epoch":
+            self._backup()
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        """Deletes the backup after a fit() that finished (unless delete_checkpoint=False)."""
+        if not self.delete_checkpoint:
+            return
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+        try:
+            os.rmdir(self.backup_dir)  # only if empty: the directory may hold the user's files
+        except OSError:
+            pass
+
+    def _backup(self) -> None:
+        os.makedirs(self.backup_dir, exist_ok=True)
+        self._checkpoint.write(self.path)  # where fit is now: after this batch, or (at an epoch's end) the next epoch
+
+    def __repr__(self) -> str:
+        return f"BackupAndRestore({self.backup_dir!r}, save_freq={self.save_freq!r})"
