@@ -8,31 +8,30 @@ without it the strategy is a single worker, as TF's is without TF_CONFIG. TF_CON
 used to join workers: one naming several tasks, without RANK, is refused with the torchrun launch
 that would join them, rather than letting every task train alone as rank 0.
 
-`CollectiveAllReduce` does the talking: the gradient all-reduce of a mirrored optimizer (flat
-buckets, one collective each), `ReplicaContext.all_reduce`, and the cross-replica `reduce`,
-`gather` and `check_in_sync`. CPU workers use gloo; GPU workers a "cpu:gloo,cuda:nccl" group, so
-CUDA tensors go by NCCL and CPU values (a count made with torch.tensor(len(y))) by gloo; in a group
-that has no backend for a tensor's device (a user's plain "nccl" group) it travels through a copy on
-the worker's device and back. Every worker must make the same collective calls in the same order,
-as with DDP. A collective that fails or times out raises an error naming this rank, the op and,
-when the rendezvous store can tell, the ranks that did not arrive (when the store itself is gone,
-rank 0, its host). On NCCL, whose plain wait() does not block the host, every wait is given
-`timeout_s`, which blocks it and raises that error in the caller; NCCL's watchdog, which would
-instead abort the process with torch's own message, is given _WATCHDOG_GRACE_S more (in a group
-the user made, its own timeout applies to the watchdog).
-Builds on strategy.py (the Strategy it subclasses) and the rest of distribute/, and torch.distributed.
+`CollectiveAllReduce` (defined in _collectives.py, re-exported here) does the talking: the gradient
+all-reduce of a mirrored optimizer (flat buckets, one collective each), `ReplicaContext.all_reduce`,
+and the cross-replica `reduce`, `gather` and `check_in_sync`. CPU workers use gloo; GPU workers a
+"cpu:gloo,cuda:nccl" group, so CUDA tensors go by NCCL and CPU values (a count made with
+torch.tensor(len(y))) by gloo; in a group that has no backend for a tensor's device (a user's plain
+"nccl" group) it travels through a copy on the worker's device and back. Every worker must make the
+same collective calls in the same order, as with DDP. A collective that fails or times out raises an
+error naming this rank, the op and, when the rendezvous store can tell, the ranks that did not
+arrive (when the store itself is gone, rank 0, its host). On NCCL, whose plain wait() does not block
+the host, every wait is given `timeout_s`, which blocks it and raises that error in the caller;
+NCCL's watchdog, which would instead abort the process with torch's own message, is given
+_WATCHDOG_GRACE_S more (in a group the user made, its own timeout applies to the watchdog).
+Builds on strategy.py (the Strategy it subclasses), _collectives.py and the rest of distribute/,
+and torch.distributed.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import logging
 import math
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -40,25 +39,19 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mirrored.distribute import buckets, context
+# (_store_gone is not used here: tests import it from this module, where it was defined before the split.)
+from mirrored.distribute._collectives import (_DEFAULT_BYTES_PER_PACK, _WATCHDOG_GRACE_S, CollectiveAllReduce,
+                                              _device_types_of, _shape_digest, _store_gone, _value_digest)
 from mirrored.distribute.context import ReplicaContext
-from mirrored.distribute.cross_device_ops import CrossDeviceOps, as_reduce_op, mean_of_sum
+from mirrored.distribute.cross_device_ops import as_reduce_op, mean_of_sum
 from mirrored.distribute.devices import Device, resolve_devices, torch_device, visible_gpus
 from mirrored.distribute.modules import named_copies
-from mirrored.distribute.replicas import CollectiveTimeoutError
 from mirrored.distribute.strategy import (DEFAULT_TIMEOUT_S, OutOfSyncError, Strategy, _as_tensor,
                                           _is_mirrored_variable)
 from mirrored.distribute.values import Mirrored, ReduceOp
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_BYTES_PER_PACK = 25 * 2**20  # DDP's bucket_cap_mb default
-_PROBE_S = 2.0  # after a collective fails, how long to wait for the other ranks to report theirs
-# An NCCL group's watchdog aborts the whole process when a collective outlives the group's timeout;
-# ours waits timeout_s and raises an error naming the rank, so the watchdog is given this much longer.
-_WATCHDOG_GRACE_S = 60.0
-_MAX_DIMS = 8  # gather exchanges shapes in a fixed-size header (a collective needs equal sizes)
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)  # numbered in headers
 _IMPLEMENTATIONS = ("AUTO", "RING", "NCCL")  # tf.distribute.experimental.CommunicationImplementation
 
 
@@ -211,245 +204,6 @@ def _backend_for(device: Device, implementation: str) -> str:
     if implementation == "RING":
         return "gloo"
     return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
-
-
-def _device_types_of(backend: str) -> frozenset[str]:
-    """The device types a process group of `backend` takes tensors on: "nccl" CUDA only, "gloo" the
-    CPU (its CUDA support is partial), "cpu:gloo,cuda:nccl" each type it names."""
-    if ":" in backend:
-        return frozenset(part.split(":")[0].strip() for part in backend.split(","))
-    return frozenset({"cuda"} if backend == "nccl" else {"cpu"} if backend == "gloo" else {"cpu", "cuda"})
-
-
-def _digest(data: bytes) -> int:
-    """A 56-bit checksum: equal on every rank for equal bytes (Python's hash() is salted per process),
-    and small enough that -digest fits int64 too."""
-    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
-
-
-def _shape_digest(tensors: Sequence[Tensor]) -> int:
-    return _digest(repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode())
-
-
-def _value_digest(t: Tensor) -> int:
-    flat = t.detach().contiguous().reshape(-1).cpu()
-    return _digest(flat.view(torch.uint8).numpy().tobytes())
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-
-
-class CollectiveAllReduce(CrossDeviceOps):
-    """Collectives across worker processes with torch.distributed's default process group, one call
-    per bucket of `bytes_per_pack` (TF's CollectiveAllReduce). MultiWorkerMirroredStrategy builds it;
-    every worker must make the same calls, in the same order."""
-
-    def __init__(self, rank: int, world_size: int, wire_device: torch.device, timeout_s: float,
-                 bytes_per_pack: int = _DEFAULT_BYTES_PER_PACK, store: tuple[str, int] | None = None,
-                 backend: str = "gloo"):
-        super().__init__(bytes_per_pack)
-        self.rank = rank
-        self.world_size = world_size
-        self._wire = wire_device  # where small exchanged tensors (sizes, checksums) live: NCCL needs the GPU
-        self._timeout_s = timeout_s
-        self._store = store  # (MASTER_ADDR, MASTER_PORT): asked which ranks arrived, after a failure
-        self._calls = 0
-        # Whether the group takes CPU tensors as they are (gloo does; an NCCL-only group does not).
-        self._takes_cpu = "cpu" in _device_types_of(backend)
-        # NCCL's wait() only orders streams: a host that then reads a result whose collective never
-        # completes hangs until the watchdog kills the process, and no error of ours is raised. A wait
-        # with a timeout blocks the host and raises in this thread instead (the group's own watchdog
-        # timeout is set longer, see _WATCHDOG_GRACE_S).
-        self._wait_timeout = datetime.timedelta(seconds=timeout_s) if "nccl" in backend else None
-
-    def __repr__(self) -> str:
-        return (f"CollectiveAllReduce(rank={self.rank}, world_size={self.world_size}, "
-                f"bytes_per_pack={self.bytes_per_pack})")
-
-    # ---- the collectives ------------------------------------------------------------------------
-    def _carried(self, t: Tensor) -> bool:
-        """Whether the process group takes `t` where it lies; else it travels through a copy on the
-        wire device (a CPU count on an NCCL-only group; a GPU tensor on gloo, whose CUDA support is
-        partial, or on another GPU than the one NCCL is bound to)."""
-        return t.device == self._wire or (t.device.type == "cpu" and self._takes_cpu)
-
-    def _on_wire(self, t: Tensor) -> Tensor:
-        return t if self._carried(t) else t.to(self._wire)
-
-    def all_sum_(self, flats: Sequence[Tensor], what: str) -> None:
-        """Sums each flat buffer over the workers, in place (every bucket in flight at once)."""
-        sent = [self._on_wire(f) for f in flats]
-        self._call(what, lambda: [dist.all_reduce(f, async_op=True) for f in sent])
-        for f, wire in zip(flats, sent):
-            if wire is not f:
-                f.copy_(wire)
-
-    def all_reduce(self, reduce_op: ReduceOp, tensors: Sequence[Tensor], what: str,
-                   check_shapes: bool = True) -> list[Tensor]:
-        """New tensors holding SUM / MEAN over the workers of `tensors`. check_shapes costs a round trip
-        and turns different shapes on different ranks into a ValueError instead of an abort or a hang."""
-        if check_shapes:
-            self._check_same_shapes(tensors, what)
-        plan = buckets.plan(tensors, self.bytes_per_pack)
-        flats = [b.pack(tensors) for b in plan]
-        self.all_sum_(flats, what)
-        out: list[Tensor | None] = [None] * len(tensors)
-        for b, flat in zip(plan, flats):
-            b.unpack(mean_of_sum(flat, self.world_size) if reduce_op is ReduceOp.MEAN else flat, out)
-        return out  # type: ignore[return-value]
-
-    def all_gather_row(self, row: Sequence[int | float], what: str, dtype: torch.dtype = torch.int64) -> list[list]:
-        """Every rank's `row` (the same length everywhere), in rank order."""
-        mine = torch.tensor(list(row), dtype=dtype, device=self._wire)
-        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._call(what, lambda: [dist.all_gather(rows, mine, async_op=True)])
-        return [r.tolist() for r in rows]
-
-    def gather(self, t: Tensor, axis: int, what: str) -> Tensor:
-        """The workers' tensors concatenated along `axis`; their sizes along it may differ (each part is
-        padded to the longest for the all_gather, then trimmed)."""
-        if t.dim() > _MAX_DIMS:
-            raise ValueError(f"{what}: tensors of rank {t.dim()} > {_MAX_DIMS} are not supported across workers.")
-        if not -t.dim() <= axis < t.dim():
-            raise ValueError(f"{what}: axis={axis} is out of range for a tensor of shape {tuple(t.shape)}.")
-        axis %= t.dim()
-        header = [t.dim(), _dtype_code(t.dtype), *t.shape, *[-1] * (_MAX_DIMS - t.dim())]
-        rows = self.all_gather_row(header, f"{what} (sizes)")
-        masked = [row[:2 + axis] + row[3 + axis:] for row in rows]
-        differ = [r for r in range(self.world_size) if masked[r] != masked[0]]
-        if differ:
-            shapes = "; ".join(f"rank {r}: shape {tuple(row[2:2 + row[0]])}, dtype "
-                               f"{_DTYPES[row[1]] if row[1] < len(_DTYPES) else 'other'}" for r, row in enumerate(rows))
-            raise ValueError(f"{what}: the workers' values differ in more than the size along axis {axis} ({shapes}). "
-                             "Only the gathered axis may differ; dtypes and other dimensions must match.")
-        sizes = [row[2 + axis] for row in rows]
-        wire = t.view(torch.uint8) if t.dtype == torch.bool else t
-        if t.shape[axis] < max(sizes):
-            pad_shape = list(t.shape)
-            pad_shape[axis] = max(sizes) - t.shape[axis]
-            wire = torch.cat([wire, wire.new_zeros(pad_shape)], dim=axis)
-        wire = self._on_wire(wire.contiguous())
-        parts = [torch.empty_like(wire) for _ in range(self.world_size)]
-        self._call(what, lambda: [dist.all_gather(parts, wire, async_op=True)])
-        out = torch.cat([p.narrow(axis, 0, n) for p, n in zip(parts, sizes)], dim=axis).to(t.device)
-        return out.view(torch.bool) if t.dtype == torch.bool else out
-
-    def broadcast_(self, tensors: Sequence[Tensor], what: str) -> None:
-        """Overwrites `tensors` with rank 0's copies (bucketed; every rank passes the same shapes)."""
-        with torch.no_grad():
-            plan = buckets.plan(tensors, self.bytes_per_pack)
-            flats = [b.pack(tensors) for b in plan]
-            wires = [self._on_wire(f.view(torch.uint8) if f.dtype == torch.bool else f) for f in flats]
-            self._call(what, lambda: [dist.broadcast(w, src=0, async_op=True) for w in wires])
-            if self.rank == 0:
-                return
-            views: list[Tensor | None] = [None] * len(tensors)
-            for b, flat, wire in zip(plan, flats, wires):
-                b.unpack(flat if wire.device == flat.device else wire.to(flat.device).view(flat.dtype), views)
-            for t, v in zip(tensors, views):
-                t.copy_(v)
-
-    def _check_same_shapes(self, tensors: Sequence[Tensor], what: str) -> None:
-        """One small all-reduce (MAX of +digest and -digest equals them only where every rank agrees)."""
-        digest = _shape_digest(tensors)
-        mine = torch.tensor([digest, -digest], dtype=torch.int64, device=self._wire)
-        self._call(f"{what} (shape check)", lambda: [dist.all_reduce(mine, op=dist.ReduceOp.MAX, async_op=True)])
-        if mine.tolist() == [digest, -digest]:
-            return
-        rows = self.all_gather_row([len(tensors), sum(t.numel() for t in tensors)], f"{what} (shape report)")
-        per_rank = "; ".join(f"rank {r}: {n} tensor(s), {numel} element(s)" for r, (n, numel) in enumerate(rows))
-        raise ValueError(
-            f"{what}: the workers passed tensors of different shapes or dtypes ({per_rank}; rank {self.rank} "
-            f"passed {[tuple(t.shape) for t in tensors]}). Every replica must all-reduce tensors of the same "
-            "shapes (reduce per-example values to a fixed shape first, e.g. sum them).")
-
-    # ---- CrossDeviceOps API (cross-replica context) -----------------------------------------------
-    def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
-        """Reduces each value over every replica of every worker; returns Mirrored values."""
-        op = as_reduce_op(reduce_op, "CollectiveAllReduce.batch_reduce")
-        local, replicas = [], None
-        for value, _ in value_destination_pairs:
-            parts = self._components(value)
-            replicas = len(parts) if replicas is None else replicas
-            local.append(sum(parts[1:], parts[0].clone()))
-        reduced = self.all_reduce(ReduceOp.SUM, local, "batch_reduce") if self.world_size > 1 else local
-        if op is ReduceOp.MEAN:
-            reduced = [mean_of_sum(t, self.world_size * (replicas or 1)) for t in reduced]
-        return [self._to_destinations([t], dest) for t, (_, dest) in zip(reduced, value_destination_pairs)]
-
-    # ---- failures ---------------------------------------------------------------------------------
-    def _call(self, what: str, issue: Callable[[], list[Any]]) -> None:
-        """Issues collectives (`issue` returns their works) and waits for them; a failure or timeout
-        becomes an error naming this rank, `what`, and the ranks that did not arrive."""
-        self._calls += 1
-        started = time.monotonic()
-        try:
-            for work in issue():
-                if self._wait_timeout is None:
-                    work.wait()
-                else:
-                    work.wait(timeout=self._wait_timeout)
-        except RuntimeError as e:  # torch.distributed's errors (DistBackendError, gloo's) are RuntimeErrors
-            failure = self._failure(what, e, time.monotonic() - started)
-            if failure is e:
-                raise
-            raise failure from e
-
-    def _failure(self, what: str, error: RuntimeError, elapsed_s: float) -> BaseException:
-        where = f"rank {self.rank} of {self.world_size}: {what} (collective #{self._calls} of this worker)"
-        text = str(error).strip()
-        lowered = text.lower()
-        timed_out = "timed out" in lowered or "timeout" in lowered
-        lost = any(s in lowered for s in ("connection closed", "connection reset", "broken pipe", "connection refused"))
-        if not (timed_out or lost):
-            error.args = (f"{where}: {text}",)
-            return error
-        if timed_out:
-            cause = (f"timed out after {elapsed_s:.1f} s (timeout_s={self._timeout_s:g}; raise it if the other "
-                     "workers are merely slow)")
-        else:
-            cause = f"failed after {elapsed_s:.1f} s: another worker's connection closed"
-        first_line = text.splitlines()[0] if text else type(error).__name__
-        return CollectiveTimeoutError(f"{where} {cause}. {self._who_is_missing(what)}torch.distributed: {first_line}")
-
-    def _who_is_missing(self, what: str) -> str:
-        """Asks the rendezvous store which ranks also reached a failed collective. A rank that never
-        reports within _PROBE_S exited, crashed or hangs elsewhere. Best effort: '' when unknown."""
-        if self._store is None or self.world_size < 2:
-            return ""
-        addr, port = self._store
-        grace_s = min(_PROBE_S, self._timeout_s)
-        # torchrun's agent store outlives restarts of the workers: keep each attempt's keys apart.
-        prefix = f"mirrored/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        try:
-            store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=grace_s))
-            store.set(f"{prefix}{self.rank}", what)
-            deadline = time.monotonic() + grace_s
-            reported = {self.rank}
-            while len(reported) < self.world_size and time.monotonic() < deadline:
-                reported |= {r for r in range(self.world_size) if r not in reported and store.check([f"{prefix}{r}"])}
-                time.sleep(0.05)
-        except (RuntimeError, OSError):  # DistStoreError / DistNetworkError are RuntimeErrors
-            return _store_gone(addr, port)
-        missing = [r for r in range(self.world_size) if r not in reported]
-        if missing:
-            return (f"Rank(s) {', '.join(map(str, missing))} did not reach a collective within {grace_s:g} s of this "
-                    "failure: exited, crashed or stuck elsewhere (see their logs). ")
-        return ("Every rank reached a failing collective, so they may have called different collectives (run with "
-                "TORCH_DISTRIBUTED_DEBUG=DETAIL to compare them). ")
-
-
-def _store_gone(addr: str, port: int) -> str:
-    """What a survivor can tell when the rendezvous store no longer answers: its host is gone, and
-    that host is rank 0 (torch.distributed's env:// rendezvous), or under torchrun the agent of rank
-    0's machine, which outlives a crashed worker but not a lost machine."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        return (f"Rank 0's machine is likely what is missing: the rendezvous store at {addr}:{port}, which "
-                "torchrun's agent there hosts, does not answer (the machine or its torchrun exited, or the "
-                "network to it failed). ")
-    return (f"Rank 0 is likely the missing worker: it hosts the rendezvous store at {addr}:{port}, which does "
-            "not answer (rank 0 exited or crashed; see its log). ")
 
 
 class ClusterResolver(NamedTuple):
