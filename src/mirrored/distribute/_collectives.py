@@ -6,8 +6,8 @@ gather and in-sync check. Small exchanged values (sizes, checksums) travel on th
 device, and a tensor on a device the group has no backend for goes through a copy there and back.
 A collective that fails or times out raises an error naming this rank, the op and, when the
 rendezvous store can tell, the ranks that did not arrive. multi_worker.py builds it and re-exports
-it (mr.CollectiveAllReduce). Uses cross_device_ops.py, replicas.py (its errors), values.py and
-torch.distributed.
+it (mr.CollectiveAllReduce). Uses cross_device_ops.py, buckets.py, replicas.py (its errors),
+values.py and torch.distributed.
 """
 from __future__ import annotations
 
