@@ -18,12 +18,9 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import os
 import statistics
-import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,11 +28,11 @@ import torch.nn.functional as F
 
 import mirrored as mr
 from mirrored.distribute import cross_device_ops, optimizer as mirrored_optimizer, replicas, rollback
+from mirrored._bench import load, machine, make_data, make_net
 from mirrored.training import losses, model as model_lib
 
-from mirrored._bench import load, machine, make_data, make_net
-
 _WARMUP_STEPS = 2
+_PLAIN_PARTS = ("forward + loss", "backward", "optimizer step", "zero_grad")  # the plain loop's timed parts
 
 
 def _schedstat() -> tuple[float, float]:
@@ -46,7 +43,7 @@ def _schedstat() -> tuple[float, float]:
 
 
 class Timers:
-    """Wall seconds per (thread kind, part), summed over the timed steps."""
+    """Wall and thread-CPU seconds per (thread kind, part), summed over the timed steps."""
 
     def __init__(self) -> None:
         self.total: dict[tuple[str, str], float] = collections.defaultdict(float)
@@ -119,9 +116,6 @@ def _plain_steps(net: torch.nn.Module, opt: torch.optim.Optimizer, batches: list
         marks.append((time.perf_counter(), time.thread_time()))
         for part, (w0, c0), (w1, c1) in zip(_PLAIN_PARTS, marks, marks[1:]):
             parts.add(part, w1 - w0, c1 - c0)
-
-
-_PLAIN_PARTS = ("forward + loss", "backward", "optimizer step", "zero_grad")
 
 
 def plain(batches: list, out: dict[str, tuple[float, float]], start: threading.Barrier | None = None) -> None:
