@@ -39,10 +39,10 @@ def main() -> None:
                         "(at the first of --batches)")
     parser.add_argument("--rows", nargs="+", choices=_bench.ROWS, default=list(_bench.ROWS),
                         help="the rows to run (fit always runs)")
-    parser.add_argument("--quick", action="store_true", help="768 images, one round (what `mirrored bench` runs)")
+    parser.add_argument("--quick", action="store_true", help="512 images, one round (what `mirrored bench` runs)")
     args = parser.parse_args()
     if args.quick:
-        args.images, args.rounds = 768, 1
+        args.images, args.rounds = 512, 1
     if args.replicas < 1 or args.rounds < 1 or min(args.batches) < args.replicas or args.images < max(args.batches):
         parser.error("need --replicas >= 1, --rounds >= 1, every batch >= --replicas and --images >= the largest "
                      "batch")

@@ -19,7 +19,8 @@ def calls(monkeypatch):
 
 def test_bench_defaults_are_the_quick_table_at_batches_64_and_256(calls, capsys):
     assert cli.main(["bench"]) == 0
-    assert [(name, args[:4]) for name, args, _ in calls] == [("compare", (64, 2, 768, 1)), ("compare", (256, 2, 768, 1))]
+    assert [(name, args[:4]) for name, args, _ in calls] == [("compare", (64, 2, 512, 1)),
+                                                             ("compare", (256, 2, 512, 1))]
     assert all(kwargs["rows"] == _bench.ROWS for _, _, kwargs in calls)
     out = capsys.readouterr().out
     assert out.startswith("machine: ") and "fit >= 0.95 x limit" in out

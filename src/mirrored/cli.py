@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "limit, independent processes, DDP and a plain PyTorch loop")
     bench.add_argument("--batches", type=_positive_int, nargs="+", default=[64, 256], help="GLOBAL batch sizes")
     bench.add_argument("--replicas", type=_positive_int, default=2, help="CPU replicas (and processes)")
-    bench.add_argument("--images", type=_positive_int, default=768, help="images per timed run")
+    bench.add_argument("--images", type=_positive_int, default=512, help="images per timed run")
     bench.add_argument("--rounds", type=_positive_int, default=1, help="rounds of every row, in turn")
     bench.add_argument("--rows", nargs="+", choices=["limit", "independent", "fit", "DDP", "plain"],
                        default=None, help="the rows to run (default: all; fit always runs)")
