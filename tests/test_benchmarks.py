@@ -39,9 +39,33 @@ def test_input_pipeline_benchmark_prints_every_row():
         assert re.search(rf"^{re.escape(label)}\s+[0-9]+ \(.*\)\s.*\s[0-9.]+x$", out, re.M), out
 
 
-def test_fit_throughput_benchmark_prints_the_ratio():
-    out = _run("fit_throughput.py", "--batches", "16", "--images", "64", "--rounds", "1")
-    assert re.search(r"^\s+16\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+$", out, re.M), out
+def test_fit_throughput_benchmark_prints_every_row_and_the_scaling_curve():
+    out = _run("fit_throughput.py", "--batches", "8", "--images", "16", "--rounds", "1", "--scaling", "1,2")
+    assert re.search(r"load average before [0-9.]+ [0-9.]+ [0-9.]+, after", out), out
+    for label in ("limit: 1 replica's work alone x 2", "2 independent processes x 1 thread",
+                  "mirrored fit, 2 CPU replicas", "DDP (gloo), 2 processes x 1 thread", "plain PyTorch, 1 process"):
+        assert re.search(rf"^  {re.escape(label)}.*\s[0-9.]+ \([0-9]+-[0-9]+\)\s+[0-9.]+\s+[0-9.]+$", out, re.M), out
+    assert re.search(r"^  mirrored fit, 2 CPU replicas.*\s1\.000\s+[0-9.]+$", out, re.M), out  # fit / fit
+    for replicas in (1, 2):
+        assert re.search(rf"^\s+{replicas}\s+[0-9.]+ \([0-9]+-[0-9]+\)\s+[0-9.]+$", out, re.M), out
+
+
+def test_fit_breakdown_benchmark_prints_the_parts_of_a_step():
+    out = _run("fit_breakdown.py", "--batch", "8", "--steps", "2", "--rounds", "1")
+    for part in ("forward + loss", "backward", "gradient all-reduce (reduce_gradients)",
+                 "BatchNorm buffer sync (sync_buffers)", "step journal (before_forward)", "asleep (GIL, meetings)"):
+        assert re.search(rf"^\s+{re.escape(part)}\s+-?[0-9.]+\s+(-?[0-9.]+|nan)\s+\(", out, re.M), out
+
+
+def test_vs_tensorflow_without_tensorflow_says_so_and_prints_our_rows(tmp_path):
+    """TensorFlow is never installed with the package: with no interpreter that has it, the script
+    names what is missing and still prints our rows, exit status 0."""
+    out = _run("vs_tensorflow.py", "--tf-python", str(tmp_path / "no-python"), "--batches", "8", "--images", "8",
+               "--calls", "5", "--rounds", "1")
+    assert re.search(r"^TensorFlow: not run \(.*no-python.*\)", out, re.M), out
+    assert re.search(r"^fit, global batch 8\s+mirrored\s+[0-9.]+ \([0-9]+-[0-9]+\)\s+1\.00x$", out, re.M), out
+    assert re.search(r"^strategy\.run no-op, us per call\s+mirrored\s+[0-9.]+ ", out, re.M), out
+    assert "TF 2.21" not in out, out
 
 
 @pytest.mark.timeout(300)

@@ -1,11 +1,13 @@
-"""`mirrored train | profile | evaluate`: the main job and its tools on the command line.
+"""`mirrored train | profile | evaluate | bench`: the main job and its tools on the command line.
 
 `mirrored train` trains the small CIFAR-style ResNet on the embedded digits (offline, anywhere) on
 every GPU, or on 2 logical CPU replicas of a CPU-only machine, validating each epoch on a held-out
 part of the training data (or the dataset's validation split), then evaluates the test split once
 and prints its metrics and images/s, and writes a checkpoint, a CSV log and a PNG plot into --out.
 `--dataset cassava` or `folder:PATH` train on real images. `mirrored profile` trains the same way
-for one epoch and writes a step timeline; `mirrored evaluate CHECKPOINT` re-scores a saved model.
+for one epoch and writes a step timeline; `mirrored evaluate CHECKPOINT` re-scores a saved model;
+`mirrored bench` prints the quick fit throughput table (fit on CPU replicas beside the machine's limit,
+independent processes, DDP and a plain loop; benchmarks/fit_throughput.py runs the full one).
 A user's mistake (a bad flag, a missing or damaged file, an unwritable --out) is one line on stderr
 and exit status 2; a traceback means a bug of ours.
 """
@@ -94,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "train[80%%:] for folder:PATH)")
     evaluate.add_argument("--batch-size", type=_positive_int, default=None)
     evaluate.add_argument("--replicas", type=_positive_int, default=None)
+    bench = sub.add_parser("bench", help="the quick fit throughput table: fit on CPU replicas vs the machine's "
+                           "limit, independent processes, DDP and a plain PyTorch loop")
+    bench.add_argument("--batches", type=_positive_int, nargs="+", default=[64, 256], help="GLOBAL batch sizes")
+    bench.add_argument("--replicas", type=_positive_int, default=2, help="CPU replicas (and processes)")
+    bench.add_argument("--images", type=_positive_int, default=512, help="images per timed run")
+    bench.add_argument("--rounds", type=_positive_int, default=1, help="rounds of every row, in turn")
+    bench.add_argument("--rows", nargs="+", choices=["limit", "independent", "fit", "DDP", "plain"],
+                       default=None, help="the rows to run (default: all; fit always runs)")
+    bench.add_argument("--scaling", default=None, help="replica counts for fit's scaling curve, e.g. 1,2,4")
     return parser
 
 
@@ -366,16 +377,51 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The fit table of benchmarks/fit_throughput.py at quick settings (~1-2 minutes on 2 cores)."""
+    from mirrored import _bench
+
+    scaling = _replica_counts(args.scaling) if args.scaling else None
+    if min(args.batches) < args.replicas:
+        raise CliError(f"bench: --batches {min(args.batches)} is smaller than --replicas {args.replicas}, so a "
+                       "replica would get no examples. Give global batches of at least one example per replica.")
+    if args.images < max(args.batches):
+        raise CliError(f"bench: --images {args.images} is less than one batch of {max(args.batches)}. Give at "
+                       "least one full batch of images per run.")
+    start = time.perf_counter()
+    print(_bench.machine())
+    print("model: resnet_cifar(depth=20), 32x32 inputs, SGD(momentum=0.9), batches in memory; targets: fit >= 0.95 "
+          "x limit, >= 1.0 x DDP")
+    for batch in args.batches:
+        _bench.compare(batch, args.replicas, args.images, args.rounds, rows=args.rows or _bench.ROWS)
+    if scaling:
+        _bench.scaling(args.batches[0], scaling, args.images, args.rounds)
+    print(f"\n{time.perf_counter() - start:.0f} s; benchmarks/fit_throughput.py runs more images and rounds")
+    return 0
+
+
+def _replica_counts(text: str) -> list[int]:
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise CliError(f"bench: --scaling {text!r} is not a list of replica counts; write e.g. --scaling 1,2,4.")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("MIRRORED_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    from mirrored import tune_allocator
+    if args.command != "bench":  # (the bench's worker processes run untuned, so its own rows do too)
+        from mirrored import tune_allocator
 
-    tune_allocator()  # images and batches reuse freed memory instead of faulting in fresh pages
+        tune_allocator()  # images and batches reuse freed memory instead of faulting in fresh pages
     from mirrored.training.checkpoint import CheckpointError
 
     try:
-        return {"train": cmd_train, "profile": cmd_train, "evaluate": cmd_evaluate}[args.command](args)
+        return {"train": cmd_train, "profile": cmd_train, "evaluate": cmd_evaluate,
+                "bench": cmd_bench}[args.command](args)
     except (CliError, CheckpointError) as e:  # CheckpointError: a damaged or mismatched file, named in e
         return _error(args, e)
     except OSError as e:

@@ -22,21 +22,21 @@ from torch import Tensor, nn
 
 class _ModuleNote:
     """A module copy's state before its first forward in a step: its gradients (None stays None; a
-    gradient that exists, which backward would add to in place, is copied) and its buffers."""
+    gradient that exists, which backward would add to in place, is copied) and its buffers.
+
+    Every replica notes its copy every step, holding the GIL, so this is on the step's path: the
+    walk reads torch's dicts directly (module.modules() builds a name string per module)."""
 
     __slots__ = ("params", "grads", "buffers", "saved")
 
     def __init__(self, module: nn.Module):
-        params: list[Tensor] = []
-        buffers: list[Tensor] = []
-        for m in module.modules():  # one walk for both (module.parameters() and .buffers() each walk)
-            params.extend(p for p in m._parameters.values() if p is not None)
-            buffers.extend(b for b in m._buffers.values() if b is not None)
+        params, buffers = _parameters_and_buffers(module)
         self.params = params
         self.grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         # Only a module in training mode updates its buffers in forward (BatchNorm's statistics).
         self.buffers = buffers if module.training else []
-        self.saved = [b.detach().clone() for b in self.buffers]
+        with torch.no_grad():
+            self.saved = [b.clone() for b in self.buffers]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -44,6 +44,22 @@ class _ModuleNote:
                 p.grad = g
             for b, saved in zip(self.buffers, self.saved):
                 b.copy_(saved)
+
+
+def _parameters_and_buffers(module: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """The parameters and buffers of `module` and of every module inside it (each module once, in
+    module.modules() order)."""
+    modules: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) not in seen:
+            seen.add(id(m))
+            modules.append(m)
+            stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+    return ([p for m in modules for p in m._parameters.values() if p is not None],
+            [b for m in modules for b in m._buffers.values() if b is not None])
 
 
 class StepJournal:

@@ -492,10 +492,12 @@ class Model:
                 self.reset_metrics()
             cbs.on_epoch_begin(epoch)
             logs: dict[str, float] = {}
+            batch_logs = _reads_batch_logs(cbs)
             for step, group in epoch_iterator.steps():
                 cbs.on_train_batch_begin(step)
                 strategy.run(self._train_replica, args=([_unpack(b) for b, _ in group], [n for _, n in group]))
-                logs = self._logs()
+                if batch_logs:  # (a read of every metric across replicas, while they wait; else once per epoch)
+                    logs = self._logs()
                 cbs.on_train_batch_end(step + len(group) - 1, {**logs, "num_examples": sum(n for _, n in group)})
                 if self.stop_training:
                     break
@@ -737,6 +739,15 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model({self.name}, replicas={self.distribute_strategy.num_replicas_in_sync})"
+
+
+def _reads_batch_logs(cbs: Any) -> bool:
+    """Whether a callback has its own on_train_batch_end (or on_batch_end), which reads each step's logs.
+    Without one, fit reads the metrics once per epoch, as tf.keras converts a step's logs to numbers
+    only for callbacks with batch hooks."""
+    base = callbacks_lib.Callback
+    return any(hook in getattr(cb, "__dict__", {}) or getattr(type(cb), hook) is not getattr(base, hook)
+               for cb in cbs for hook in ("on_train_batch_end", "on_batch_end"))
 
 
 def _config_or_repr(given: Any, obj: Any, serialize: Any) -> Any:

@@ -1,0 +1,252 @@
+"""The fit throughput table: `Model.fit` on N CPU replicas beside the machine's limit, N independent
+processes, DDP and a plain PyTorch loop, measured side by side in one run.
+
+`mirrored bench` prints the quick table and benchmarks/fit_throughput.py the full one; both call
+`compare` (one global batch) and `scaling` (1, 2, 4... replicas). Every row trains the same model
+(the small CIFAR ResNet, ResNet-20, on NCHW batches) with SGD(momentum=0.9) on the same synthetic
+32x32 batches already in memory, so the input pipeline is not what is timed. The rows:
+
+  limit        one replica's work alone (its per-replica batch, one intra-op thread, a plain loop),
+               times N: what N cores give if running N at once costs nothing (issue 15's limit)
+  independent  N processes x 1 thread, each training on its per-replica batch at once, never
+               communicating: what N busy cores really give on this machine
+  fit          mr.Model.fit on N logical CPU replicas (threads, 1 intra-op thread each)
+  DDP          torch DistributedDataParallel, gloo, N processes x 1 thread
+  plain        one process, one plain loop at the global batch, intra-op threads on every core
+
+Each round runs every row once, in turn, so that a slow spell of a shared machine hits all of them
+alike; printed are medians and ranges of images/s, and fit's ratio to each row. Processes are timed
+from a barrier after their warm-up steps, so their start-up is not. The process rows re-run this
+module as `python -m mirrored._bench --worker ...`. Benchmark code: torch, torch.distributed and
+the public API only; nothing in the library imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+import mirrored as mr
+from mirrored._cpus import usable_cores
+
+WARMUP_STEPS = 2
+_WORKER_TIMEOUT_S = 600  # one process row's run; a hung worker fails the table instead of stalling it
+ROWS = ("limit", "independent", "fit", "DDP", "plain")
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def make_data(n: int, batch: int, seed: int = 0) -> Batches:
+    """`n` synthetic 32x32 RGB images (NCHW) with labels of 10 classes, in batches of `batch`."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
+
+
+def make_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return mr.models.resnet_cifar(depth=20, num_classes=10, data_format="channels_first")
+
+
+def _train(net: torch.nn.Module, batches: Batches) -> None:
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    net.train()
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _images(batches: Batches) -> int:
+    return sum(len(x) for x, _ in batches)
+
+
+def plain_loop(batches: Batches, threads: int) -> float:
+    """Images/s of a hand-written loop in this process with `threads` intra-op threads."""
+    with _threads(threads):
+        net = make_net()
+        _train(net, batches[:WARMUP_STEPS])
+        start = time.perf_counter()
+        _train(net, batches)
+        seconds = time.perf_counter() - start
+    return _images(batches) / seconds
+
+
+def limit(per_replica_batches: Batches, replicas: int) -> float:
+    """One replica's work timed alone (its batches, one thread), times the replica count."""
+    return replicas * plain_loop(per_replica_batches, 1)
+
+
+def fit_loop(batches: Batches, replicas: int, steps_per_execution: int = 1) -> float:
+    """Images/s of Model.fit on `replicas` logical CPU replicas over the same batches."""
+    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = mr.Model(make_net())
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.01, momentum=0.9),
+                      loss="sparse_categorical_crossentropy", steps_per_execution=steps_per_execution)
+    model.fit(batches[:WARMUP_STEPS], epochs=1, verbose=0)  # starts the replica threads, sizes buffers
+    start = time.perf_counter()
+    model.fit(batches, epochs=1, verbose=0)
+    return _images(batches) / (time.perf_counter() - start)
+
+
+# ---- process rows -------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def processes(kind: str, replicas: int, per_replica: int, images: int) -> float:
+    """Images/s of `replicas` worker processes of `kind` ("ddp" or "independent"): the images all of
+    them trained on, over the slowest one's time from their common start."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "mirrored._bench", "--worker", kind, "--world", str(replicas), "--port", str(port),
+            "--per-replica", str(per_replica), "--images", str(images)]
+    procs = [subprocess.Popen(argv + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(replicas)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=_WORKER_TIMEOUT_S)
+            if p.returncode != 0:
+                raise RuntimeError(f"a {kind} worker exited with status {p.returncode}: {err.strip()[-2000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return sum(r["images"] for r in results) / max(r["seconds"] for r in results)
+
+
+def worker(kind: str, rank: int, world: int, port: int, per_replica: int, images: int) -> None:
+    """One process of a process row: its share of the images, one intra-op thread; prints its JSON."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        batches = make_data(images // world, per_replica, seed=1 + rank)
+        net = make_net()
+        if kind == "ddp":
+            net = torch.nn.parallel.DistributedDataParallel(net)
+        _train(net, batches[:WARMUP_STEPS])
+        dist.barrier()  # (the independent workers meet only here: everyone starts together)
+        start = time.perf_counter()
+        _train(net, batches)
+        seconds = time.perf_counter() - start
+        print(json.dumps({"images": _images(batches), "seconds": seconds}), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the tables ---------------------------------------------------------------------------------
+
+def machine() -> str:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return (f"machine: {cpu or 'unknown CPU'}, {usable_cores()} cores | python {platform.python_version()} | "
+            f"torch {torch.__version__} | mirrored {mr.__version__}")
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+
+
+def _cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.0f}-{max(values):.0f})"
+
+
+def compare(batch: int, replicas: int, images: int, rounds: int, steps_per_execution: int = 1,
+            rows: Sequence[str] = ROWS, print_fn: Callable[[str], None] = print) -> dict[str, float]:
+    """Every row at one global batch, in turn, `rounds` times; prints the table, returns the medians."""
+    per_replica = -(-batch // replicas)
+    data = make_data(images, batch)
+    alone = make_data(images // replicas, per_replica)
+    runs: dict[str, Callable[[], float]] = {
+        "limit": lambda: limit(alone, replicas),
+        "independent": lambda: processes("independent", replicas, per_replica, images),
+        "fit": lambda: fit_loop(data, replicas, steps_per_execution),
+        "DDP": lambda: processes("ddp", replicas, per_replica, images),
+        "plain": lambda: plain_loop(data, usable_cores()),
+    }
+    labels = {
+        "limit": f"limit: 1 replica's work alone x {replicas}",
+        "independent": f"{replicas} independent processes x 1 thread",
+        "fit": f"mirrored fit, {replicas} CPU replicas",
+        "DDP": f"DDP (gloo), {replicas} processes x 1 thread",
+        "plain": f"plain PyTorch, 1 process, {usable_cores()} threads",
+    }
+    chosen = [name for name in ROWS if name in rows or name == "fit"]
+    before = load()
+    samples: dict[str, list[float]] = {name: [] for name in chosen}
+    for _ in range(rounds):
+        for name in chosen:
+            samples[name].append(runs[name]())
+    med = {name: statistics.median(v) for name, v in samples.items()}
+    print_fn(f"\nglobal batch {batch} ({per_replica} per replica), {images} images per run, {rounds} round(s); "
+             f"load average before {before}, after {load()}")
+    print_fn(f"  {'':<42}{'images/s (range)':>22}{'fit / row':>11}{'row / limit':>13}")
+    for name in chosen:
+        ratio_limit = f"{med[name] / med['limit']:>13.3f}" if "limit" in med else f"{'-':>13}"
+        print_fn(f"  {labels[name]:<42}{_cell(samples[name]):>22}{med['fit'] / med[name]:>11.3f}{ratio_limit}")
+    return med
+
+
+def scaling(batch: int, counts: Sequence[int], images: int, rounds: int,
+            print_fn: Callable[[str], None] = print) -> dict[int, float]:
+    """fit's images/s on each replica count at one global batch, in turn; against the first count."""
+    data = make_data(images, batch)
+    samples: dict[int, list[float]] = {n: [] for n in counts}
+    with warnings.catch_warnings():  # more replicas than cores is this curve's point: the table says so
+        warnings.filterwarnings("ignore", message=r".*CPU replicas share \d+ core", category=UserWarning)
+        for _ in range(rounds):
+            for n in counts:
+                samples[n].append(fit_loop(data, n))
+    med = {n: statistics.median(v) for n, v in samples.items()}
+    print_fn(f"\nscaling: mirrored fit at global batch {batch}, {images} images per run, {rounds} round(s), "
+             f"{usable_cores()} cores; load average {load()}")
+    print_fn(f"  {'replicas':>8}{'images/s (range)':>22}{f'x {counts[0]} replica(s)':>17}")
+    for n in counts:
+        shared = f"  ({n} threads take turns on {usable_cores()} cores)" if n > usable_cores() else ""
+        print_fn(f"  {n:>8}{_cell(samples[n]):>22}{med[n] / med[counts[0]]:>17.2f}{shared}")
+    return med
+
+
+def _worker_main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one worker process of the fit table (internal)")
+    parser.add_argument("--worker", choices=["ddp", "independent"], required=True)
+    for flag in ("--rank", "--world", "--port", "--per-replica", "--images"):
+        parser.add_argument(flag, type=int, required=True)
+    args = parser.parse_args(argv)
+    worker(args.worker, args.rank, args.world, args.port, args.per_replica, args.images)
+
+
+if __name__ == "__main__":
+    _worker_main()
