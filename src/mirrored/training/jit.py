@@ -12,19 +12,23 @@ compile the same graph (dynamo serialises compilation but does not re-check its 
 backward graph is compiled with the forward, under dynamo's compile lock, instead of lazily in
 whichever replica thread reaches backward first.
 
-Results: with backend "eager"/"aot_eager" they are bitwise those of eager mode; with inductor,
-fused kernels reassociate float sums (BatchNorm statistics, fused reductions), which moves a
-forward output by a few ulps, about 1e-7 relative in float32, and weights after a few SGD steps
-by about 1e-6 relative (tests use rtol=1e-4, atol=1e-5). Every replica applies the same
-all-reduced gradient, so replicas stay bitwise identical to each other either way.
+Results: with backend "aot_eager" (dynamo and AOTAutograd, the same kernels) they are bitwise those
+of eager mode, bf16 autocast included. With inductor, fused kernels reassociate float sums
+(BatchNorm statistics, fused reductions): a forward output moves by a few float32 ulps (~1e-7), and
+training compounds that through BatchNorm: the weights of the small ResNet differ from eager by up
+to 2e-5 after 3 SGD steps (benchmarks/jit_compile.py prints it); the tests' tiny net stays within
+rtol=1e-4, atol=1e-5 of eager after 4 steps. It is not a bitwise-reproducible mode. Every replica
+applies the same all-reduced gradient, so replicas stay bitwise identical to each other either way.
 
 Runs eager, with one warning naming the cause and the fix: where torch.compile cannot work (no C++
 compiler for inductor on CPU, no triton on CUDA), for modules with SyncBatchNorm (their forward
 all-reduces between replicas), and after torch.compile fails on the model. The first run of a step
 function (fit's, evaluate's, predict's) is eager too: mirrored's check for modules it did not
 mirror is a process-wide module hook during that run, and dynamo would otherwise compile a graph
-for it that is thrown away at the next step. An uneven last batch recompiles once, as a graph with
-a dynamic batch size that every later batch size reuses (torch.compile's default, dynamic=None).
+for it that is thrown away at the next step. Each batch size compiles a static graph once (an uneven
+last batch: one or two more, its replicas' parts), and so does each mode (train, eval) and each
+intra-op thread count (model(x) on the main thread); see DYNAMIC below. Past dynamo's recompile
+limit (8 per model), new signatures run eager.
 
 `jit_compile="auto"` is Keras 3's torch default: eager. Measured on 2 CPU replicas (small ResNet,
 benchmarks/jit_compile.py, figures in benchmarks/RESULTS.md) compiling does not pay enough there to
@@ -34,7 +38,7 @@ Custom loops: compile the module's compute, not the replica function: strategy.r
 would trace the all-reduce and the optimizer's meeting of the replicas. `ReplicaCompiler(mnet.values,
 strategy.extended.worker_devices)` (this module) compiles each copy of a mirrored module in place and
 keeps the mirror's bookkeeping (rollback of a failed step, example counts) around the compiled call.
-Uses torch only.
+Uses torch and layers.py.
 """
 from __future__ import annotations
 
@@ -50,13 +54,17 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from mirrored.training.layers import has_sync_batchnorm
+
 logger = logging.getLogger(__name__)
 
 BACKEND = "inductor"  # what jit_compile=True compiles with, as Keras 3's torch backend
-# torch.compile's dynamic=: None recompiles a second batch size once, as a graph with a dynamic batch
-# dimension that every later size reuses; False compiles a static graph per size (each as slow to
-# compile as the first). benchmarks/jit_compile.py --dynamic measures both.
-DYNAMIC: bool | None = None
+# torch.compile's dynamic=. False: a static graph per batch size, shared by the replicas. None (torch's
+# default) would recompile a second size as a dynamic graph, which specialises on the input's storage
+# offset (0 for replica 0's slice of the global batch, not for the others': a graph per replica), and
+# whose "this size varies" memory is kept per function name, so it would carry over to other models.
+# Measured equally fast (benchmarks/jit_compile.py --dynamic auto|false).
+DYNAMIC: bool | None = False
 _BACKENDS_NEEDING_CXX = ("inductor",)  # backends that compile C++ for CPU tensors
 
 
@@ -185,10 +193,12 @@ class ReplicaCompiler:
         self._ready: set[tuple] = set()  # signatures compiled (or known to need no compile)
         self._warned = False
         self.failure: str | None = unavailable(devices, backend)
-        if self.failure is None and any(isinstance(m, nn.SyncBatchNorm) or type(m).__name__ == "SyncBatchNorm"
-                                        for c in copies for m in c.modules()):
+        if self.failure is None and self._copies and (
+                has_sync_batchnorm(self._copies[0])
+                or any(isinstance(m, nn.SyncBatchNorm) for m in self._copies[0].modules())):
+            # (and a replica holding the compile lock would wait there for one waiting on the lock)
             self.failure = ("the module has SyncBatchNorm, whose forward all-reduces statistics between the "
-                            "replicas, which a compiled graph cannot do. Use BatchNorm2d to compile")
+                            "replicas, which a compiled graph cannot do. Use BatchNorm to compile")
         if self.failure is not None:
             self._warn()
             return
