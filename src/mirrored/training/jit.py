@@ -31,8 +31,9 @@ intra-op thread count (model(x) on the main thread); see DYNAMIC below. Past dyn
 limit (8 per model), new signatures run eager.
 
 `jit_compile="auto"` is Keras 3's torch default: eager. Measured on 2 CPU replicas (small ResNet,
-benchmarks/jit_compile.py, figures in benchmarks/RESULTS.md) compiling does not pay enough there to
-be the default; no GPU figures exist yet.
+benchmarks/jit_compile.py, figures in benchmarks/RESULTS.md) compiled steps are ~1.2x faster, but
+compiling takes minutes there, so it pays only in runs long enough to amortise that, which "auto"
+cannot know; jit_compile=True is the choice for long runs. No GPU figures exist yet.
 
 Custom loops: compile the module's compute, not the replica function: strategy.run(torch.compile(fn))
 would trace the all-reduce and the optimizer's meeting of the replicas. `ReplicaCompiler(mnet.values,
@@ -45,6 +46,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import traceback
 import types
 import warnings
 from collections.abc import Sequence
@@ -73,8 +75,8 @@ def resolve(jit_compile: Any, where: str = "Model.compile") -> bool:
     if isinstance(jit_compile, bool):
         return jit_compile
     if jit_compile == "auto":
-        # Keras 3 resolves "auto" to eager on the torch backend; measured, compiling does not pay on
-        # CPU replicas either (benchmarks/RESULTS.md, "jit_compile (issue 15)").
+        # Keras 3 resolves "auto" to eager on the torch backend. On CPU replicas compiling pays only once
+        # its minutes are amortised, which compile() cannot know (benchmarks/RESULTS.md, "jit_compile").
         return False
     raise ValueError(f"{where}(jit_compile={jit_compile!r}): use True (torch.compile each replica's step), "
                      "False (eager) or \"auto\" (Keras's default: eager on torch).")
@@ -116,7 +118,7 @@ def unavailable(devices: Sequence[str], backend: str) -> str | None:
 
 
 def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The function each ReplicaCompiler compiles (a copy of its code each time; see _fresh_code)."""
+    """The function each ReplicaCompiler compiles (a copy of its code each time; see _fresh_call)."""
     return module._call_impl(*args, **kwargs)
 
 
@@ -129,8 +131,8 @@ def _fresh_call() -> types.FunctionType:
 
 def _eager_backward_backend(backend: str) -> Any:
     """`backend` compiling the backward graph with the forward, under dynamo's compile lock, rather
-    than lazily in the first replica thread to reach backward (inductor is not meant to compile in
-    two threads at once)."""
+    than lazily when backward first runs: AOTAutograd's lazy compile takes no lock, so replica
+    threads sharing the graph would each compile its backward, at the same time."""
     compile_fn = torch._dynamo.lookup_backend(backend)
 
     def compile_with_backward(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
@@ -148,7 +150,8 @@ def _global_module_hooks() -> bool:
 
 
 def _signature(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """What decides whether a call may need a new graph: mode, grad mode and the inputs' shapes."""
+    """What decides whether a replica's call may need a new graph: mode, grad mode and the inputs'
+    shapes (dynamo guards on more, e.g. the intra-op thread count, which replica threads share)."""
     leaves = [*args, *kwargs.values()]
     shapes = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else type(a) for a in leaves)
     return module.training, torch.is_grad_enabled(), tuple(kwargs), shapes
@@ -220,6 +223,7 @@ class ReplicaCompiler:
                 c._compiled_call_impl = None
 
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """`module(*args, **kwargs)`, compiled (eager while it cannot be: see the module docstring)."""
         if self.failure is not None or _global_module_hooks() or torch.compiler.is_compiling():
             return module._call_impl(*args, **kwargs)
         key = _signature(module, args, kwargs)
@@ -243,7 +247,8 @@ class ReplicaCompiler:
             first_line = (str(cause).strip().splitlines() or [""])[0][:300]
             self.failure = (f"torch.compile failed on the model ({type(cause).__name__}: {first_line}; the log has "
                             "the whole error). Fix what it names, or pass jit_compile=False")
-            logger.warning("%s: torch.compile failed; the full error follows", self._where, exc_info=True)
+            # As text: a record holding the traceback would keep the step's frames (and the replicas) alive.
+            logger.warning("%s: torch.compile failed:\n%s", self._where, "".join(traceback.format_exception(e)))
             self._warn()
             return out
 
