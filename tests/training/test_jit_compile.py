@@ -300,3 +300,21 @@ def test_compiling_again_without_jit_and_copies_of_a_compiled_module_are_eager(g
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", jit_compile=False)
     assert model.jit_compile is False
     assert all(m._compiled_call_impl is None for m in model.replicas)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(330)
+@needs_cxx
+def test_the_benchmark_runs_and_prints_its_table():
+    """benchmarks/jit_compile.py at tiny settings, so it does not rot (its numbers mean nothing here);
+    a cold compile of the smallest ResNet took 1-2 minutes on the shared 2-core box."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "jit_compile.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--batches", "8", "--depth", "8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^\s+8\s+\d+\s+\d+\s+[0-9.]+\s+-?[0-9.]+\s+[0-9.e+-]+$", proc.stdout, re.M), proc.stdout
