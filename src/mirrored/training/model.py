@@ -28,6 +28,7 @@ from torch import Tensor, nn
 import mirrored.distribute as md
 from mirrored.training import callbacks as callbacks_lib
 from mirrored.training import checkpoint, checkpoint_checks, epochs as epochs_lib, losses, metrics as metrics_lib, optimizers
+from mirrored.training import jit
 from mirrored.training._trackables import LossScale
 from mirrored.training.layers import has_sync_batchnorm
 
@@ -179,6 +180,7 @@ class Model:
         self._precision: str | None = None
         self._predict_like: tuple[torch.Size, torch.dtype] | None = None  # an output row's shape and dtype
         self._scalers: list[Any] = []
+        self._jit: jit.ReplicaCompiler | None = None  # compile(jit_compile=True)'s, on the replicas' copies
 
     # ---- structure -------------------------------------------------------------------------------
     @property
@@ -195,6 +197,11 @@ class Model:
     def mirrored_optimizer(self) -> Any:
         """The MirroredOptimizer compile() built (one torch optimizer per replica); None before compile()."""
         return self._mopt
+
+    @property
+    def jit_compile(self) -> bool:
+        """Whether the replicas' steps run compiled (Keras's model.jit_compile); False after a fallback."""
+        return self._jit is not None and self._jit.active
 
     @property
     def metrics(self) -> list[Any]:
@@ -238,8 +245,11 @@ class Model:
 
     # ---- compile -----------------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Sequence[Any] | None = None,
-                steps_per_execution: int = 1, precision: str | None = None) -> None:
-        """Chooses the optimizer, loss and metrics. Strings mean Keras names; losses take logits."""
+                steps_per_execution: int = 1, precision: str | None = None, jit_compile: bool | str = "auto") -> None:
+        """Chooses the optimizer, loss and metrics. Strings mean Keras names; losses take logits.
+        jit_compile=True compiles each replica's forward and backward with torch.compile (training/jit.py:
+        what is compiled, the tolerance against eager, the fallback); "auto", Keras 3's default on torch,
+        runs eager."""
         if loss is None:
             raise ValueError("compile(loss=None): give a loss, e.g. loss=\"sparse_categorical_crossentropy\".")
         if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
@@ -254,6 +264,7 @@ class Model:
         if precision == "fp16" and not all(d.startswith("cuda") for d in devices):
             raise ValueError("compile(precision=\"fp16\") needs CUDA devices (fp16 with loss scaling); on CPU use "
                              "precision=\"bf16\".")
+        use_jit = jit.resolve(jit_compile)
         strategy = self.distribute_strategy
         with strategy.scope():
             self.optimizer = optimizers.get(optimizer)
@@ -269,6 +280,9 @@ class Model:
         self._steps_per_execution = steps_per_execution
         self._precision = None if precision == "fp32" else precision
         self._scalers = [torch.amp.GradScaler("cuda") for _ in devices] if precision == "fp16" else []
+        if self._jit is not None:
+            self._jit.remove()
+        self._jit = jit.ReplicaCompiler(self._net.replicas, devices) if use_jit else None
         # Names and configs rebuild exactly; an object without a config is recorded by its repr, so that load()
         # can say what to pass.
         self._compile_config = {
@@ -276,7 +290,7 @@ class Model:
             "loss": _config_or_repr(loss, self._loss, losses.serialize),
             "metrics": [_config_or_repr(m, compiled, metrics_lib.serialize)
                         for m, compiled in zip(metrics or [], self._metrics)],
-            "precision": precision}
+            "precision": precision, "jit_compile": use_jit}
         self._compiled = True
 
     def _require_compiled(self, what: str) -> None:
@@ -735,7 +749,7 @@ class Model:
                           "compile=False and compile(...) again to have them.", UserWarning, stacklevel=3)
         self.compile(optimizer=_optimizer_from_config(cfg["optimizer"], path),
                      loss=losses.deserialize(loss) if isinstance(loss, dict) else loss, metrics=metrics,
-                     precision=cfg.get("precision"))
+                     precision=cfg.get("precision"), jit_compile=cfg.get("jit_compile", False))
 
     def __repr__(self) -> str:
         return f"Model({self.name}, replicas={self.distribute_strategy.num_replicas_in_sync})"

@@ -1,0 +1,262 @@
+"""`Model.compile(jit_compile=True)`: each replica's forward (and through AOTAutograd its backward)
+compiled with torch.compile, the rest of the step kept eager.
+
+What is compiled is the module call: the forward of each replica's copy, with its hooks, and the
+backward AOTAutograd derives from it. The loss, metrics, gradient all-reduce and optimizer stay
+eager, because they meet the other replicas (a collective inside a compiled graph would break it)
+and cost little next to the convolutions. The replicas share one compiled graph: their copies have
+the same structure, dynamo passes parameters as graph inputs, and guards that differ (a device, a
+shape, train or eval mode) compile another entry. One thread compiles each new input signature
+while the others wait for it: two replica threads that miss dynamo's cache together would each
+compile the same graph (dynamo serialises compilation but does not re-check its cache), and the
+backward graph is compiled with the forward, under dynamo's compile lock, instead of lazily in
+whichever replica thread reaches backward first.
+
+Results: with backend "aot_eager" (dynamo and AOTAutograd, the same kernels) they are bitwise those
+of eager mode, bf16 autocast included. With inductor, fused kernels reassociate float sums
+(BatchNorm statistics, fused reductions): a forward output moves by a few float32 ulps (~1e-7), and
+training compounds that through BatchNorm: the weights of the small ResNet differ from eager by up
+to 2e-5 after 3 SGD steps (benchmarks/jit_compile.py prints it); the tests' tiny net stays within
+rtol=1e-4, atol=1e-5 of eager after 4 steps. It is not a bitwise-reproducible mode. Every replica
+applies the same all-reduced gradient, so replicas stay bitwise identical to each other either way.
+
+Runs eager, with one warning naming the cause and the fix: where torch.compile cannot work (no C++
+compiler for inductor on CPU, no triton on CUDA), for modules with SyncBatchNorm (their forward
+all-reduces between replicas), and after torch.compile fails on the model. The first run of a step
+function (fit's, evaluate's, predict's) is eager too: mirrored's check for modules it did not
+mirror is a process-wide module hook during that run, and dynamo would otherwise compile a graph
+for it that is thrown away at the next step. Each batch size compiles a static graph once (an uneven
+last batch: one or two more, its replicas' parts), and so does each mode (train, eval) and each
+intra-op thread count (model(x) on the main thread); see DYNAMIC below. Past dynamo's recompile
+limit (8 per model), new signatures run eager.
+
+`jit_compile="auto"` is Keras 3's torch default: eager. Measured on 2 CPU replicas (small ResNet,
+benchmarks/jit_compile.py, figures in benchmarks/RESULTS.md) compiled steps are ~1.2x faster, but
+compiling takes minutes there, so it pays only in runs long enough to amortise that, which "auto"
+cannot know; jit_compile=True is the choice for long runs. No GPU figures exist yet.
+
+Custom loops: compile the module's compute, not the replica function: strategy.run(torch.compile(fn))
+would trace the all-reduce and the optimizer's meeting of the replicas. `ReplicaCompiler(mnet.values,
+strategy.extended.worker_devices)` (this module) compiles each copy of a mirrored module in place and
+keeps the mirror's bookkeeping (rollback of a failed step, example counts) around the compiled call.
+Uses torch and layers.py.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import traceback
+import types
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from mirrored.training.layers import has_sync_batchnorm
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "inductor"  # what jit_compile=True compiles with, as Keras 3's torch backend
+# torch.compile's dynamic=. False: a static graph per batch size, shared by the replicas. None (torch's
+# default) would recompile a second size as a dynamic graph, which specialises on the input's storage
+# offset (0 for replica 0's slice of the global batch, not for the others': a graph per replica), and
+# whose "this size varies" memory is kept per function name, so it would carry over to other models.
+# Measured equally fast (benchmarks/jit_compile.py --dynamic auto|false).
+DYNAMIC: bool | None = False
+_BACKENDS_NEEDING_CXX = ("inductor",)  # backends that compile C++ for CPU tensors
+
+
+def resolve(jit_compile: Any, where: str = "Model.compile") -> bool:
+    """compile()'s jit_compile as a bool: True, False, or "auto" (eager, as Keras 3 on torch)."""
+    if isinstance(jit_compile, bool):
+        return jit_compile
+    if jit_compile == "auto":
+        # Keras 3 resolves "auto" to eager on the torch backend. On CPU replicas compiling pays only once
+        # its minutes are amortised, which compile() cannot know (benchmarks/RESULTS.md, "jit_compile").
+        return False
+    raise ValueError(f"{where}(jit_compile={jit_compile!r}): use True (torch.compile each replica's step), "
+                     "False (eager) or \"auto\" (Keras's default: eager on torch).")
+
+
+def find_cpp_compiler() -> str | None:
+    """The C++ compiler inductor would use for CPU kernels ($CXX, else g++), None where it has none."""
+    try:
+        from torch._inductor import config
+
+        candidates = [c for c in config.cpp.cxx if c]
+    except (ImportError, AttributeError):
+        candidates = []
+    for name in candidates or ["g++"]:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def unavailable(devices: Sequence[str], backend: str) -> str | None:
+    """Why torch.compile with `backend` cannot run on `devices` here (cause and fix), None if it can."""
+    if backend not in _BACKENDS_NEEDING_CXX:
+        return None
+    if any(d.startswith("cpu") for d in devices) and find_cpp_compiler() is None:
+        return ("torch.compile's inductor backend needs a C++ compiler for CPU code and none was found ($CXX, "
+                "else g++ on PATH). Install one (e.g. `apt-get install g++`) or set CXX to its path; "
+                "jit_compile=False runs eager without this warning")
+    if any(d.startswith("cuda") for d in devices):
+        try:
+            from torch.utils._triton import has_triton
+        except ImportError:  # pragma: no cover - every torch 2.x has it
+            return None
+        if not has_triton():
+            return ("torch.compile's inductor backend needs triton for CUDA code and it is not installed. "
+                    "Install it (`pip install triton`, the version your torch names); jit_compile=False runs "
+                    "eager without this warning")
+    return None
+
+
+def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The function each ReplicaCompiler compiles (a copy of its code each time; see _fresh_call)."""
+    return module._call_impl(*args, **kwargs)
+
+
+def _fresh_call() -> types.FunctionType:
+    """_call_module with code of its own: dynamo keeps its graphs and counts recompiles per code
+    object, so each model gets its own cache and its own recompile_limit."""
+    code = _call_module.__code__.replace()
+    return types.FunctionType(code, _call_module.__globals__, _call_module.__name__)
+
+
+def _eager_backward_backend(backend: str) -> Any:
+    """`backend` compiling the backward graph with the forward, under dynamo's compile lock, rather
+    than lazily when backward first runs: AOTAutograd's lazy compile takes no lock, so replica
+    threads sharing the graph would each compile its backward, at the same time."""
+    compile_fn = torch._dynamo.lookup_backend(backend)
+
+    def compile_with_backward(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            return compile_fn(gm, example_inputs, **kwargs)
+
+    return compile_with_backward
+
+
+def _global_module_hooks() -> bool:
+    """Whether a process-wide module hook is installed (torch.nn.modules.module's registries)."""
+    return any(getattr(torch_module, name, None) for name in (
+        "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+        "_global_backward_hooks"))
+
+
+def _signature(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What decides whether a replica's call may need a new graph: mode, grad mode and the inputs'
+    shapes (dynamo guards on more, e.g. the intra-op thread count, which replica threads share)."""
+    leaves = [*args, *kwargs.values()]
+    shapes = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else type(a) for a in leaves)
+    return module.training, torch.is_grad_enabled(), tuple(kwargs), shapes
+
+
+class _Slot:
+    """What fills nn.Module's `_compiled_call_impl` slot (the one nn.Module.compile fills): a call of
+    the module goes through its ReplicaCompiler. Copying or pickling the module leaves the copy
+    uncompiled, instead of calling the original's graph with the original's parameters."""
+
+    __slots__ = ("_compiler", "_module")
+
+    def __init__(self, compiler: ReplicaCompiler, module: nn.Module):
+        self._compiler = compiler
+        self._module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiler.call(self._module, args, kwargs)
+
+    def __reduce__(self) -> tuple:
+        return _uncompiled, ()
+
+
+def _uncompiled() -> None:
+    return None
+
+
+class ReplicaCompiler:
+    """torch.compile of every replica copy's module call, with one graph shared by the copies.
+
+    Installs itself in each copy (calls of the copy, through a mirror or not, run compiled) until
+    remove(); runs eager, warning once with the cause and the fix, where compiling cannot work or
+    fails (see the module docstring)."""
+
+    def __init__(self, copies: Sequence[nn.Module], devices: Sequence[str], backend: Any = None,
+                 where: str = "Model.compile(jit_compile=True)"):
+        backend = backend or BACKEND
+        self.backend = backend
+        self._where = where
+        self._copies = tuple(copies)
+        self._lock = threading.Lock()
+        self._ready: set[tuple] = set()  # signatures compiled (or known to need no compile)
+        self._warned = False
+        self.failure: str | None = unavailable(devices, backend)
+        if self.failure is None and self._copies and (
+                has_sync_batchnorm(self._copies[0])
+                or any(isinstance(m, nn.SyncBatchNorm) for m in self._copies[0].modules())):
+            # (and a replica holding the compile lock would wait there for one waiting on the lock)
+            self.failure = ("the module has SyncBatchNorm, whose forward all-reduces statistics between the "
+                            "replicas, which a compiled graph cannot do. Use BatchNorm to compile")
+        if self.failure is not None:
+            self._warn()
+            return
+        self._compiled = torch.compile(_fresh_call(), backend=_eager_backward_backend(backend), dynamic=DYNAMIC)
+        for c in self._copies:
+            c._compiled_call_impl = _Slot(self, c)
+        logger.info("%s: each replica's forward and backward compiled with torch.compile(backend=%r)", where,
+                    backend)
+
+    @property
+    def active(self) -> bool:
+        """Whether calls run compiled (False: eager, see `failure`)."""
+        return self.failure is None
+
+    def remove(self) -> None:
+        """Puts the copies back to eager calls."""
+        for c in self._copies:
+            if isinstance(c.__dict__.get("_compiled_call_impl"), _Slot):
+                c._compiled_call_impl = None
+
+    def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """`module(*args, **kwargs)`, compiled (eager while it cannot be: see the module docstring)."""
+        if self.failure is not None or _global_module_hooks() or torch.compiler.is_compiling():
+            return module._call_impl(*args, **kwargs)
+        key = _signature(module, args, kwargs)
+        if key in self._ready:
+            return self._run(module, args, kwargs)
+        with self._lock:  # one replica compiles a new signature; the others then find its graph
+            out = self._run(module, args, kwargs)
+            self._ready.add(key)
+        return out
+
+    def _run(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if self.failure is not None:  # another replica's compile failed while this one waited
+            return module._call_impl(*args, **kwargs)
+        try:
+            return self._compiled(module, *args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            # Compiling failed before the graph ran (dynamo traces on fake tensors), so nothing changed:
+            # the eager call is the step's real forward. If it fails too, the error is the model's.
+            out = module._call_impl(*args, **kwargs)
+            cause = getattr(e, "inner_exception", None) or e  # BackendCompilerFailed wraps the backend's error
+            first_line = (str(cause).strip().splitlines() or [""])[0][:300]
+            self.failure = (f"torch.compile failed on the model ({type(cause).__name__}: {first_line}; the log has "
+                            "the whole error). Fix what it names, or pass jit_compile=False")
+            # As text: a record holding the traceback would keep the step's frames (and the replicas) alive.
+            logger.warning("%s: torch.compile failed:\n%s", self._where, "".join(traceback.format_exception(e)))
+            self._warn()
+            return out
+
+    def _warn(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{self._where}: running eager: {self.failure}.", UserWarning, stacklevel=4)
+
+    def __repr__(self) -> str:
+        state = "compiled" if self.active else f"eager ({self.failure})"
+        return f"ReplicaCompiler(backend={self.backend!r}, replicas={len(self._copies)}, {state})"
