@@ -336,10 +336,15 @@ class MirroredOptimizer(torch.optim.Optimizer):
         ctx = self._replica()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             return
-        net = self._module.replicas[ctx.local_replica_id]
-        floats = [b for b in net.buffers() if b.is_floating_point()]
-        ints = [b for b in net.buffers() if not b.is_floating_point() and not b.is_complex() and b.dtype != torch.bool]
-        if not floats and not ints:  # (the same on every replica: no meeting at all)
+        # Packed: one flat tensor per device (floats, as float64) and per device and integer dtype, so a
+        # ResNet's ~60 buffers cost a handful of torch ops per step instead of ~4 per buffer.
+        groups: dict[tuple, list[Tensor]] = {}
+        for b in self._module.replicas[ctx.local_replica_id].buffers():
+            if b.is_floating_point():
+                groups.setdefault((True, b.device), []).append(b)
+            elif not b.is_complex() and b.dtype != torch.bool:
+                groups.setdefault((False, b.device, b.dtype), []).append(b)
+        if not groups:  # (the same on every replica: no meeting at all)
             return
         first = ctx.replica_id_in_sync_group == 0
         # Averaged in float64: for float32 (or half) copies that are equal, the sum of n of them (weighted
@@ -349,17 +354,25 @@ class MirroredOptimizer(torch.optim.Optimizer):
         # the same buffers, so the strategy may skip its shape check.
         # Without a weight every replica weighs 1: the same sum, divided by the replica count.
         w = 1.0 if weight is None else float(weight)
-        sent = [b if first else torch.zeros_like(b) for b in ints] + [b.double() * w for b in floats]
-        if floats:
-            sent.append(torch.tensor(w, dtype=torch.float64, device=floats[0].device))
         with torch.no_grad():
+            sent, kept = [], []
+            for (is_float, *_), bufs in groups.items():
+                flat = torch.cat([b.reshape(-1) for b in bufs])
+                if is_float:
+                    kept.append(flat.double())  # (exact: every float dtype widens to float64 exactly)
+                    sent.append(kept[-1] * w)
+                else:
+                    kept.append(None)
+                    sent.append(flat if first else torch.zeros_like(flat))
+            if any(is_float for is_float, *_ in groups):
+                sent.append(torch.tensor(w, dtype=torch.float64, device=sent[0].device))
             summed = self._strategy.all_reduce_tensors(ctx, ReduceOp.SUM, sent, check_shapes=False)
-            for b, value in zip(ints, summed):
-                b.copy_(value)
-            if floats:
-                total = summed[-1]  # > 0: a step has examples (torch.where keeps a device sync out of the step)
-                for b, value in zip(floats, summed[len(ints):]):
-                    b.copy_(torch.where(total > 0, value / total, b.double()))
+            total = summed[-1]  # > 0: a step has examples (torch.where keeps a device sync out of the step)
+            for bufs, value, old in zip(groups.values(), summed, kept):
+                if old is not None:
+                    value = torch.where(total > 0, value / total, old)
+                for b, part in zip(bufs, value.split([b.numel() for b in bufs])):
+                    b.copy_(part.view(b.shape))
 
     def no_sync(self) -> Any:
         """The module's no_sync() (DDP's name): gradients accumulate locally, step() after it reduces once."""
