@@ -184,3 +184,26 @@ def test_get_next_as_optional_after_the_last_global_batch():
     assert not it.get_next_as_optional().has_value()
     it2 = iter(s.experimental_distribute_dataset(batches(5, 2)))
     assert parts(s, it2.get_next()) == [[0], [1]]  # get_next(), as TF names it
+
+
+def test_get_next_as_optional_from_a_function():
+    """input_lib.DistributedIterator is also the iterator of distribute_datasets_from_function in TF
+    2.21, with the same get_next()/get_next_as_optional(): each replica's pipeline yields per-replica
+    batches in turn, and has_value() is False after the last step (here 3 batches on 2 replicas: the
+    data runs out in the second step, whose replica 1 gets an empty batch)."""
+    s = strategy_of(2)
+    dist = s.distribute_datasets_from_function(lambda ctx: [torch.arange(2), torch.arange(2, 4), torch.arange(4, 5)])
+    it = iter(dist)
+    assert iter(it) is it
+    got = []
+    opt = it.get_next_as_optional()
+    while opt.has_value():
+        got.append(parts(s, opt.get_value()))
+        opt = it.get_next_as_optional()
+    assert got == [[[0, 1], [2, 3]], [[4], []]]
+    assert not it.get_next_as_optional().has_value()
+    it2 = iter(dist)
+    assert parts(s, it2.get_next()) == [[0, 1], [2, 3]]
+    it2.close()
+    with pytest.raises(StopIteration):
+        it2.get_next()

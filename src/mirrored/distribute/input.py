@@ -159,7 +159,23 @@ class _Splitter:
         return pack_sequence_as(batch, columns), size
 
 
-class DistributedIterator:
+class _GetNext:
+    """tf.distribute.DistributedIterator's two reading methods, over the iterator's own __next__."""
+
+    __slots__ = ()
+
+    def get_next(self) -> Any:
+        """The next distributed batch; StopIteration at the end (TF raises OutOfRangeError)."""
+        return next(self)
+
+    def get_next_as_optional(self) -> Optional:
+        """The next distributed batch as an Optional, empty after the last one, so a loop can end
+        without catching StopIteration (tf.distribute.DistributedIterator.get_next_as_optional)."""
+        batch = next(self, _END)
+        return Optional.empty() if batch is _END else Optional.from_value(batch)
+
+
+class DistributedIterator(_GetNext):
     """Yields distributed global batches; the next one is split and sent to the devices ahead of use."""
 
     def __init__(self, strategy: Strategy, source: Iterator[Any], options: InputOptions | None):
@@ -200,17 +216,6 @@ class DistributedIterator:
         self._step += 1
         self.global_batch_size = size
         return current
-
-    def get_next(self) -> Any:
-        """The next distributed batch; StopIteration at the end (TF raises OutOfRangeError)."""
-        return next(self)
-
-    def get_next_as_optional(self) -> Optional:
-        """The next distributed batch as an Optional, empty after the last one, so a loop can end
-        without catching StopIteration (tf.distribute.DistributedIterator.get_next_as_optional)."""
-        batch = next(self, _END)
-        return Optional.empty() if batch is _END else Optional.from_value(batch)
-
 
     # ---- resuming (mr.train.Checkpoint, Model.fit's BackupAndRestore) --------------------------------
     def get_state(self) -> dict[str, Any]:
@@ -421,7 +426,10 @@ class DistributedDatasetsFromFunction:
         self._passes = _Passes(dataset, "distribute_datasets_from_function")
         self._splitter = _Splitter(strategy, options)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> _FunctionIterator:
+        return _FunctionIterator(self._batches())
+
+    def _batches(self) -> Iterator[Any]:
         n = len(self._strategy.extended.worker_devices)  # this process's replicas
         source = self._passes.start()
         template = None
@@ -450,3 +458,23 @@ class DistributedDatasetsFromFunction:
             else:
                 leaves = [flatten(p) for p in placed]
                 yield pack_sequence_as(placed[0], [PerReplica(col) for col in zip(*leaves)])
+
+
+class _FunctionIterator(_GetNext):
+    """The iterator of distribute_datasets_from_function: its steps' batches, with get_next() and
+    get_next_as_optional() as TF's iterator has them."""
+
+    __slots__ = ("_batches",)
+
+    def __init__(self, batches: Iterator[Any]):
+        self._batches = batches
+
+    def __iter__(self) -> _FunctionIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._batches)
+
+    def close(self) -> None:
+        """Ends the pass now (its input pipeline is closed), as a generator's close() does."""
+        self._batches.close()
