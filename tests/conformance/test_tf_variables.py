@@ -458,6 +458,13 @@ def test_integer_variable_operators():
     assert (v < 12) and (v <= 12) and not (v > 12) and not (v >= 12)
     assert not (12 < v) and not (12 <= v) and (12 > v) and (12 >= v)
     assert (~v).dtype == torch.int32
+    # True division divides in float64 for 32/64-bit integers (TF's _TRUEDIV_TABLE; torch: float32).
+    assert (v / 3).dtype == torch.float64 and (v / 3).item() == 7 / 3 and (7 / v).item() == 1.0
+    assert (v / torch.tensor(3, dtype=torch.int64)).item() == 7 / 3
+    with s.scope():
+        small = md.Variable(torch.tensor(7, dtype=torch.int16))
+    assert (small / 2).dtype == torch.float32
+    assert (v / torch.tensor(2.0)).dtype == torch.float32  # a float divisor: torch's promotion
     with s.scope():
         flag = md.Variable(torch.tensor([True, False]))
     assert (~flag).tolist() == [False, True]

@@ -256,11 +256,31 @@ def _binary(name: str) -> Any:
     return method
 
 
+# TF's true division of integers (math_ops._TRUEDIV_TABLE): 8- and 16-bit ones divide in float32,
+# 32- and 64-bit ones in float64 (torch would give float32 for all, 7 / 3 = 2.3333332538604736).
+_TRUEDIV_AS = {torch.int8: torch.float32, torch.uint8: torch.float32, torch.int16: torch.float32,
+               torch.int32: torch.float64, torch.int64: torch.float64}
+
+
+def _truediv(name: str) -> Any:
+    def method(self: Variable, other: Any) -> Any:
+        value, other = self.read_value(), _unwrap(other)
+        wide = _TRUEDIV_AS.get(value.dtype)
+        if wide is not None and isinstance(other, (int, Tensor)) and not (
+                isinstance(other, Tensor) and (other.is_floating_point() or other.is_complex())):
+            value = value.to(wide)
+            other = other.to(wide) if isinstance(other, Tensor) else other
+        return getattr(value, name)(other)
+
+    method.__name__ = name
+    return method
+
+
 for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
             "lt", "le", "gt", "ge", "eq", "ne"):
     for _name in (f"__{_op}__", f"__r{_op}__"):
         if hasattr(Tensor, _name):
-            setattr(Variable, _name, _binary(_name))
+            setattr(Variable, _name, (_truediv if _op == "truediv" else _binary)(_name))
 Variable.__neg__ = lambda self: -self.read_value()  # type: ignore[attr-defined]
 Variable.__invert__ = lambda self: ~self.read_value()  # type: ignore[attr-defined]
 Variable.__abs__ = lambda self: abs(self.read_value())  # type: ignore[attr-defined]
