@@ -432,6 +432,7 @@ def test_a_mean_loss_in_strategy_run_on_several_replicas_warns_once_naming_the_f
     """TF 2.21 (Keras 3) gives an N-times update silently here: each replica averages over its own part
     and the optimizer sums the replicas' gradients. The warning comes once per loss object."""
     logits, labels, _ = batch
+    logits.requires_grad_()  # a training step's output
     loss = SparseCategoricalCrossentropy()
     with in_replica(0, 2), pytest.warns(UserWarning) as record:
         loss(labels, logits)
@@ -446,6 +447,7 @@ def test_a_mean_loss_in_strategy_run_on_several_replicas_warns_once_naming_the_f
 @pytest.mark.parametrize("case", ["reduction none", "reduction sum", "one replica", "outside run", "per_example"])
 def test_no_replica_mean_warning_where_the_sum_is_right(batch, case):
     logits, labels, _ = batch
+    logits.requires_grad_()
     reduction = {"reduction none": "none", "reduction sum": "sum"}.get(case, "sum_over_batch_size")
     loss = MeanSquaredError(reduction=reduction) if case != "per_example" else MeanSquaredError()
     target = torch.zeros_like(logits)
@@ -462,6 +464,32 @@ def test_no_replica_mean_warning_where_the_sum_is_right(batch, case):
         else:
             with in_replica(0, 1 if case == "one replica" else 3):
                 loss(target, logits)
+
+
+@pytest.mark.parametrize("case", ["no_grad", "output without grad", "mean optimizers only"])
+def test_no_replica_mean_warning_where_no_summed_update_follows(batch, case):
+    """The N-times update needs gradients that a "sum" optimizer adds up: an evaluation step (no
+    gradients) or a strategy whose mirrored optimizers all average (gradient_reduction="mean", where
+    the per-replica mean is DDP's right input) gives no warning; a "sum" optimizer beside them does."""
+    context = pytest.importorskip("mirrored.distribute.context")
+    logits, labels, _ = batch
+    strategy = _strategy(2)
+    net = strategy.mirror(nn.Linear(2, 2))
+    if case == "mean optimizers only":
+        strategy.mirror_optimizer(torch.optim.SGD, net, gradient_reduction="mean", lr=0.1)
+    loss = SparseCategoricalCrossentropy()
+    with warnings.catch_warnings(), context.push(strategy, context.ReplicaContext(strategy, 0)):
+        warnings.simplefilter("error")
+        if case == "no_grad":
+            with torch.no_grad():
+                loss(labels, logits.clone().requires_grad_())
+        else:
+            loss(labels, logits if case == "output without grad" else logits.clone().requires_grad_())
+    if case == "mean optimizers only":
+        strategy.mirror_optimizer(torch.optim.SGD, net, lr=0.1)  # a "sum" one too: the warning is back
+        assert strategy.gradient_reductions == {"mean", "sum"}
+        with context.push(strategy, context.ReplicaContext(strategy, 0)), pytest.warns(UserWarning, match="2 times"):
+            loss(labels, logits.clone().requires_grad_())
 
 
 def test_fit_never_triggers_the_replica_mean_warning():

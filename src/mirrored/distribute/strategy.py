@@ -163,6 +163,7 @@ class Strategy:
         self._pool: replicas.ReplicaPool | None = None
         self._value_layouts: dict[int, dict] = {}  # ctx.all_reduce's layouts, by replica and signature
         self._watched: set[Any] = set()  # codes of replica functions whose guarded first run is done
+        self._gradient_reductions: set[str] = set()  # of the optimizers mirror_optimizer made
         if len(self._devices) > 1:
             self._pool = replicas.ReplicaPool(self._devices, intra_op_threads(self._devices))
             replicas.stop_on_collect(self, self._pool)
@@ -517,7 +518,15 @@ class Strategy:
         weighted by their examples, for an unchanged `F.cross_entropy(out, y).backward()`)."""
         from mirrored.distribute.optimizer import MirroredOptimizer
 
-        return MirroredOptimizer(self, optimizer_cls, module, hparams, gradient_reduction)
+        optimizer = MirroredOptimizer(self, optimizer_cls, module, hparams, gradient_reduction)
+        self._gradient_reductions.add(optimizer.gradient_reduction)
+        return optimizer
+
+    @property
+    def gradient_reductions(self) -> frozenset[str]:
+        """The gradient_reduction of every optimizer mirror_optimizer made ("sum", "mean"): a loss that
+        averages over one replica's part warns only where a "sum" optimizer (or none yet) may follow."""
+        return frozenset(self._gradient_reductions)
 
     def check_in_sync(self, obj: Any) -> None:
         """Raises OutOfSyncError naming the first tensor whose copies differ, and the replicas."""

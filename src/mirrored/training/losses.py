@@ -400,7 +400,7 @@ class Loss:
     def __call__(self, y_true: Any, y_pred: Tensor, sample_weight: Tensor | float | None = None) -> Tensor:
         """The loss reduced with `self.reduction`, after weighting each example by sample_weight."""
         if not self._mean_checked:
-            self._check_replica_mean()
+            self._check_replica_mean(y_pred)
         losses, warning = self._checked(y_true, y_pred)
         if warning:
             warnings.warn(warning, UserWarning, stacklevel=2)
@@ -411,12 +411,19 @@ class Loss:
             return losses.sum()
         return losses.sum() / self._denominator(y_true, losses)
 
-    def _check_replica_mean(self) -> None:
+    def _check_replica_mean(self, y_pred: Any) -> None:
         """Warns (once per loss object) when a mean over one replica's batch is taken inside strategy.run
-        on several replicas: the gradients a mirrored optimizer sums would be N times the mean's."""
+        on several replicas, for gradients: the gradients a mirrored optimizer sums would be N times the
+        mean's. No warning without gradients (an evaluation step), nor where every mirrored optimizer
+        of the strategy averages the replicas' gradients (gradient_reduction="mean", DDP's rule)."""
         ctx = _replica_context()
         if ctx is None:
             return  # outside strategy.run: the batch is the whole batch (Keras's own loops, evaluation)
+        if not (torch.is_grad_enabled() and getattr(y_pred, "requires_grad", False)):
+            return  # nothing to step with (checked again at the next call, which may be a training one)
+        reductions = getattr(ctx.strategy, "gradient_reductions", None)
+        if reductions and "sum" not in reductions:
+            return
         self._mean_checked = True  # racy across replica threads: at worst two of them warn
         n = int(ctx.num_replicas_in_sync)
         if n > 1:
