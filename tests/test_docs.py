@@ -16,8 +16,10 @@ fails it); these tests need no Sphinx.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
+import inspect
 import json
 import re
 import shutil
@@ -63,6 +65,48 @@ def test_allowlist_is_current():
     documented = sorted(n for n in UNDOCUMENTED & set(names) if api.own_docstring(names[n]) is not None)
     assert not gone and not documented, (f"remove from UNDOCUMENTED: {gone + documented} (no longer public, or "
                                          "documented now). The list may only shrink.")
+
+
+def _own_members(cls: type) -> dict[str, tuple[type, object]]:
+    """The public methods and properties `cls` shows that our package defines: name -> (the class
+    that defines it, the function or property). Members of torch's or Python's classes (nn.Module's
+    `train`, object's) are left out; those of our private bases (a shared `_GetNext`) are in, since
+    the reference shows them on the public class."""
+    found = {}
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+        if owner is None or not (owner.__module__ or "").startswith(api.ROOT + "."):
+            continue
+        raw = owner.__dict__[name]
+        member = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+        if inspect.isfunction(member) or isinstance(member, (property, functools.cached_property)):
+            found[name] = (owner, member)
+    return found
+
+
+def _public_members() -> dict[str, object]:
+    """Every public method and property of the public classes, once each, as "module.Class.name"."""
+    members = {}
+    for obj in api.public_names().values():
+        if inspect.isclass(obj):
+            for name, (owner, member) in _own_members(obj).items():
+                members[f"{owner.__module__}.{owner.__qualname__}.{name}"] = member
+    return members
+
+
+def test_every_public_method_and_property_has_a_docstring():
+    """The reference lists the members of each class (autodoc's :members:), and a member without its own
+    docstring shows a bare signature there (autodoc_inherit_docstrings is off)."""
+    members = _public_members()
+    # The enumeration sees what it must: a method, a property made by property(), a classmethod.
+    assert {"mirrored.training.metrics.Metric.update_state", "mirrored.distribute.variables.Variable.name",
+            "mirrored.training.metrics.Metric.from_config"} <= set(members), "the member enumeration misses members"
+    missing = sorted(path for path, member in members.items()
+                     if not (isinstance(member.__doc__, str) and member.__doc__.strip()))
+    assert not missing, (f"public methods/properties without a docstring: {missing}. Write one (what and why in a "
+                         "line or two, STYLE.md); the API reference shows it under its class.")
 
 
 def test_every_public_name_is_in_the_reference(tmp_path):
