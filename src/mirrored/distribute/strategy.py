@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -37,6 +37,9 @@ from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, 
 from mirrored.distribute.devices import Device, intra_op_threads, resolve_devices, torch_device
 from mirrored.distribute.values import (DistributedValues, Nested, ReduceOp, flatten, is_nested, map_structure,
                                         pack_sequence_as, regroup, select_replica)
+
+if TYPE_CHECKING:  # input.py is imported where it is used (as before); the names are for annotations
+    from mirrored.distribute.input import DistributedDataset, DistributedDatasetsFromFunction, InputOptions
 
 logger = logging.getLogger(__name__)
 
@@ -538,13 +541,15 @@ class Strategy:
                                          f"values{diff}; the copies must be bitwise identical after every step.")
 
     # ---- input ----------------------------------------------------------------------------------------
-    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+    def experimental_distribute_dataset(self, dataset: Any,
+                                        options: InputOptions | None = None) -> DistributedDataset:
         """Splits each GLOBAL batch of `dataset` into per-replica parts, on each replica's device."""
         from mirrored.distribute.input import DistributedDataset
 
         return DistributedDataset(self, dataset, options)
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], options: Any = None) -> Any:
+    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
+                                          options: InputOptions | None = None) -> DistributedDatasetsFromFunction:
         """Calls dataset_fn(InputContext) per input pipeline; replicas take successive per-replica batches."""
         from mirrored.distribute.input import DistributedDatasetsFromFunction
 
