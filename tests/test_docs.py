@@ -111,6 +111,21 @@ def test_every_public_method_and_property_has_a_docstring():
                          "line or two, STYLE.md); the API reference shows it under its class.")
 
 
+def test_a_property_docstring_keeps_its_first_line_in_order():
+    """napoleon once read "How copies combine: NONE, SUM, ..." as "type: description" and showed "NONE,
+    SUM, ... Type: How copies combine"; conf.py's hook keeps the sentence whole (Sphinx's own parser)."""
+    napoleon = pytest.importorskip("sphinx.ext.napoleon")
+    conf = _load_docs_module("conf")
+    doc = ["How copies combine: NONE, SUM, MEAN or ONLY_FIRST_REPLICA.", "A second line: still prose."]
+    for what in ("property", "attribute"):
+        lines = list(doc)
+        conf._process_docstring(None, what, "mirrored.Variable.aggregation", None, {}, lines)
+        out = napoleon.docstring.GoogleDocstring(lines, napoleon.Config(napoleon_numpy_docstring=False), what=what,
+                                                 name="mirrored.Variable.aggregation").lines()
+        assert not any(":type:" in line for line in out), out
+        assert [line for line in out if line.strip() not in ("", "..")] == doc, out
+
+
 def test_every_public_name_is_in_the_reference(tmp_path):
     written = api.write_reference(tmp_path, lambda lines: lines)
     text = {f: (tmp_path / f).read_text() for f in written}
