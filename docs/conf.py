@@ -41,6 +41,8 @@ html_static_path: list[str] = []
 
 # `x` in a docstring is code, as in the Markdown guides.
 default_role = "code"
+# Text as written: smart quotes made an en dash of the "--budget-s" that benchmark descriptions name in prose.
+smartquotes = False
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
 
