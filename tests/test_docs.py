@@ -111,6 +111,27 @@ def test_every_public_method_and_property_has_a_docstring():
                          "line or two, STYLE.md); the API reference shows it under its class.")
 
 
+_CODE_SPAN = re.compile(r"``.+?``|`[^`]*`")
+
+
+def test_returns_sections_do_not_start_with_a_type():
+    """napoleon reads a Returns section's first line "X: Y" as the type X and the description Y, so "The
+    History callback: `.history` maps ..." rendered "Return type: The History callback". Ours name the
+    type in the annotation; the first line is prose without a colon (outside `code`)."""
+    docs = {path: obj.__doc__ for path, obj in api.public_names().items() if api.kind(obj) != "data"}
+    docs.update({path: member.__doc__ for path, member in _public_members().items()})
+    typed = []
+    for path, doc in docs.items():
+        lines = inspect.cleandoc(doc or "").splitlines()
+        for i, line in enumerate(lines[:-1]):
+            if re.fullmatch(r"\s*Returns?:\s*", line):
+                first = next((n for n in lines[i + 1:] if n.strip()), "")
+                if re.search(r"(?<!:):(?!:)", _CODE_SPAN.sub("", first)):
+                    typed.append(f"{path}: {first.strip()!r}")
+    assert any("Returns:" in (doc or "") for doc in docs.values()), "no Returns: section found: the scan is broken"
+    assert not typed, f"Returns sections whose first line has a colon, which napoleon shows as the type: {typed}"
+
+
 def test_a_property_docstring_keeps_its_first_line_in_order():
     """napoleon once read "How copies combine: NONE, SUM, ..." as "type: description" and showed "NONE,
     SUM, ... Type: How copies combine"; conf.py's hook keeps the sentence whole (Sphinx's own parser)."""
