@@ -421,7 +421,7 @@ class DistributedDataset:
 
 
 class DistributedDatasetsFromFunction:
-    """What `strategy.distribute_datasets_from_function` returns (TF returns a DistributedDataset too):
+    """What `strategy.distribute_datasets_from_function` returns (where TF returns a DistributedDataset):
     replica i of each step gets the next per-replica batch of the function's dataset, in turn. Iterate it
     once per epoch; its iterator has get_next() and get_next_as_optional() as DistributedIterator does."""
 
