@@ -41,6 +41,8 @@ html_static_path: list[str] = []
 
 # `x` in a docstring is code, as in the Markdown guides.
 default_role = "code"
+# Text as written: smart quotes made an en dash of the "--budget-s" that benchmark descriptions name in prose.
+smartquotes = False
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
 
@@ -158,6 +160,16 @@ def _escape_markup(line: str) -> str:
 
 def _process_docstring(app, what, name, obj, options, lines: list[str]) -> None:  # noqa: ANN001 - Sphinx's hook
     lines[:] = docstring_to_rst(lines)
+    if what in _ATTRIBUTE_KINDS and lines:
+        lines[:0] = _PROSE_FIRST_LINE
+
+
+# napoleon reads the first line of an attribute's or property's docstring as "type: description", so
+# "How copies combine: NONE, SUM, ..." rendered as "NONE, SUM, ... Type: How copies combine". Ours are
+# prose (the type is the annotation), so they start with an empty reST comment, which napoleon takes
+# for that first line and reST shows as nothing.
+_ATTRIBUTE_KINDS = ("attribute", "property", "data")
+_PROSE_FIRST_LINE = ["..", ""]
 
 
 def _write_generated_pages(app) -> None:  # noqa: ANN001 - Sphinx's hook

@@ -16,8 +16,10 @@ fails it); these tests need no Sphinx.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
+import inspect
 import json
 import re
 import shutil
@@ -63,6 +65,86 @@ def test_allowlist_is_current():
     documented = sorted(n for n in UNDOCUMENTED & set(names) if api.own_docstring(names[n]) is not None)
     assert not gone and not documented, (f"remove from UNDOCUMENTED: {gone + documented} (no longer public, or "
                                          "documented now). The list may only shrink.")
+
+
+def _own_members(cls: type) -> dict[str, tuple[type, object]]:
+    """The public methods and properties `cls` shows that our package defines: name -> (the class
+    that defines it, the function or property). Members of torch's or Python's classes (nn.Module's
+    `train`, object's) are left out; those of our private bases (a shared `_GetNext`) are in, since
+    the reference shows them on the public class."""
+    found = {}
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+        if owner is None or not (owner.__module__ or "").startswith(api.ROOT + "."):
+            continue
+        raw = owner.__dict__[name]
+        member = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+        if inspect.isfunction(member) or isinstance(member, (property, functools.cached_property)):
+            found[name] = (owner, member)
+    return found
+
+
+def _public_members() -> dict[str, object]:
+    """Every public method and property of the public classes, once each, as "module.Class.name"."""
+    members = {}
+    for obj in api.public_names().values():
+        if inspect.isclass(obj):
+            for name, (owner, member) in _own_members(obj).items():
+                members[f"{owner.__module__}.{owner.__qualname__}.{name}"] = member
+    return members
+
+
+def test_every_public_method_and_property_has_a_docstring():
+    """The reference lists the members of each class (autodoc's :members:), and a member without its own
+    docstring shows a bare signature there (autodoc_inherit_docstrings is off)."""
+    members = _public_members()
+    # The enumeration sees what it must: a method, a property made by property(), a classmethod, and a
+    # method of a private base that a public class shows.
+    assert {"mirrored.training.metrics.Metric.update_state", "mirrored.distribute.variables.Variable.name",
+            "mirrored.training.metrics.Metric.from_config", "mirrored.distribute.input._GetNext.get_next"
+            } <= set(members), "the member enumeration misses members"
+    missing = sorted(path for path, member in members.items()
+                     if not (isinstance(member.__doc__, str) and member.__doc__.strip()))
+    assert not missing, (f"public methods/properties without a docstring: {missing}. Write one (what and why in a "
+                         "line or two, STYLE.md); the API reference shows it under its class.")
+
+
+_CODE_SPAN = re.compile(r"``.+?``|`[^`]*`")
+
+
+def test_returns_sections_do_not_start_with_a_type():
+    """napoleon reads a Returns section's first line "X: Y" as the type X and the description Y, so "The
+    History callback: `.history` maps ..." rendered "Return type: The History callback". Ours name the
+    type in the annotation; the first line is prose without a colon (outside `code`)."""
+    docs = {path: obj.__doc__ for path, obj in api.public_names().items() if api.kind(obj) != "data"}
+    docs.update({path: member.__doc__ for path, member in _public_members().items()})
+    typed = []
+    for path, doc in docs.items():
+        lines = inspect.cleandoc(doc or "").splitlines()
+        for i, line in enumerate(lines[:-1]):
+            if re.fullmatch(r"\s*Returns?:\s*", line):
+                first = next((n for n in lines[i + 1:] if n.strip()), "")
+                if re.search(r"(?<!:):(?!:)", _CODE_SPAN.sub("", first)):
+                    typed.append(f"{path}: {first.strip()!r}")
+    assert any("Returns:" in (doc or "") for doc in docs.values()), "no Returns: section found: the scan is broken"
+    assert not typed, f"Returns sections whose first line has a colon, which napoleon shows as the type: {typed}"
+
+
+def test_a_property_docstring_keeps_its_first_line_in_order():
+    """napoleon once read "How copies combine: NONE, SUM, ..." as "type: description" and showed "NONE,
+    SUM, ... Type: How copies combine"; conf.py's hook keeps the sentence whole (Sphinx's own parser)."""
+    napoleon = pytest.importorskip("sphinx.ext.napoleon")
+    conf = _load_docs_module("conf")
+    doc = ["How copies combine: NONE, SUM, MEAN or ONLY_FIRST_REPLICA.", "A second line: still prose."]
+    for what in ("property", "attribute"):
+        lines = list(doc)
+        conf._process_docstring(None, what, "mirrored.Variable.aggregation", None, {}, lines)
+        out = napoleon.docstring.GoogleDocstring(lines, napoleon.Config(napoleon_numpy_docstring=False), what=what,
+                                                 name="mirrored.Variable.aggregation").lines()
+        assert not any(":type:" in line for line in out), out
+        assert [line for line in out if line.strip() not in ("", "..")] == doc, out
 
 
 def test_every_public_name_is_in_the_reference(tmp_path):

@@ -101,6 +101,7 @@ class Span:
 
     @property
     def duration_s(self) -> float:
+        """end - start, in seconds."""
         return (self.end_ns - self.start_ns) / 1e9
 
 
@@ -339,20 +340,26 @@ class Profiler(Callback):
 
     # ---- Callback hooks ------------------------------------------------------------------------------
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        """Starts a record of this fit(): times the model's strategy.run and its optimizer's all-reduce."""
         self.start(optimizer=_mirrored_optimizer(self.model),
                    strategy=getattr(self.model, "distribute_strategy", None))
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Notes the epoch for the steps' trace args; input wait restarts here, so validation and
+        epoch-end work do not count as input."""
         self._epoch = epoch
         self._rec.last_end_ns = _now()  # input wait restarts: validation and epoch-end work are not input
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Opens step `batch`: the time since the previous step ended is recorded as input wait."""
         self._begin_step(batch)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Closes the step, with the batch's "num_examples" (or "size") from `logs` for the throughput."""
         self._end_step(logs or {})
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        """stop(): removes the wrappers and, with log_dir, writes trace.json and timeline.png."""
         self.stop()
 
     # ---- results ---------------------------------------------------------------------------------------

@@ -567,7 +567,6 @@ def test_an_nccl_group_of_one_reduces_cpu_and_gpu_values(tmp_path):  # pragma: n
                        "gather": [[1.0, 1.0], "cpu"], "broadcast": [[7.0], "cpu"], "mean_cpu": [1.5, "cpu"]}, res
 
 
-@pytest.mark.slow
 def test_example_runs_under_torchrun(tmp_path):
     """examples/multi_worker.py, launched as its docstring says (2 processes), trains and prints on rank 0 only."""
     torchrun = Path(sys.executable).with_name("torchrun")

@@ -4,7 +4,8 @@ from mirrored.distribute.context import (ReplicaContext, get_replica_context, ge
                                          in_cross_replica_context)
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, InMemoryAllReduce,
                                                   NcclAllReduce, ReductionToOneDevice)
-from mirrored.distribute.input import InputContext, InputOptions
+from mirrored.distribute.input import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator,
+                                      InputContext, InputOptions, Optional)
 from mirrored.distribute.modules import HookHandles, MirroredModule
 from mirrored.distribute.optimizer import MirroredOptimizer
 from mirrored.distribute.multi_worker import CollectiveAllReduce, CommunicationOptions, MultiWorkerMirroredStrategy
@@ -18,9 +19,10 @@ from mirrored.distribute.variables import (MirroredVariable, SyncOnReadVariable,
 
 __all__ = [
     "CollectiveAllReduce", "CollectiveMismatchError", "CollectiveTimeoutError", "CommunicationOptions",
-    "CrossDeviceOps", "DistributedValues", "HierarchicalCopyAllReduce", "HookHandles", "InMemoryAllReduce", "InputContext",
+    "CrossDeviceOps", "DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator",
+    "DistributedValues", "HierarchicalCopyAllReduce", "HookHandles", "InMemoryAllReduce", "InputContext",
     "InputOptions", "Mirrored", "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable",
-    "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "OutOfSyncError", "PerReplica", "ReduceOp",
+    "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "Optional", "OutOfSyncError", "PerReplica", "ReduceOp",
     "ReductionToOneDevice", "ReplicaContext", "StepJournal", "Strategy", "SyncOnReadVariable", "ValueContext", "Variable",
     "VariableAggregation", "VariableSynchronization", "current_journal", "get_replica_context", "get_strategy", "has_strategy",
     "in_cross_replica_context",

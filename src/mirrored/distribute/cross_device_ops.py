@@ -243,6 +243,8 @@ class NcclAllReduce(CrossDeviceOps):
         self.num_packs = num_packs
 
     def check_devices(self, devices: Sequence[Device]) -> None:
+        """Raises ValueError unless every device is a CUDA GPU and this torch build has NCCL for them, so
+        a bad choice fails when the strategy is built, not at the first all-reduce."""
         if not torch.cuda.is_available():
             raise ValueError(f"NcclAllReduce needs CUDA GPUs, but torch sees none (devices={list(devices)}). "
                              "Omit cross_device_ops= to use the CPU default, or run on a GPU machine.")

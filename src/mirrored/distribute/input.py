@@ -160,7 +160,9 @@ class _Splitter:
 
 
 class _GetNext:
-    """tf.distribute.DistributedIterator's two reading methods, over the iterator's own __next__."""
+    """tf.distribute.DistributedIterator's two reading methods, over the iterator's own __next__: shared
+    by DistributedIterator and the iterator of distribute_datasets_from_function, as TF gives both kinds
+    of distributed dataset one iterator interface."""
 
     __slots__ = ()
 
@@ -176,7 +178,11 @@ class _GetNext:
 
 
 class DistributedIterator(_GetNext):
-    """Yields distributed global batches; the next one is split and sent to the devices ahead of use."""
+    """What iterating a DistributedDataset gives (tf.distribute.DistributedIterator): distributed global
+    batches, by next(), `get_next()` or `get_next_as_optional()`; the next batch is split and sent to
+    the devices ahead of use. `global_batch_size` is the size of the global batch last handed out (the
+    same on every worker). The iterator of distribute_datasets_from_function has get_next() and
+    get_next_as_optional() too, but not get_state()/set_state()."""
 
     def __init__(self, strategy: Strategy, source: Iterator[Any], options: InputOptions | None):
         self._splitter = _Splitter(strategy, options)
@@ -184,8 +190,8 @@ class DistributedIterator(_GetNext):
         self._source = source
         self._step = 0
         self._ahead: list[Any] = []
-        # The size of the global batch the last next() split: the same on every worker, where the
-        # parts a worker holds say only how many rows its own replicas got.
+        #: The size of the global batch the last next() split (None before the first): the same on every
+        #: worker, where the parts a worker holds say only how many rows its own replicas got.
         self.global_batch_size: int | None = None
 
     def __iter__(self) -> DistributedIterator:
@@ -258,7 +264,8 @@ class DistributedIterator(_GetNext):
         self._step = state["drawn"]
 
 class Optional:
-    """A value that may be missing (tf.experimental.Optional): `has_value()`, then `get_value()`."""
+    """A value that may be missing (tf.experimental.Optional): `has_value()`, then `get_value()`. What
+    `get_next_as_optional()` of a distributed iterator returns."""
 
     __slots__ = ("_value", "_has_value")
 
@@ -267,16 +274,20 @@ class Optional:
 
     @classmethod
     def from_value(cls, value: Any) -> Optional:
+        """An Optional holding `value` (tf.experimental.Optional.from_value)."""
         return cls(value, True)
 
     @classmethod
     def empty(cls) -> Optional:
+        """An Optional holding nothing: has_value() is False (tf.experimental.Optional.empty)."""
         return cls(None, False)
 
     def has_value(self) -> bool:
+        """Whether there is a value: for get_next_as_optional(), False once the batches ran out."""
         return self._has_value
 
     def get_value(self) -> Any:
+        """The value; ValueError when the Optional is empty (check has_value() first)."""
         if not self._has_value:
             raise ValueError("Optional.get_value(): the optional is empty (the iterator has no more batches). "
                              "Check has_value() first.")
@@ -358,7 +369,8 @@ def _check_shard_policy(strategy: Strategy, dataset: Any) -> None:
 
 
 class DistributedDataset:
-    """What `strategy.experimental_distribute_dataset` returns: iterate it once per epoch.
+    """What `strategy.experimental_distribute_dataset` returns (tf.distribute.DistributedDataset):
+    iterate it once per epoch; each pass is a DistributedIterator of distributed global batches.
 
     The dataset may be any iterable of GLOBAL batches: an mr.data.Dataset, a torch DataLoader, a list,
     an object whose __iter__ returns a generator. An iterator (a generator object) is read once: a
@@ -397,6 +409,7 @@ class DistributedDataset:
 
     @property
     def dataset(self) -> Iterable[Any]:
+        """The dataset of global batches this was made from, as passed to experimental_distribute_dataset."""
         return self._passes.source
 
     @property
@@ -408,7 +421,9 @@ class DistributedDataset:
 
 
 class DistributedDatasetsFromFunction:
-    """Replica i of each step gets the next per-replica batch of the function's dataset, in turn."""
+    """What `strategy.distribute_datasets_from_function` returns (where TF returns a DistributedDataset):
+    replica i of each step gets the next per-replica batch of the function's dataset, in turn. Iterate it
+    once per epoch; its iterator has get_next() and get_next_as_optional() as DistributedIterator does."""
 
     def __init__(self, strategy: Strategy, dataset_fn: Callable[[InputContext], Iterable[Any]],
                  options: InputOptions | None = None):

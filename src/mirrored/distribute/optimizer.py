@@ -463,18 +463,27 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return self._register("register_step_pre_hook", hook)
 
     def register_step_post_hook(self, hook: Callable[..., Any]) -> HookHandles:
+        """hook(optimizer, args, kwargs) after every replica's update, with that replica's torch optimizer;
+        returns handles whose remove() takes it off every replica."""
         return self._register("register_step_post_hook", hook)
 
     def register_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandles:
+        """hook(optimizer) before state_dict() reads the state: once, with replica 0's torch optimizer
+        (state_dict() reads that one; the others are equal)."""
         return self._register("register_state_dict_pre_hook", hook, prepend=prepend)
 
     def register_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandles:
+        """hook(optimizer, state_dict) after state_dict() reads replica 0's optimizer; a dict it returns
+        replaces the state_dict (torch's contract)."""
         return self._register("register_state_dict_post_hook", hook, prepend=prepend)
 
     def register_load_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandles:
+        """hook(optimizer, state_dict) before each replica's optimizer loads (with its own copy of the
+        dict); a dict it returns is loaded instead (torch's contract)."""
         return self._register("register_load_state_dict_pre_hook", hook, prepend=prepend)
 
     def register_load_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandles:
+        """hook(optimizer) after each replica's optimizer has loaded, once per replica."""
         return self._register("register_load_state_dict_post_hook", hook, prepend=prepend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -8,8 +8,8 @@ buffers before the copy's first forward in the step; a variable written by one r
 total, say) notes its copy before the first write. A mirrored optimizer commits the journal once
 its update is applied on every replica: a later failure in the same run keeps that update (the
 replicas passed the gradient all-reduce together, so all of them applied it) and puts back only what
-changed since. If the run fails, every replica rolls its own journal back on its own thread before
-the error reaches the caller. Uses torch only.
+changed since. If the run fails, the caller's thread rolls back every finished replica's journal,
+once all the replicas have stopped, before the error reaches the caller. Uses torch only.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -37,6 +37,9 @@ from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, 
 from mirrored.distribute.devices import Device, intra_op_threads, resolve_devices, torch_device
 from mirrored.distribute.values import (DistributedValues, Nested, ReduceOp, flatten, is_nested, map_structure,
                                         pack_sequence_as, regroup, select_replica)
+
+if TYPE_CHECKING:  # input.py is imported where it is used (as before); the names are for annotations
+    from mirrored.distribute.input import DistributedDataset, DistributedDatasetsFromFunction, InputOptions
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +203,22 @@ class Strategy:
     # ---- running replicas -------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
         """Runs fn once per replica, concurrently; returns PerReplica results (or the object itself where
-        every replica returned the same object). PerReplica arguments are unwrapped per replica."""
+        every replica returned the same object). PerReplica arguments are unwrapped per replica.
+
+        Args:
+          fn: the replica function, run on each replica's thread in that replica's context
+            (get_replica_context()); mirrored modules, optimizers and variables used in it are that
+            replica's copies. Call run from cross-replica context (not inside another replica function).
+          args: positional arguments. A PerReplica or Mirrored value, at any depth of lists, tuples and
+            dicts, gives each replica its own component; anything else reaches every replica as it is.
+          kwargs: keyword arguments, handed out the same way.
+          options: TF's tf.distribute.RunOptions; accepted and ignored.
+
+        Returns:
+          The replicas' results, a PerReplica per tensor (a nest keeps its structure), or the one object
+          every replica returned (None, say). If a replica raises, every replica puts back what the step
+          changed (rollback.py) and the error is raised here, prefixed "replica 1 (cpu:1): ".
+        """
         del options
         if not callable(fn):
             raise TypeError(f"strategy.run(fn={fn!r}): fn must be callable.")
@@ -456,7 +474,21 @@ class Strategy:
         `value` may be a nest (dict, list, tuple, namedtuple) of such values, as strategy.run returns
         them: each leaf is reduced, all in one packed cross-device call, and the structure is kept.
         The result is a value to read, outside autograd: a replica's loss, returned as it is from
-        strategy.run, reduces as well as its detached copy."""
+        strategy.run, reduces as well as its detached copy.
+
+        Args:
+          reduce_op: ReduceOp.SUM or ReduceOp.MEAN (or "sum" / "mean").
+          value: a PerReplica (or a nest of them) as strategy.run returns it. Under MEAN a Mirrored value or
+            mirrored variable gives its first copy (no rounding), and a plain value is returned as it is;
+            SUM refuses a plain value on several replicas (as TF does): it may be one replica's or the total.
+          axis: None combines the replicas' values element by element; an int or a tuple of ints also
+            reduces those dimensions of each replica's value (MEAN divides by all their elements, over
+            every replica).
+
+        Returns:
+          A tensor on the first replica's device (a nest of them for a nest). The MEAN of integers over
+          several replicas is float64, as in TF.
+        """
         context.require_cross_replica("strategy.reduce")
         op = as_reduce_op(reduce_op, "strategy.reduce")
         with torch.no_grad():
@@ -515,7 +547,22 @@ class Strategy:
         """One `optimizer_cls(params, **hparams)` per replica of `module` (what mirror() returned); step()
         in replica context all-reduces the gradients first. gradient_reduction="sum" (TF's rule: scale
         each replica's loss by the GLOBAL batch) or "mean" (DDP's: average the replicas' gradients,
-        weighted by their examples, for an unchanged `F.cross_entropy(out, y).backward()`)."""
+        weighted by their examples, for an unchanged `F.cross_entropy(out, y).backward()`).
+
+        Args:
+          optimizer_cls: a torch optimizer class, or any callable params -> torch optimizer (a lambda to
+            build parameter groups), called once per replica with that replica's parameters.
+          module: the MirroredModule that strategy.mirror() returned.
+          gradient_reduction: "sum" (ReduceOp.SUM) or "mean" (ReduceOp.MEAN), as above. With "mean" the
+            gradients are all-reduced as each backward through the module ends (as in DDP), so code between
+            backward and step(), such as clip_grad_norm_, sees the reduced ones.
+          hparams: keyword arguments of optimizer_cls (lr=0.1, momentum=0.9, ...).
+
+        Returns:
+          A MirroredOptimizer. In strategy.run, step() updates the calling replica's copy once the
+          gradients are reduced; outside it, zero_grad(), load_state_dict() and hook registrations reach
+          every replica's optimizer, and state_dict() reads replica 0's.
+        """
         from mirrored.distribute.optimizer import MirroredOptimizer
 
         optimizer = MirroredOptimizer(self, optimizer_cls, module, hparams, gradient_reduction)
@@ -547,13 +594,15 @@ class Strategy:
                                          f"values{diff}; the copies must be bitwise identical after every step.")
 
     # ---- input ----------------------------------------------------------------------------------------
-    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+    def experimental_distribute_dataset(self, dataset: Any,
+                                        options: InputOptions | None = None) -> DistributedDataset:
         """Splits each GLOBAL batch of `dataset` into per-replica parts, on each replica's device."""
         from mirrored.distribute.input import DistributedDataset
 
         return DistributedDataset(self, dataset, options)
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], options: Any = None) -> Any:
+    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
+                                          options: InputOptions | None = None) -> DistributedDatasetsFromFunction:
         """Calls dataset_fn(InputContext) per input pipeline; replicas take successive per-replica batches."""
         from mirrored.distribute.input import DistributedDatasetsFromFunction
 
@@ -565,7 +614,17 @@ class MirroredStrategy(Strategy):
 
     `devices=None` takes every visible GPU, else one CPU replica; `["cpu:0", "cpu:1"]` gives two
     logical CPU replicas, each a thread with an even share of the cores. `timeout_s` bounds how long
-    a collective waits for a missing replica."""
+    a collective waits for a missing replica.
+
+    Args:
+      devices: the replicas' devices, one replica each: "cuda:N" or "cpu:N" strings (or torch.device),
+        all distinct; None takes every visible GPU, or one CPU replica without any.
+      cross_device_ops: how replicas' values are summed: NcclAllReduce, HierarchicalCopyAllReduce,
+        ReductionToOneDevice or InMemoryAllReduce. None picks as TF does: NCCL across GPUs where it
+        works (else HierarchicalCopyAllReduce), InMemoryAllReduce on CPUs, ReductionToOneDevice for a mix.
+      timeout_s: how long a collective waits for a replica that has not arrived before the step fails
+        with CollectiveTimeoutError naming it (a replica stuck or dead would otherwise hang the others).
+    """
 
     def __init__(self, devices: Sequence[str | torch.device] | None = None,
                  cross_device_ops: CrossDeviceOps | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):

@@ -74,9 +74,12 @@ class BasicBlock(nn.Module):
         self.stride = stride
 
     def last_bn(self) -> nn.BatchNorm2d:
+        """The BatchNorm before the residual sum (bn2), whose weight zero_init_residual zeroes so the
+        block starts as the identity."""
         return self.bn2
 
     def forward(self, x: Tensor) -> Tensor:
+        """relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)), on an NCHW tensor."""
         shortcut = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
@@ -101,9 +104,13 @@ class Bottleneck(nn.Module):
         self.stride = stride
 
     def last_bn(self) -> nn.BatchNorm2d:
+        """The BatchNorm before the residual sum (bn3), whose weight zero_init_residual zeroes so the
+        block starts as the identity."""
         return self.bn3
 
     def forward(self, x: Tensor) -> Tensor:
+        """The 1x1, 3x3, 1x1 convs (each with BN, ReLU after the first two) plus shortcut(x), then ReLU,
+        on an NCHW tensor."""
         shortcut = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
@@ -184,6 +191,8 @@ class ResNet(nn.Module):
         return nn.Sequential(*layers)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Logits of shape (N, num_classes) for a batch in the layout `data_format` declares (NHWC by
+        default); a batch of the other layout is a ValueError naming the fix."""
         x = _as_nchw(x, self.data_format, self.conv1.in_channels, self)
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
@@ -228,6 +237,8 @@ class CifarResNet(nn.Module):
         return nn.Sequential(*layers)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Logits of shape (N, num_classes) for a batch in the layout `data_format` declares (NHWC by
+        default); a batch of the other layout is a ValueError naming the fix."""
         x = _as_nchw(x, self.data_format, self.conv1.in_channels, self)
         x = self.relu(self.bn1(self.conv1(x)))
         x = self.layer3(self.layer2(self.layer1(x)))

@@ -178,6 +178,7 @@ class ProgbarLogger(Callback):
 
     @property
     def verbose(self) -> int:
+        """params["verbose"] as a level: 0 silent, 1 bar or timed lines ("auto" is 1), 2 one line per epoch."""
         verbose = self.params.get("verbose", 1)
         return 1 if verbose == "auto" else int(verbose or 0)
 
@@ -197,43 +198,56 @@ class ProgbarLogger(Callback):
         self._bar = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Notes that fit() runs, so its validation passes print no bar of their own (their val_ keys
+        end the epoch line)."""
         self._in_fit = True
 
     def on_train_end(self, logs: Logs | None = None) -> None:
+        """fit() is over: a later evaluate() prints its own progress again."""
         self._in_fit = False
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        """Prints "Epoch 3/5" (when there is more than one epoch) and starts the epoch's progress over
+        params["steps"] steps (None: unknown)."""
         epochs = self.params.get("epochs", 1)
         if self.verbose and epochs and epochs > 1:
             write(f"Epoch {epoch + 1}/{epochs}\n")
         self._start(self.params.get("steps"))
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Advances the bar to batch + 1 with the batch's logs (loss, metrics, num_examples)."""
         self._update(batch, logs)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Prints the epoch's final line: steps, time, time per step, `logs` (val_ keys included), throughput."""
         self._finish(logs)
 
     # Evaluation inside fit() is summed up by the val_ keys of the epoch line, as in Keras.
     def on_test_begin(self, logs: Logs | None = None) -> None:
+        """Starts evaluate()'s progress (not inside fit(), whose validation the epoch line sums up)."""
         if not self._in_fit:
             self._start(self.params.get("steps"))
 
     def on_test_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Advances evaluate()'s progress with the batch's logs (not inside fit())."""
         if not self._in_fit:
             self._update(batch, logs)
 
     def on_test_end(self, logs: Logs | None = None) -> None:
+        """Prints evaluate()'s final line with its results in `logs` (not inside fit())."""
         if not self._in_fit:
             self._finish(logs)
 
     def on_predict_begin(self, logs: Logs | None = None) -> None:
+        """Starts predict()'s progress over params["steps"] steps."""
         self._start(self.params.get("steps"))
 
     def on_predict_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Advances predict()'s progress; the batch's "outputs" in `logs` are not printed."""
         self._update(batch, {k: v for k, v in (logs or {}).items() if k != "outputs"})
 
     def on_predict_end(self, logs: Logs | None = None) -> None:
+        """Prints predict()'s final line: steps, time and throughput (no metrics)."""
         self._finish({})
 
     def __repr__(self) -> str:

@@ -150,10 +150,13 @@ class TensorBoard(Callback):
         return self._writers[run]
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
+        """Starts this fit()'s step count at 0 and opens log_dir/train."""
         self._train_step = 0
         self._writer("train")
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """With update_freq="batch" or N, writes the batch's logs as "batch_<key>" to log_dir/train
+        every N steps, at step = training steps so far in this fit()."""
         self._train_step += 1
         if self.update_freq == "epoch" or self._train_step % self.update_freq:
             return
@@ -164,6 +167,8 @@ class TensorBoard(Callback):
         writer.flush()
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        """Writes the epoch's logs as "epoch_<key>" at step = epoch: training keys (and the optimizer's
+        learning rate) to log_dir/train, the val_ keys, prefix removed, to log_dir/validation."""
         logs = {k: v for k, v in (logs or {}).items() if k not in NOT_METRICS}
         train = {f"epoch_{k}": v for k, v in logs.items() if not k.startswith("val_")}
         if "epoch_learning_rate" not in train:
@@ -179,6 +184,7 @@ class TensorBoard(Callback):
                 writer.flush()
 
     def on_train_end(self, logs: Logs | None = None) -> None:
+        """Closes the event files, so TensorBoard reads them whole."""
         for writer in self._writers.values():
             writer.close()
         self._writers = {}

@@ -112,6 +112,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             raise ValueError(f"SyncBatchNorm expects input of rank >= 2 (N, C, ...); got shape {tuple(input.shape)}.")
 
     def forward(self, input: Tensor) -> Tensor:
+        """Normalizes with the mean and variance of the global batch while training in a replica (an
+        exchange every replica joins); outside a replica, with one replica, or in eval, plain BatchNorm."""
         self._check_input_dim(input)
         ctx = md.get_replica_context()
         if not self.training or ctx is None or ctx.num_replicas_in_sync == 1:

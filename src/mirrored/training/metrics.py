@@ -79,12 +79,17 @@ class Metric:
 
     @property
     def variables(self) -> list[Variable]:
+        """The state Variables `add_state` made, in order (Keras's `variables`): what a checkpoint saves."""
         return list(self._state)
 
     def update_state(self, *args: Any, **kwargs: Any) -> None:
+        """Accumulates one batch into the state; subclasses define the arguments (Keras's `update_state`).
+        In a replica it updates that replica's copies, which `result` sums."""
         raise NotImplementedError
 
     def result(self) -> Tensor:
+        """The metric over everything seen since the last `reset_state`, a float32 scalar (or tensor)
+        computed from the state summed over replicas."""
         raise NotImplementedError
 
     def reset_state(self) -> None:
@@ -103,6 +108,7 @@ class Metric:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Metric:
+        """A new metric from `get_config()`'s dict (Keras's `from_config`): same settings, fresh state."""
         return cls(**config)
 
     def __repr__(self) -> str:
@@ -134,6 +140,8 @@ class Mean(Metric):
         self.count = self.add_state("count")
 
     def update_state(self, values: Any, sample_weight: Any = None) -> None:
+        """Adds a batch of `values`: each sample's values are averaged first, then weighted by
+        `sample_weight` (broadcast to `values`), so a sample counts once however many values it has."""
         values = torch.as_tensor(values).detach().to(_STATE_DTYPE)
         if sample_weight is None:
             samples = values.mean(dim=tuple(range(1, values.dim()))) if values.dim() > 1 else values
@@ -154,6 +162,7 @@ class Mean(Metric):
         self.count.assign_add(weights.sum())
 
     def result(self) -> Tensor:
+        """sum(weight * sample) / sum(weight) over every sample seen, summed over replicas; 0 before any."""
         return _divide_no_nan(self.total.read_value(), self.count.read_value()).to(_RESULT_DTYPE)
 
 
@@ -175,10 +184,12 @@ class Sum(Metric):
         self.total = self.add_state("total")
 
     def update_state(self, values: Any, sample_weight: Any = None) -> None:
+        """Adds sum(values), or sum(values * sample_weight) with `sample_weight` broadcast to `values`."""
         values, weights = _values_and_weights(values, sample_weight, self.name)
         self.total.assign_add(values.sum() if weights is None else (values * weights).sum())
 
     def result(self) -> Tensor:
+        """The total over every update and replica since the last `reset_state`, as float32."""
         return self.total.read_value().to(_RESULT_DTYPE)
 
 
@@ -191,6 +202,8 @@ class MeanMetricWrapper(Mean):
         self._fn_kwargs = kwargs
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        """Adds fn(y_true, y_pred, **kwargs), one value per example, to the mean, weighted by
+        `sample_weight`."""
         super().update_state(self._fn(y_true, y_pred, **self._fn_kwargs), sample_weight)
 
     def get_config(self) -> dict[str, Any]:
@@ -205,6 +218,8 @@ class MeanMetricWrapper(Mean):
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Metric:
+        """Rebuilds a wrapper from `get_config()`: the function by its name among mr.metrics'
+        functions (an unknown name is a ValueError); a named subclass from its settings."""
         if cls is not MeanMetricWrapper:
             return cls(**config)
         config = dict(config)
@@ -414,15 +429,19 @@ class Precision(_Binary):
         self.false_positives = self.add_state("false_positives")
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        """Counts the batch's true and false positives (probability > thresholds), weighted by
+        `sample_weight`; y_true is positive where non-zero."""
         probs, positive, weights = self._flat_inputs(y_true, y_pred, sample_weight)
         predicted = probs > self.thresholds
         self.true_positives.assign_add((weights * (predicted & positive)).sum())
         self.false_positives.assign_add((weights * (predicted & ~positive)).sum())
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments (thresholds, name, from_logits), as JSON; not the counts."""
         return {"thresholds": self.thresholds, "name": self.name, "from_logits": self.from_logits}
 
     def result(self) -> Tensor:
+        """true positives / (true + false positives) over all replicas, 0 when nothing was predicted positive."""
         tp = self.true_positives.read_value()
         return _divide_no_nan(tp, tp + self.false_positives.read_value()).to(_RESULT_DTYPE)
 
@@ -440,15 +459,19 @@ class Recall(_Binary):
         self.false_negatives = self.add_state("false_negatives")
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        """Counts the batch's true positives and false negatives (probability > thresholds is predicted
+        positive), weighted by `sample_weight`; y_true is positive where non-zero."""
         probs, positive, weights = self._flat_inputs(y_true, y_pred, sample_weight)
         predicted = probs > self.thresholds
         self.true_positives.assign_add((weights * (predicted & positive)).sum())
         self.false_negatives.assign_add((weights * (~predicted & positive)).sum())
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments (thresholds, name, from_logits), as JSON; not the counts."""
         return {"thresholds": self.thresholds, "name": self.name, "from_logits": self.from_logits}
 
     def result(self) -> Tensor:
+        """true positives / (true positives + false negatives) over all replicas, 0 when no example was positive."""
         tp = self.true_positives.read_value()
         return _divide_no_nan(tp, tp + self.false_negatives.read_value()).to(_RESULT_DTYPE)
 
@@ -489,6 +512,8 @@ class AUC(_Binary):
         self.false_negatives = self.add_state("false_negatives", shape)
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        """Adds the batch to the confusion matrices at every threshold (weighted by `sample_weight`), in one
+        pass over the examples rather than one per threshold."""
         probs, positive, weights = self._flat_inputs(y_true, y_pred, sample_weight)
         # above[i] = how many thresholds prediction i exceeds, so it counts as positive at thresholds
         # 0 .. above[i] - 1. A histogram of `above` and a suffix sum give every threshold's count in
@@ -512,6 +537,7 @@ class AUC(_Binary):
         self.true_negatives.assign_add(neg_w.sum() - fp)
 
     def result(self) -> Tensor:
+        """The area under the ROC or PR curve of the counts so far (all replicas), by `summation_method`."""
         tp, fp = self.true_positives.read_value(), self.false_positives.read_value()
         tn, fn = self.true_negatives.read_value(), self.false_negatives.read_value()
         if self.curve == "PR" and self.summation_method == "interpolation":
@@ -531,6 +557,7 @@ class AUC(_Binary):
         return (widths * heights).sum().to(_RESULT_DTYPE)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments (num_thresholds, curve, summation_method, name, from_logits), as JSON."""
         return {"num_thresholds": self.num_thresholds, "curve": self.curve, "summation_method": self.summation_method,
                 "name": self.name, "from_logits": self.from_logits}
 

@@ -247,9 +247,23 @@ class Model:
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Sequence[Any] | None = None,
                 steps_per_execution: int = 1, precision: str | None = None, jit_compile: bool | str = "auto") -> None:
         """Chooses the optimizer, loss and metrics. Strings mean Keras names; losses take logits.
-        jit_compile=True compiles each replica's forward and backward with torch.compile (training/jit.py:
-        what is compiled, the tolerance against eager, the fallback); "auto", Keras 3's default on torch,
-        runs eager."""
+
+        Args:
+          optimizer: a name ("sgd", "adam", "adamw", "rmsprop"), an mr.optimizers.Optimizer, its
+            serialize() config, or a torch.optim class or instance (its class and defaults are reused:
+            every replica gets its own).
+          loss: a name ("sparse_categorical_crossentropy", "mse", ...; crossentropies take logits), an
+            mr.losses.Loss, a torch.nn loss module, or fn(y_true, y_pred) -> per-example losses. Required.
+          metrics: names ("accuracy" follows the loss, as in Keras), mr.metrics.Metric objects, or
+            functions fn(y_true, y_pred) -> one value per example.
+          steps_per_execution: batches each strategy.run call trains on, one update each: fewer hand-offs
+            to the replica threads, the same updates.
+          precision: None or "fp32"; "bf16" (autocast, CPU or CUDA); "fp16" (autocast with a loss scale per
+            replica, CUDA only).
+          jit_compile: True compiles each replica's forward and backward with torch.compile (training/jit.py:
+            what is compiled, the tolerance against eager, the fallback); "auto", Keras 3's default on
+            torch, and False run eager.
+        """
         if loss is None:
             raise ValueError("compile(loss=None): give a loss, e.g. loss=\"sparse_categorical_crossentropy\".")
         if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
@@ -455,7 +469,33 @@ class Model:
             shuffle: bool = True, sample_weight: Any = None, initial_epoch: int = 0,
             steps_per_epoch: int | None = None, validation_steps: int | None = None,
             validation_freq: int | Sequence[int] = 1) -> Any:
-        """Trains for `epochs` epochs over a dataset of GLOBAL batches (or arrays with batch_size)."""
+        """Trains for `epochs` epochs over a dataset of GLOBAL batches (or arrays with batch_size).
+
+        Args:
+          x: an mr.data.Dataset (or any iterable) of GLOBAL batches, each (x, y) or (x, y, sample_weight);
+            or the inputs as a numpy array or tensor, with `y` and `batch_size`.
+          y: the labels, for array `x` only (a dataset yields its own).
+          batch_size: the GLOBAL batch size, for array `x` only; default 32 per replica.
+          epochs: the epoch to stop before, counted from 0 (Keras's rule): with initial_epoch=2, epochs=5
+            trains epochs 2, 3 and 4.
+          verbose: "auto" or 1 a progress bar (whole lines when not a terminal), 2 one line per epoch, 0
+            silent.
+          callbacks: Callback objects; a History (returned) and, unless verbose=0, a ProgbarLogger are added.
+          validation_data: a dataset of GLOBAL batches, or a tuple (x, y) or (x, y, sample_weight) of arrays
+            (batched by `batch_size`), evaluated at the end of the epochs `validation_freq` selects; its
+            results enter the logs with the val_ prefix.
+          shuffle: for array `x`, draw the examples in a new order every epoch (a dataset shuffles itself).
+          sample_weight: per-example weights of the loss and metrics, for array `x` only.
+          initial_epoch: the epoch to start at, to resume a run.
+          steps_per_epoch: batches per epoch; then each epoch goes on from where the last one stopped (for
+            ds.repeat()). None: one full pass per epoch.
+          validation_steps: batches of validation_data per evaluation; None: all of it.
+          validation_freq: validate every that many epochs (an int), or after the listed 1-based epochs.
+
+        Returns:
+          The History callback, whose `.history` maps each log key (loss, metrics, val_ ones) to its
+          per-epoch values.
+        """
         self._require_compiled("fit")
         _check_validation_freq(validation_freq)
         dataset = self._as_dataset(x, y, batch_size, sample_weight, shuffle, "fit")
@@ -561,7 +601,23 @@ class Model:
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: Any = "auto",
                  sample_weight: Any = None, steps: int | None = None, callbacks: Sequence[Any] | None = None,
                  return_dict: bool = False) -> Any:
-        """Loss and metrics over a dataset: a list [loss, *metrics], or a dict with return_dict=True."""
+        """Loss and metrics over a dataset: a list [loss, *metrics], or a dict with return_dict=True.
+
+        Args:
+          x: an mr.data.Dataset of GLOBAL batches, each (x, y) or (x, y, sample_weight); or inputs as an
+            array with `y` and `batch_size`.
+          y: the labels, for array `x` only.
+          batch_size: the GLOBAL batch size, for array `x` only; default 32 per replica.
+          verbose: "auto" or 1 a progress bar, 2 one final line, 0 silent.
+          sample_weight: per-example weights, for array `x` only.
+          steps: batches to evaluate; None: the whole dataset.
+          callbacks: Callback objects; their test hooks run.
+          return_dict: return {name: value} instead of a list.
+
+        Returns:
+          [loss, *metrics] as floats in compile's order (the loss alone, a float, when there are no
+          metrics), or a dict with return_dict=True. Every replica's examples count once.
+        """
         self._require_compiled("evaluate")
         dataset = self._as_dataset(x, y, batch_size, sample_weight, False, "evaluate")
         _check_ends(dataset, steps, "evaluate", "steps")
@@ -575,7 +631,20 @@ class Model:
     def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto", steps: int | None = None,
                 callbacks: Sequence[Any] | None = None) -> np.ndarray:
         """Model outputs for every input row, in input order (the uneven last batch included); the
-        callbacks' predict hooks see each batch's outputs (logs["outputs"]), as in Keras."""
+        callbacks' predict hooks see each batch's outputs (logs["outputs"]), as in Keras.
+
+        Args:
+          x: the inputs as an array (batched by `batch_size`) or a dataset of GLOBAL batches (only x of an
+            (x, y) element is used).
+          batch_size: the GLOBAL batch size, for array `x` only; default 32 per replica.
+          verbose: "auto" or 1 a progress bar, 2 one final line, 0 silent.
+          steps: batches to predict; None: the whole dataset.
+          callbacks: Callback objects; their predict hooks run.
+
+        Returns:
+          A numpy array, the outputs of all batches (every replica's rows, every worker's too)
+          concatenated along dim 0.
+        """
         strategy = self.distribute_strategy
         x = _as_array(x, "predict", "x")
         arrays = isinstance(x, (np.ndarray, Tensor))
@@ -665,7 +734,12 @@ class Model:
         return tensors, meta
 
     def save(self, path: str | Path) -> None:
-        """Weights, optimizer state and compile settings in one safetensors file, written atomically."""
+        """Weights, optimizer state and compile settings in one safetensors file, written atomically.
+
+        Args:
+          path: the file to write (a directory is refused: a checkpoint is one file). Replaced only once the
+            new file is complete, so a crash leaves the old one. `Model.load(path)` rebuilds the model.
+        """
         tensors, meta = self._state_tensors(with_optimizer=True)
         checkpoint.save_checkpoint(path, tensors, meta)
 
@@ -696,7 +770,19 @@ class Model:
     @classmethod
     def load(cls, path: str | Path, module: nn.Module | None = None, compile: bool = True) -> Model:
         """A Model from `save()`'s file. Pass `module=` (an instance of the same architecture) unless the
-        model came from `mr.models`, whose name and arguments the file records. Never unpickles."""
+        model came from `mr.models`, whose name and arguments the file records. Never unpickles.
+
+        Args:
+          path: the file `save()` wrote, saved on any number of replicas.
+          module: a torch module of the saved architecture to load the weights into; None builds it from the
+            file (mr.models only).
+          compile: compile with the recorded optimizer, loss, metrics and precision and restore the
+            optimizer state (and fp16 loss scale), so fit() continues the run; False loads the weights only.
+
+        Returns:
+          The Model, under the current strategy's scope (one replica outside any). Every tensor's name,
+          shape and dtype is checked first: a file that does not fit is a CheckpointError naming it.
+        """
         tensors, meta = checkpoint.load_checkpoint(path, where="Model.load")
         origin = checkpoint_checks.Origin(f"Model.load({str(path)!r})")
         if meta.get("format") != _FORMAT:

@@ -140,7 +140,17 @@ class Checkpoint:
 
     save(prefix) writes prefix-1, prefix-2, ... (counting with save_counter, which restore() restores)
     and records the newest in the directory's "checkpoint" file; write(path) writes exactly `path` and
-    records nothing; read(path) and restore(path) load one back. Call them outside strategy.run."""
+    records nothing; read(path) and restore(path) load one back. Call them outside strategy.run.
+
+    Args:
+      root: a trackable saved under the name "root" (TF's positional argument).
+      kwargs: name=trackable: mirrored modules and optimizers, an mr.Model (its weights, optimizer and
+        fp16 loss scale), mr.Variable, metrics, torch modules, optimizers and tensors, objects with
+        get_state()/set_state() (a distributed iterator, an mr.data.Dataset), or lists and dicts of
+        them. Names are attributes (ckpt.model); what cannot be saved is refused here, not at save().
+        Values are saved once (replica 0's, or aggregated) and restored into every replica, so a
+        checkpoint reads back on any replica count.
+    """
 
     def __init__(self, root: Any = None, **kwargs: Any):
         object.__setattr__(self, "_trackables", {})
@@ -379,7 +389,21 @@ class CheckpointManager:
     save() writes `{directory}/{checkpoint_name}-{n}` and deletes the oldest beyond max_to_keep (None
     keeps all), except one every keep_checkpoint_every_n_hours. With step_counter and
     checkpoint_interval, save() skips until the counter has advanced that far. A new manager on the
-    same directory carries on from the "checkpoint" file."""
+    same directory carries on from the "checkpoint" file.
+
+    Args:
+      checkpoint: the mr.train.Checkpoint to save and restore.
+      directory: where the checkpoints and the "checkpoint" file (the record of them) live.
+      max_to_keep: how many of the newest checkpoints to keep; None keeps all.
+      keep_checkpoint_every_n_hours: also keep one checkpoint per this many hours of saves, beyond
+        max_to_keep; None keeps none of them.
+      checkpoint_name: the file name's prefix: `{directory}/{checkpoint_name}-{n}`.
+      step_counter: the counter checkpoint_interval is measured in, read with int() at each save (an
+        mr.Variable incremented each step, say). Saves are numbered by save_counter either way.
+      checkpoint_interval: steps of step_counter between saves; save() returns None before then. None:
+        every save() saves.
+      init_fn: called by restore_or_initialize() when there is no checkpoint to restore.
+    """
 
     def __init__(self, checkpoint: Checkpoint, directory: str | os.PathLike, max_to_keep: int | None,
                  keep_checkpoint_every_n_hours: float | None = None, checkpoint_name: str = "ckpt",
