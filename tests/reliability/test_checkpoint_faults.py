@@ -88,6 +88,48 @@ def test_momentum_buffer_of_another_shape_is_refused_naming_file_key_and_both_sh
     assert "(7,)" in message and "(8,)" in message and "0.bias" in message
 
 
+def _rename(entries: dict, old: str, new: str | None) -> None:
+    value = entries.pop(old)
+    if new is not None:
+        entries[new] = value
+
+
+@pytest.mark.parametrize("optimizer, forge, message", [
+    # A scalar where a per-element buffer belongs loaded, and the first fit failed inside torch.
+    ("sgd", dict(tensors=lambda t: t.update({"optimizer/state/0/momentum_buffer": torch.zeros(())})),
+     r"'momentum_buffer' of parameter 0 \(0\.weight, shape \(8, 4\)\) is tensor\(0\.\) in the file, but the "
+     r"optimizer keeps a tensor shaped like 0\.weight, \(8, 4\)"),
+    ("adam", dict(tensors=lambda t: t.update({"optimizer/state/1/exp_avg": torch.zeros(())})),
+     r"optimizer keeps a tensor shaped like 0\.bias, \(8,\)"),
+    ("adam", dict(tensors=lambda t: t.update({"optimizer/state/1/step": torch.zeros(3)})),
+     r"'optimizer/state/1/step' has shape \(3,\) in the file, but the optimizer keeps a scalar there"),
+    # Entries under other names: a raw KeyError from torch, or momentum silently restarting.
+    ("adam", dict(meta=lambda m: _rename(m["optimizer"]["state"]["1"], "step", "s:tep")),
+     r"state of parameter 1 \(0\.bias\) holds \['exp_avg', 'exp_avg_sq', 's:tep'\], but Adam .* keeps "
+     r"\['exp_avg', 'exp_avg_sq', 'step'\] \(missing \['step'\]\) \(not its own: \['s:tep'\]\)"),
+    ("adam", dict(meta=lambda m: _rename(m["optimizer"]["state"]["2"], "exp_avg", None)), r"\(missing \['exp_avg'\]\)"),
+    ("sgd", dict(meta=lambda m: _rename(m["optimizer"]["state"]["1"], "momentum_buffer", "momentum")),
+     r"\(missing \['momentum_buffer'\]\) \(not its own: \['momentum'\]\)"),
+], ids=["sgd-scalar-buffer", "adam-scalar-exp_avg", "adam-shaped-step", "adam-renamed-step", "adam-no-exp_avg",
+        "sgd-renamed-buffer"])
+def test_optimizer_state_entries_are_the_optimizers_own(rewrite_checkpoint, tmp_path, optimizer, forge, message):
+    """Issue 17 (audit): each parameter's state must hold the entries the optimizer class keeps under
+    the file's settings (learnt from one step of a fresh optimizer), scalars where it keeps scalars
+    and buffers shaped like the parameter elsewhere. A 0-dim buffer used to skip every check and fail
+    in the first fit; a renamed entry gave torch's KeyError, or momentum restarting without a word."""
+    model = _model()
+    if optimizer == "adam":
+        model.compile(optimizer=mr.optimizers.Adam(learning_rate=0.01), loss="sparse_categorical_crossentropy")
+    model.fit(_dataset(), epochs=1, verbose=0)
+    path = str(tmp_path / "model.safetensors")
+    model.save(path)
+    rewrite_checkpoint(path, **forge)
+    with pytest.raises(CheckpointError, match=message) as info:
+        mr.Model.load(path, module=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
+    assert path in str(info.value)
+    model.load_weights(path)  # the weights alone are fine
+
+
 def test_weights_of_another_architecture_are_refused_by_load_and_load_weights(tmp_path):
     _, path = _trained_file(tmp_path)
     other = nn.Sequential(nn.Linear(4, 7), nn.ReLU(), nn.Linear(7, 3))

@@ -182,6 +182,8 @@ def optimizer_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Any, op
             params[i] = (p, next(names, f"parameter {i}"))
             in_order.append(params[i])  # as the optimizer's own list (mr.optimizers' state follows it)
         groups.append(_group(origin, key, saved, live, tensors, optimizer))
+    group_of = {i: g for g, saved in enumerate(saved_groups) for i in saved["params"]}
+    layouts: dict[tuple, dict[str, bool] | None] = {}
     state: dict[int, dict[str, Any]] = {}
     for index, entries in meta["state"].items():
         pid = int(index) if isinstance(index, str) and index.isdigit() and len(index) < 19 else None
@@ -189,7 +191,19 @@ def optimizer_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Any, op
             raise origin.mismatch(f"the {prefix} state has an entry {index!r:.40} that is not one of the "
                                   f"{len(params)} parameters' indices")
         param, pname = params[pid]
-        state[pid] = {name: _state_value(origin, prefix, pid, name, value, tensors, param, pname)
+        g = group_of[pid]
+        at = (g, param.dim() > 1, param.dtype, param.device)
+        if at not in layouts:
+            layouts[at] = _state_layout(optimizer, groups[g], param)
+        layout = layouts[at]
+        if layout is not None and set(entries) != set(layout):
+            missing, extra = sorted(set(layout) - set(entries)), sorted(set(entries) - set(layout))
+            raise origin.mismatch(
+                f"the {prefix} state of parameter {pid} ({pname}) holds {sorted(entries)!r:.120}, but {cls} with "
+                f"param_groups[{g}]'s settings keeps {sorted(layout)!r:.120}"
+                + (f" (missing {missing!r:.80})" if missing else "") + (f" (not its own: {extra!r:.80})" if extra else ""))
+        state[pid] = {name: _state_value(origin, prefix, pid, name, value, tensors, param, pname,
+                                         None if layout is None else layout[name])
                       for name, value in entries.items()}
     result: dict[str, Any] = {"state": state, "param_groups": groups}
     extra = meta.get("extra", {})
@@ -288,10 +302,44 @@ def _group(origin: Origin, key: str, saved: dict, live: dict, tensors: Mapping[s
     return group
 
 
+def _state_layout(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], param: Tensor) -> dict[str, bool] | None:
+    """The state `optimizer`'s class keeps for a parameter like `param` under `group`'s settings (what
+    load_state_dict will use): {entry name: whether it is a scalar (Adam's step) rather than shaped
+    like the parameter}, learnt from one step of a fresh optimizer (mr.optimizers': of the torch class
+    they build on) on a small stand-in parameter of the same dtype, device and rank kind. None where
+    that cannot be done (a class with another constructor, a closure-driven one such as LBFGS): then
+    only the shapes are checked."""
+    if not param.is_floating_point():
+        return None
+    try:
+        settings = {k: group[k] for k in optimizer.defaults if k in group}
+        stand_in = torch.zeros((2, 3) if param.dim() > 1 else (3,), dtype=param.dtype, device=param.device,
+                               requires_grad=True)
+        stand_in.grad = torch.full_like(stand_in, 1e-3)
+        cls = type(optimizer)
+        if cls.__module__.startswith("mirrored."):  # mr.optimizers' recipes keep torch's per-parameter state
+            cls = next(c for c in cls.__mro__ if c.__module__.startswith("torch.optim"))
+        probe = cls([stand_in], **settings)
+        probe.step()
+        kept = probe.state.get(stand_in, {})
+    except Exception:  # noqa: BLE001 - any failure only means the layout is unknown
+        return None
+    return {name: not isinstance(v, Tensor) or v.dim() == 0 for name, v in kept.items()}
+
+
 def _state_value(origin: Origin, prefix: str, pid: int, name: str, value: Any, tensors: Mapping[str, Tensor],
-                 param: Tensor, pname: str) -> Any:
+                 param: Tensor, pname: str, scalar: bool | None = None) -> Any:
+    """One state entry, decoded and checked: a scalar where the optimizer keeps one (`scalar`), else a
+    tensor shaped like its parameter (`scalar` None: the optimizer's layout is unknown, and a scalar
+    tensor passes)."""
     where = f"{prefix} state {name!r} of parameter {pid} ({pname}, shape {tuple(param.shape)})"
     value = _decode(origin, value, tensors, where)
+    if scalar and isinstance(value, Tensor) and value.dim() != 0:
+        raise origin.mismatch(f"tensor '{prefix}/state/{pid}/{name}' has shape {tuple(value.shape)} in the file, "
+                              f"but the optimizer keeps a scalar there (one number, as Adam's step), shape ()")
+    if scalar is False and not (isinstance(value, Tensor) and (value.dim() != 0 or param.dim() == 0)):
+        raise origin.mismatch(f"{where} is {value!r:.60} in the file, but the optimizer keeps a tensor shaped "
+                              f"like {pname}, {tuple(param.shape)}")
     if isinstance(value, Tensor):
         shape = tuple(value.shape)
         expected = _FACTORED_SHAPES[name](tuple(param.shape)) if (
