@@ -33,6 +33,13 @@ class CliError(Exception):
     """A bad flag or setting: printed as one line, exit status 2."""
 
 
+def _folder(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a folder for the run's files, got {text!r} (an empty name "
+                                         "would write into the current folder); e.g. --out runs/first")
+    return text
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -74,7 +81,7 @@ def _train_args(epochs: int, out: str) -> argparse.ArgumentParser:
     train.add_argument("--image-size", type=_positive_int, default=None, help="resize images to this square size")
     train.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     train.add_argument("--resume", action="store_true", help="continue an interrupted run from --out/backup")
-    train.add_argument("--out", default=out, help=f"output folder (default: {out})")
+    train.add_argument("--out", type=_folder, default=out, help=f"output folder (default: {out})")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--verbose", type=int, choices=[0, 1, 2], default=None,
                        help="0 silent, 1 progress bar, 2 one line per epoch (default: 1 on a terminal, else 2)")
@@ -261,7 +268,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                        "--dataset cassava.")
     out = Path(args.out)
     backup = out / "backup"
-    resuming = args.resume and (backup / "training_state.safetensors").exists()
+    state_file = backup / "training_state.safetensors"
+    if args.resume and state_file.exists() and not state_file.is_file():
+        raise CliError(f"--resume: {str(state_file)!r} is not a file (a directory or a device), so it holds no "
+                       "backup. Remove it, or drop --resume to start afresh.")
+    resuming = args.resume and state_file.exists()
     if args.resume and not resuming:
         raise CliError(f"--resume: no interrupted run to continue in {str(backup)!r} (it is written after each "
                        "epoch and deleted when a run finishes). Drop --resume to start afresh.")
@@ -382,6 +393,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from mirrored import _bench
 
     scaling = _replica_counts(args.scaling) if args.scaling else None
+    cores = os.cpu_count() or 1
+    most = max([args.replicas, *(scaling or [])])
+    if most > 4 * cores:  # each row starts this many processes or threads, each with a model copy
+        raise CliError(f"bench: {most} replicas on {cores} core(s) would only take turns (and start {most} "
+                       f"processes, each with torch loaded); use at most {4 * cores}, e.g. --replicas {min(2, cores)}.")
     if min(args.batches) < args.replicas:
         raise CliError(f"bench: --batches {min(args.batches)} is smaller than --replicas {args.replicas}, so a "
                        "replica would get no examples. Give global batches of at least one example per replica.")

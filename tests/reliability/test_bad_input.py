@@ -2,6 +2,7 @@
 trains forever on an infinite dataset without steps_per_epoch and only warns on an empty one."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,6 +67,9 @@ def test_an_empty_dataset_is_refused_naming_it():
         model.predict(empty, verbose=0)
     with pytest.raises(ValueError, match="yields no batches"):
         model.fit(_data().batch(4), validation_data=_data().take(0).batch(4), verbose=0)
+    for shuffle in (True, False):  # arrays with no rows (shuffle=True used to fail in Dataset.shuffle(0))
+        with pytest.raises(ValueError, match=r"Model.fit: x has no rows \(shape \(0, 4\)\)"):
+            model.fit(np.zeros((0, 4), np.float32), np.zeros(0, np.int64), batch_size=4, shuffle=shuffle, verbose=0)
 
 
 def test_steps_per_epoch_that_divides_the_pass_starts_the_next_pass_without_an_empty_epoch():

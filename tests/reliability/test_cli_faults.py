@@ -57,6 +57,34 @@ def test_resume_from_a_damaged_backup_is_one_line(tmp_path, capsys, damage):
     assert backup.exists()  # the user's file is left for them to look at
 
 
+def test_resume_when_the_backup_is_a_directory_is_one_line(tmp_path, capsys):
+    """Audit of issue 17: a directory where the backup file belongs gave IsADirectoryError's traceback."""
+    out = tmp_path / "run"
+    backup = out / "backup" / "training_state.safetensors"
+    backup.mkdir(parents=True)
+    assert cli.main(["train", "--resume", "--epochs", "1", "--out", str(out), "--verbose", "0"]) == 2
+    _one_line_error(capsys, "mirrored train: error: --resume: ", str(backup), "drop --resume")
+    assert backup.is_dir()
+
+
+def test_an_empty_out_is_refused_instead_of_writing_into_the_current_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["train", "--out", "", "--epochs", "1"])
+    assert info.value.code == 2
+    assert "argument --out: expected a folder" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_refuses_replica_counts_far_beyond_the_cores(capsys, monkeypatch):
+    """Audit of issue 17: `mirrored bench --replicas 1000` reached the first of 1000 process starts."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    for argv in (["--replicas", "1000"], ["--scaling", "1,2,64"]):
+        assert cli.main(["bench", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "bench:" in err and "on 2 core(s)" in err and "use at most 8" in err
+
+
 @pytest.mark.parametrize("content", [b"", b"\x80\x04garbage", b"{\"not\": \"a checkpoint\"}", "truncated",
                                      "directory", "fifo"])
 def test_evaluate_on_a_damaged_checkpoint_is_one_line(tmp_path, capsys, content):

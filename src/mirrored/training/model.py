@@ -449,6 +449,9 @@ class Model:
                 if len(p) != n:
                     raise ValueError(f"Model.{where}: x has {n} rows but another array has {len(p)}; "
                                      "x, y and sample_weight must have one row per example.")
+            if n == 0:
+                raise ValueError(f"Model.{where}: x has no rows (shape {tuple(x.shape)}), so there is nothing to "
+                                 "train or evaluate on. Pass at least one example.")
             ds = Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
             if shuffle:
                 ds = ds.shuffle(n)
