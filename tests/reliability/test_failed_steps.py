@@ -46,12 +46,14 @@ class _Loop:
     """A TF-style custom loop: loss scaled by the global batch, mirrored SGD with momentum, a Mean
     metric updated before the update, zero_grad after it (so a failed step's gradients would leak)."""
 
-    def __init__(self, n: int, accumulate: int = 1):
+    def __init__(self, n: int, accumulate: int = 1, reduction: str = "sum"):
         self.strategy = _strategy(n)
+        self.reduction = reduction  # "mean": DDP's rule, the unchanged mean loss line, reduced as backward ends
         with self.strategy.scope():
             self.net = self.strategy.mirror(_net())
             if accumulate == 1:
-                self.opt = self.strategy.mirror_optimizer(torch.optim.SGD, self.net, lr=0.1, momentum=0.9)
+                self.opt = self.strategy.mirror_optimizer(torch.optim.SGD, self.net, lr=0.1, momentum=0.9,
+                                                          gradient_reduction=reduction)
             else:
                 recipe = mr.optimizers.SGD(learning_rate=0.1, momentum=0.9, gradient_accumulation_steps=accumulate)
                 self.opt = self.strategy.mirror_optimizer(recipe, self.net)
@@ -70,7 +72,10 @@ class _Loop:
             self._maybe_fail("after forward")
             per_example = F.cross_entropy(out, yb, reduction="none")
             self.loss_metric.update_state(per_example.detach())
-            loss = mr.losses.compute_average_loss(per_example, global_batch_size=GLOBAL)
+            if self.reduction == "mean":
+                loss = per_example.mean()
+            else:
+                loss = mr.losses.compute_average_loss(per_example, global_batch_size=GLOBAL)
             if self.fault is not None and self.fault[0] == "in backward":
                 out.register_hook(lambda g: self._maybe_fail("in backward") or g)
             loss.backward()
@@ -116,17 +121,21 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
 POINTS = ["before forward", "after forward", "in backward", "after backward"]
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("replicas", [2, 3])
 @pytest.mark.parametrize("point", POINTS)
-def test_custom_loop_fault_before_the_update_leaves_no_trace(replicas, point):
+def test_custom_loop_fault_before_the_update_leaves_no_trace(replicas, point, reduction):
+    """Bitwise: the failed step's state equals the state before it, and the retried run a clean one's.
+    With gradient_reduction="mean" the all-reduce happens when backward ends, so "after backward"
+    fails after the replicas' gradients were already reduced (and "in backward" before)."""
     batches = _batches()
-    clean = _Loop(replicas)
+    clean = _Loop(replicas, reduction=reduction)
     for x, y in batches:
         clean.step(x, y)
     want = clean.state()
     for faulty_replica in range(replicas):
-        print(f"fault {point!r} on replica {faulty_replica} of {replicas}, step {FAULT_STEP}")
-        loop = _Loop(replicas)
+        print(f"fault {point!r} on replica {faulty_replica} of {replicas}, step {FAULT_STEP}, {reduction}")
+        loop = _Loop(replicas, reduction=reduction)
         for x, y in batches[:FAULT_STEP]:
             loop.step(x, y)
         before = loop.state()
@@ -174,27 +183,38 @@ def test_one_replica_fault_leaves_no_trace():
 
 
 class _FailOnce(torch.nn.Module):
-    """Raises in replica `replica`'s copy on its `at`-th training forward (0-based), once."""
+    """Raises in replica `replica`'s copy on its `at`-th training forward (0-based), once: in that
+    forward, or (`where="backward"`) in the backward through it."""
 
-    def __init__(self, net: torch.nn.Module, replica: int, at: int):
+    def __init__(self, net: torch.nn.Module, replica: int, at: int, where: str = "forward"):
         super().__init__()
         self.net = net
-        self.replica, self.at, self.calls = replica, at, 0
+        self.replica, self.at, self.calls, self.where = replica, at, 0, where
         self.armed = True
 
     def forward(self, x):
         ctx = mr.get_replica_context()
+        fail = False
         if self.training and self.armed and ctx is not None and ctx.replica_id_in_sync_group == self.replica:
             self.calls += 1
-            if self.calls == self.at + 1:
-                raise Fault("injected")
-        return self.net(x)
+            fail = self.calls == self.at + 1
+        if fail and self.where == "forward":
+            raise Fault("injected")
+        out = self.net(x)
+        if fail:
+            out.register_hook(_raise_in_backward)
+        return out
 
 
-def _model(n: int, replica: int = 0, at: int = 10**9) -> mr.Model:
+def _raise_in_backward(grad: torch.Tensor) -> torch.Tensor:
+    raise Fault("injected in backward")
+
+
+def _model(n: int, replica: int = 0, at: int = 10**9, where: str = "forward", accumulate: int = 1) -> mr.Model:
     with _strategy(n).scope():
-        model = mr.Model(_FailOnce(_net(), replica, at))
-        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+        model = mr.Model(_FailOnce(_net(), replica, at, where))
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9,
+                                                  gradient_accumulation_steps=accumulate if accumulate > 1 else None),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
@@ -209,16 +229,18 @@ def _weights(model: mr.Model) -> list[np.ndarray]:
     return model.get_weights()
 
 
-@pytest.mark.parametrize("replicas,faulty", [(2, 0), (2, 1), (3, 2)])
-def test_fit_fault_leaves_no_trace_and_the_rest_equals_a_clean_run(replicas, faulty):
+@pytest.mark.parametrize("replicas,faulty,where,accumulate", [
+    (2, 0, "forward", 1), (2, 1, "forward", 1), (3, 2, "forward", 1),
+    (2, 1, "backward", 1), (3, 0, "backward", 1), (2, 0, "forward", 2), (3, 1, "backward", 2)])
+def test_fit_fault_leaves_no_trace_and_the_rest_equals_a_clean_run(replicas, faulty, where, accumulate):
     batches = _batches()
-    clean = _model(replicas)
+    clean = _model(replicas, accumulate=accumulate)
     clean.fit(_dataset(batches), epochs=1, verbose=0, shuffle=False)
-    partial = _model(replicas)
+    partial = _model(replicas, accumulate=accumulate)
     partial.fit(_dataset(batches[:FAULT_STEP]), epochs=1, verbose=0, shuffle=False)
 
-    print(f"fit: fault in replica {faulty} of {replicas}, step {FAULT_STEP}")
-    model = _model(replicas, replica=faulty, at=FAULT_STEP)
+    print(f"fit: fault in {where} of replica {faulty} of {replicas}, step {FAULT_STEP}, accumulating {accumulate}")
+    model = _model(replicas, replica=faulty, at=FAULT_STEP, where=where, accumulate=accumulate)
     with pytest.raises(Fault, match=f"replica {faulty}"):
         model.fit(_dataset(batches), epochs=1, verbose=0, shuffle=False)
     # As before the failed step: what a run of the first FAULT_STEP batches left, metrics included.

@@ -201,7 +201,8 @@ def optimizer_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Any, op
             raise origin.mismatch(
                 f"the {prefix} state of parameter {pid} ({pname}) holds {sorted(entries)!r:.120}, but {cls} with "
                 f"param_groups[{g}]'s settings keeps {sorted(layout)!r:.120}"
-                + (f" (missing {missing!r:.80})" if missing else "") + (f" (not its own: {extra!r:.80})" if extra else ""))
+                + (f" (missing {missing!r:.80})" if missing else "")
+                + (f" (not its own: {extra!r:.80})" if extra else ""))
         state[pid] = {name: _state_value(origin, prefix, pid, name, value, tensors, param, pname,
                                          None if layout is None else layout[name])
                       for name, value in entries.items()}
