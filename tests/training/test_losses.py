@@ -6,6 +6,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from mirrored.training import losses
 from mirrored.training.losses import (
     BinaryCrossentropy,
     CategoricalCrossentropy,
+    Loss,
     MeanAbsoluteError,
     MeanSquaredError,
     SparseCategoricalCrossentropy,
@@ -544,3 +546,41 @@ def test_losses_without_a_config_say_so_and_unknown_classes_are_refused():
         losses.deserialize({"class_name": "Mine", "config": {}})
     with pytest.raises(ValueError, match="fn='print' is not one of"):
         losses.deserialize({"class_name": "LossFunctionWrapper", "config": {"fn": "print"}})
+
+
+# --- a loss of your own, written as for Keras --------------------------------------------------------
+
+class _MeanAbsoluteHuber(Loss):
+    """A Keras-style subclass: only call(), the default name."""
+
+    def call(self, y_true, y_pred):
+        return F.huber_loss(y_pred, y_true, reduction="none", delta=0.5).mean(dim=-1)
+
+
+def test_a_subclass_implements_call_as_in_keras(batch):
+    """keras.losses.Loss subclasses implement call(y_true, y_pred) (one loss per example) and get a
+    snake_case name; ours do the same, through __call__'s weights and reductions and through fit."""
+    import mirrored as mr
+
+    logits, _, weights = batch
+    target = torch.zeros_like(logits)
+    loss = _MeanAbsoluteHuber()
+    assert loss.name == "_mean_absolute_huber" and Loss(name=None).name == "loss"
+    per_example = F.huber_loss(logits, target, reduction="none", delta=0.5).mean(dim=-1)
+    close(loss(target, logits), per_example.mean())
+    close(loss(target, logits, sample_weight=weights), (per_example * weights).sum() / len(weights))
+    close(_MeanAbsoluteHuber(reduction="sum")(target, logits), per_example.sum())
+    with pytest.raises(NotImplementedError, match="implements call"):
+        Loss()(target, logits)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 4, generator=g), torch.randn(12, 3, generator=g)
+    weights_after = []
+    for devices in (["cpu:0"], ["cpu:0", "cpu:1"]):
+        torch.manual_seed(0)
+        with mr.MirroredStrategy(devices=devices).scope():
+            model = mr.Model(nn.Linear(4, 3))
+            model.compile(optimizer="sgd", loss=_MeanAbsoluteHuber())
+        model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+        weights_after.append(model.get_weights())
+    for one, two in zip(*weights_after):  # 2 replicas give one device's update (float32 sums: 1e-6)
+        np.testing.assert_allclose(two, one, rtol=1e-6, atol=1e-6)

@@ -62,6 +62,11 @@ _REDUCTIONS = ("sum_over_batch_size", "sum", "none")
 # ---------------------------------------------------------------------------------------------
 # Replica context, looked up lazily.
 
+def _snake_case(name: str) -> str:
+    """Keras's default name of a loss: MyHuberLoss -> my_huber_loss."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+
+
 def _context_module() -> Any:
     """mirrored.distribute.context if something has imported it, else None. No strategy can exist
     before that module is loaded, so looking it up (instead of importing it) is enough, and it keeps
@@ -357,22 +362,30 @@ def mean_absolute_error(y_true: Any, y_pred: Tensor) -> Tensor:
 # Loss objects.
 
 class Loss:
-    """Base class: subclasses implement `_per_example`; `__call__` applies sample weights and the
-    reduction: "sum_over_batch_size" (sum / number of loss values), "sum", or "none"."""
+    """Base class (keras.losses.Loss): a subclass implements `call(y_true, y_pred)`, returning one loss
+    per example, as a Keras one does; `__call__` applies sample weights and the reduction:
+    "sum_over_batch_size" (sum / number of loss values), "sum", or "none". `name` defaults to the
+    class name in snake_case, as Keras names it."""
 
     _probability_axis: int | None = None  # class axis for the probability check; None: no check
 
-    def __init__(self, name: str, reduction: str = "sum_over_batch_size", from_logits: bool = False):
+    def __init__(self, name: str | None = None, reduction: str = "sum_over_batch_size", from_logits: bool = False):
         if reduction not in _REDUCTIONS:
             raise ValueError(f"{type(self).__name__}(reduction={reduction!r}): expected one of {list(_REDUCTIONS)}.")
-        self.name = name
+        self.name = name if name is not None else _snake_case(type(self).__name__)
         self.reduction = reduction
         self.from_logits = from_logits
         self._checks_left = _PROBABILITY_CHECK_CALLS if from_logits else 0
         self._mean_checked = reduction != "sum_over_batch_size"  # the replica-mean warning, once per object
 
+    def call(self, y_true: Any, y_pred: Tensor) -> Tensor:
+        """One loss per example (Keras's hook for a loss of your own); the built-in losses compute
+        theirs in `_per_example`."""
+        raise NotImplementedError(f"{type(self).__name__}: a subclass of mr.losses.Loss implements call(y_true, "
+                                  "y_pred), returning one loss per example (as keras.losses.Loss subclasses do).")
+
     def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
-        raise NotImplementedError
+        return self.call(y_true, y_pred)
 
     def _checked(self, y_true: Any, y_pred: Tensor) -> tuple[Tensor, str | None]:
         losses = self._per_example(y_true, y_pred)
