@@ -18,8 +18,10 @@ replica applies the same update, so the copies stay bitwise identical; floating-
 torch LR schedulers take it as their optimizer: outside strategy.run its param_groups write every
 replica's, so every replica gets the same rate, and `attach_lr_scheduler` saves a scheduler's state
 with its own. Inside strategy.run the groups are read-only (with several replicas in the process):
-a scheduler stepped there would step once per replica thread. Uses context.py, devices.py, guards.py,
-modules.py, rollback.py, _param_groups.py and values.py; the strategy reduces.
+a scheduler stepped there would step once per replica thread. The gradient all-reduce also compares
+the replicas' module copies (_copy_watch.py), so a change that reached some copies only fails the
+step before any replica updates. Uses context.py, devices.py, guards.py, modules.py, rollback.py,
+_copy_watch.py, _param_groups.py and values.py; the strategy reduces.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import torch
 from torch import Tensor
 
 from mirrored.distribute import context, guards
+from mirrored.distribute._copy_watch import CopiesDiffer
 from mirrored.distribute._param_groups import MirroredGroup, ReplicaGroup
 from mirrored.distribute.modules import MirroredModule, HookHandles
 from mirrored.distribute.rollback import journal_of
@@ -84,6 +87,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._strategy = strategy
         self._module = module
         self.replicas = tuple(optimizer_cls(m.parameters(), **hparams) for m in module.replicas)
+        module._restructured()  # the copies' modules now (a head swapped in on every copy since mirror())
         guards.allow_optimizers(self.replicas)
         self._grad_buffers: dict = {}  # the strategy's persistent reduction buffers for this optimizer
         self._count_params: dict[int, Tensor] = {}  # "mean": per replica, the example count's stand-in parameter
@@ -292,10 +296,26 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if self._mean:
             reduced = self._weighted_mean(ctx, rid, params, grads, examples)
         else:
-            reduced = self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads)
+            reduced = self._all_reduce_gradients(ctx, params, grads)
         for p, g in zip(params, reduced):
             if p.grad is not g:  # after zero_grad(set_to_none=False) backward refilled last step's views
                 p.grad = g
+
+    def _all_reduce_gradients(self, ctx: ReplicaContext, params: list[Tensor],
+                              grads: list[Tensor | None]) -> list[Tensor | None]:
+        """The strategy's gradient all-reduce. With several replicas in this process, the same meeting
+        compares their module copies first (see _copy_watch.py), so that a change that reached some
+        copies only fails the step before any replica applies it."""
+        watch = self._module._shared.watch
+        if watch is None:
+            return self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads)
+        rid = ctx.local_replica_id
+        try:
+            return self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads,
+                                                       copies=watch.signature(rid))
+        except CopiesDiffer as e:  # raises unless only write counts differ, over equal values
+            watch.settle(rid, e.signatures, f"{self!r}, all-reducing the gradients")
+        return self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads, copies=watch.signature(rid))
 
     def _weighted_mean(self, ctx: ReplicaContext, rid: int, params: list[Tensor], grads: list[Tensor | None],
                        examples: int | None) -> list[Tensor | None]:
@@ -315,7 +335,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             dtype = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
             count = self._count_params[rid] = torch.zeros((), dtype=dtype, device=first.device, requires_grad=True)
         weight_t = torch.tensor(float(weight), dtype=count.dtype, device=count.device)
-        reduced = self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params + [count], grads + [weight_t])
+        reduced = self._all_reduce_gradients(ctx, params + [count], grads + [weight_t])
         total = reduced[-1].clamp(min=1)  # 0 only where no replica had examples: the gradients are zeros then
         present = [g for g in reduced[:-1] if g is not None]
         torch._foreach_div_(present, total)
