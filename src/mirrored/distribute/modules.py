@@ -7,7 +7,10 @@ load_state_dict, register_forward_hook, ...), reads replica 0's copy, which equa
 (parameters, state_dict, ...), or is refused with the fix; nothing changes replica 0 alone by
 falling through to its copy. A test enumerates nn.Module's methods against these lists.
 MirroredOptimizer (optimizer.py) keeps the copies in sync; `named_copies` lists their tensors for
-check_in_sync. Uses context.py, devices.py, guards.py and rollback.py.
+check_in_sync. A change that reaches some copies only all the same (through what a read returned:
+`p.requires_grad = False` on replica 0's parameter) is caught when the replicas' gradients meet, by
+the module's CopyWatch (_copy_watch.py). Uses context.py, devices.py, guards.py, rollback.py and
+_copy_watch.py.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from mirrored.distribute import context, guards
+from mirrored.distribute._copy_watch import CopyWatch, copies_difference
 from mirrored.distribute.devices import torch_device
 from mirrored.distribute.rollback import StepJournal, journal_of
 
@@ -33,14 +37,19 @@ if TYPE_CHECKING:
 class _Shared:
     """What a mirrored module and the views of its submodules share: each replica's count of the
     examples its copy saw since its optimizer last stepped (kept once an optimizer with
-    gradient_reduction="mean" needs it), and the no_sync() blocks open."""
+    gradient_reduction="mean" needs it), the no_sync() blocks open, and the watch over the whole
+    copies (where there are several)."""
 
-    __slots__ = ("examples", "no_sync_all", "no_sync", "grad_sync")
+    __slots__ = ("examples", "no_sync_all", "no_sync", "grad_sync", "watch")
 
-    def __init__(self, replicas: int):
+    def __init__(self, copies: list[nn.Module], devices: tuple[str, ...]):
         self.examples: list[Tensor] | None = None  # per replica: [examples, forward calls], int64 on the CPU
         self.no_sync_all = 0  # blocks opened outside strategy.run (they hold for every replica)
-        self.no_sync = [0] * replicas  # blocks opened by each replica inside strategy.run
+        self.no_sync = [0] * len(copies)  # blocks opened by each replica inside strategy.run
+        # Taken now, while the copies are equal: a change that later reaches some of them only is
+        # caught when their gradients meet. One copy (a worker of a multi-worker strategy) has no
+        # other to differ from.
+        self.watch = CopyWatch(copies, devices) if len(copies) > 1 else None
         # The optimizer that all-reduces this module's gradients when backward ends ("mean", as DDP), if
         # any: told of each forward and of zero_grad (MirroredOptimizer.before_forward / grads_cleared).
         self.grad_sync: Any = None
@@ -119,7 +128,7 @@ class MirroredModule:
         guards.allow_modules(copies)
         object.__setattr__(self, "_strategy", strategy)
         object.__setattr__(self, "replicas", tuple(copies))
-        object.__setattr__(self, "_shared", _Shared(len(copies)))
+        object.__setattr__(self, "_shared", _Shared(copies, devices))
 
     @classmethod
     def _of(cls, strategy: Strategy, copies: Any, shared: _Shared) -> MirroredModule:
@@ -236,7 +245,8 @@ class MirroredModule:
         not copied: a strategy owns threads)."""
         copies = [copy.deepcopy(m, memo) for m in self.replicas]
         guards.allow_modules(copies)
-        return MirroredModule._of(self._strategy, copies, _Shared(len(copies)))
+        return MirroredModule._of(self._strategy, copies,
+                                  _Shared(copies, self._strategy.extended.worker_devices))
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a MirroredModule cannot be pickled (it holds a strategy's replicas): save "
@@ -288,7 +298,13 @@ class MirroredModule:
     def apply(self, fn: Callable[[nn.Module], None]) -> MirroredModule:
         """fn(submodule) on every copy's submodules (inside strategy.run, on the replica's own copy)."""
         self._each("apply", fn)
+        self._restructured()  # (fn may replace parameters or submodules)
         return self
+
+    def _restructured(self) -> None:
+        """Every copy's structure may have changed alike (outside strategy.run): the watch walks them again."""
+        if self._shared.watch is not None and self._replica() is None:
+            self._shared.watch.rewalk()
 
     def to(self, *args: Any, **kwargs: Any) -> MirroredModule:
         """Casts every copy (to(torch.float64)); a device would move every copy onto that one device,
@@ -301,6 +317,7 @@ class MirroredModule:
                              f"({', '.join(self._strategy.extended.worker_devices)}); moving them all to one "
                              "would break the mirroring. Change the dtype only, e.g. mnet.to(torch.float64).")
         self._each("to", dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
+        self._restructured()  # (new parameters where torch overwrites them on conversion)
         return self
 
     def cpu(self) -> MirroredModule:
@@ -349,6 +366,7 @@ class MirroredModule:
             state = {k: v.detach().to(device, copy=True) if assign and isinstance(v, Tensor) else v
                      for k, v in state_dict.items()} if assign else state_dict
             results.append(m.load_state_dict(state, strict=strict, assign=assign))
+        self._restructured()  # (assign=True puts new parameters in)
         return results[0]
 
     def set_extra_state(self, state: Any) -> None:
@@ -376,6 +394,7 @@ class MirroredModule:
         for m, device in zip(self._targets("register_parameter"), self._devices()):
             m.register_parameter(name, None if param is None else
                                  nn.Parameter(param.detach().to(device, copy=True), param.requires_grad))
+        self._restructured()
 
     def add_module(self, name: str, module: nn.Module | None) -> None:
         """Adds a deep copy of `module` to every copy, on its device (one process only)."""
@@ -396,6 +415,7 @@ class MirroredModule:
             put(m, new)
             if new is not None:
                 guards.allow_modules([new])
+        self._restructured()
 
     def _devices(self) -> list[torch.device]:
         return [torch_device(d) for d in self._strategy.extended.worker_devices]
@@ -609,6 +629,11 @@ def named_copies(obj: Any) -> Iterator[tuple[str, list[Tensor]]]:
     if isinstance(obj, MirroredModule):
         states = [m.state_dict(keep_vars=True) for m in obj.replicas]
         _same_keys(states, "the module's state_dict")
+        problem = copies_difference(obj.replicas, obj._strategy.extended.worker_devices)
+        if problem is not None:  # equal values that the copies would use differently
+            from mirrored.distribute.strategy import OutOfSyncError
+
+            raise OutOfSyncError(f"the copies of the module differ: {problem}")
         for name in states[0]:
             yield name, [s[name] for s in states]
     elif isinstance(obj, MirroredOptimizer):
@@ -630,3 +655,14 @@ def named_copies(obj: Any) -> Iterator[tuple[str, list[Tensor]]]:
     else:
         raise TypeError(f"check_in_sync: expected a mirrored module, optimizer or variable; got "
                         f"{type(obj).__name__}.")
+
+
+def copies_checked(obj: Any) -> None:
+    """check_in_sync found the copies of `obj` (a mirrored module, or a list of objects) equal: their
+    count of in-place writes starts again from here (see _copy_watch.py)."""
+    if isinstance(obj, MirroredModule):
+        if obj._shared.watch is not None:
+            obj._shared.watch.equal_now(obj.replicas)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            copies_checked(item)

@@ -15,9 +15,13 @@ replica applies the same update, so the copies stay bitwise identical; floating-
   between backward and step() - clip_grad_norm_ - sees reduced gradients; step() then only meets
   the other replicas, so that no copy updates alone.
 
-torch LR schedulers take it as their optimizer: its param_groups write every replica's, so every
-replica gets the same rate, and `attach_lr_scheduler` saves a scheduler's state with its own. Uses
-context.py, devices.py, guards.py, modules.py, rollback.py and values.py; the strategy reduces.
+torch LR schedulers take it as their optimizer: outside strategy.run its param_groups write every
+replica's, so every replica gets the same rate, and `attach_lr_scheduler` saves a scheduler's state
+with its own. Inside strategy.run the groups are read-only (with several replicas in the process):
+a scheduler stepped there would step once per replica thread. The gradient all-reduce also compares
+the replicas' module copies (_copy_watch.py), so a change that reached some copies only fails the
+step before any replica updates. Uses context.py, devices.py, guards.py, modules.py, rollback.py,
+_copy_watch.py, _param_groups.py and values.py; the strategy reduces.
 """
 from __future__ import annotations
 
@@ -25,13 +29,15 @@ import copy
 import functools
 import types
 import weakref
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from mirrored.distribute import context, guards
+from mirrored.distribute._copy_watch import CopiesDiffer
+from mirrored.distribute._param_groups import MirroredGroup, ReplicaGroup
 from mirrored.distribute.modules import MirroredModule, HookHandles
 from mirrored.distribute.rollback import journal_of
 from mirrored.distribute.values import ReduceOp
@@ -53,7 +59,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
     Outside strategy.run, param_groups[i][key] = value, zero_grad, load_state_dict and hook
     registrations reach every replica's optimizer; state_dict, state and defaults read replica 0's
     (equal to the others'); step() is refused on more than one replica (it would update replica 0
-    alone), and add_param_group always (each replica's groups hold its own copy's parameters)."""
+    alone), and add_param_group always (each replica's groups hold its own copy's parameters).
+    Inside it, param_groups reads the replica's own groups and refuses writes (step a scheduler
+    after strategy.run)."""
 
     EVERY_COPY = frozenset({
         "zero_grad", "load_state_dict", "register_step_pre_hook", "register_step_post_hook",
@@ -79,6 +87,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._strategy = strategy
         self._module = module
         self.replicas = tuple(optimizer_cls(m.parameters(), **hparams) for m in module.replicas)
+        module._restructured()  # the copies' modules now (a head swapped in on every copy since mirror())
         guards.allow_optimizers(self.replicas)
         self._grad_buffers: dict = {}  # the strategy's persistent reduction buffers for this optimizer
         self._count_params: dict[int, Tensor] = {}  # "mean": per replica, the example count's stand-in parameter
@@ -119,12 +128,17 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[Any]:  # type: ignore[override]
-        """Inside strategy.run, the replica's own optimizer's groups; outside it, groups whose
-        hyperparameters are written to every replica's optimizer (g["lr"] = 0.01 changes them all,
-        and so does a torch LR scheduler)."""
-        if self._replica() is not None:
-            return self.optimizer.param_groups
-        return [_MirroredGroup([opt.param_groups[i] for opt in self.replicas])
+        """Outside strategy.run, groups whose hyperparameters are written to every replica's optimizer
+        (g["lr"] = 0.01 changes them all, and so does a torch LR scheduler). Inside it, the replica's
+        own optimizer's groups, read-only where this process holds several replicas: every replica's
+        thread would write its own, and a scheduler stepped there would step once per replica."""
+        ctx = self._replica()
+        if ctx is not None:
+            groups = self.replicas[ctx.local_replica_id].param_groups
+            if len(self.replicas) == 1:
+                return groups
+            return [ReplicaGroup(g, self, i) for i, g in enumerate(groups)]
+        return [MirroredGroup([opt.param_groups[i] for opt in self.replicas])
                 for i in range(len(self.replicas[0].param_groups))]
 
     @property
@@ -282,10 +296,26 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if self._mean:
             reduced = self._weighted_mean(ctx, rid, params, grads, examples)
         else:
-            reduced = self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads)
+            reduced = self._all_reduce_gradients(ctx, params, grads)
         for p, g in zip(params, reduced):
             if p.grad is not g:  # after zero_grad(set_to_none=False) backward refilled last step's views
                 p.grad = g
+
+    def _all_reduce_gradients(self, ctx: ReplicaContext, params: list[Tensor],
+                              grads: list[Tensor | None]) -> list[Tensor | None]:
+        """The strategy's gradient all-reduce. With several replicas in this process, the same meeting
+        compares their module copies first (see _copy_watch.py), so that a change that reached some
+        copies only fails the step before any replica applies it."""
+        watch = self._module._shared.watch
+        if watch is None:
+            return self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads)
+        rid = ctx.local_replica_id
+        try:
+            return self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads,
+                                                       copies=watch.signature(rid))
+        except CopiesDiffer as e:  # raises unless only write counts differ, over equal values
+            watch.settle(rid, e.signatures, f"{self!r}, all-reducing the gradients")
+        return self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads, copies=watch.signature(rid))
 
     def _weighted_mean(self, ctx: ReplicaContext, rid: int, params: list[Tensor], grads: list[Tensor | None],
                        examples: int | None) -> list[Tensor | None]:
@@ -305,7 +335,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             dtype = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
             count = self._count_params[rid] = torch.zeros((), dtype=dtype, device=first.device, requires_grad=True)
         weight_t = torch.tensor(float(weight), dtype=count.dtype, device=count.device)
-        reduced = self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params + [count], grads + [weight_t])
+        reduced = self._all_reduce_gradients(ctx, params + [count], grads + [weight_t])
         total = reduced[-1].clamp(min=1)  # 0 only where no replica had examples: the gradients are zeros then
         present = [g for g in reduced[:-1] if g is not None]
         torch._foreach_div_(present, total)
@@ -513,36 +543,6 @@ def _is_mean(reduction: str | ReduceOp) -> bool:
 def _dense(t: Tensor) -> bool:
     """Whether t can be scaled in place: no element shares memory with another (an expanded gradient does)."""
     return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
-
-
-class _MirroredGroup(MutableMapping):
-    """One param group of every replica's optimizer: reads replica 0's, writes all of them."""
-
-    def __init__(self, groups: list[dict[str, Any]]):
-        self._groups = groups
-
-    def __getitem__(self, key: str) -> Any:
-        return self._groups[0][key]
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key == "params":
-            raise ValueError("MirroredOptimizer.param_groups[i]['params'] cannot be set: each replica's group "
-                             "holds its own copy's parameters. Make a new mirror_optimizer instead.")
-        for group in self._groups:
-            group[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        for group in self._groups:
-            del group[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._groups[0])
-
-    def __len__(self) -> int:
-        return len(self._groups[0])
-
-    def __repr__(self) -> str:
-        return f"MirroredGroup({ {k: v for k, v in self._groups[0].items() if k != 'params'} })"
 
 
 class _BackwardSync:

@@ -48,7 +48,8 @@ _WATCHED_KEPT = 256  # replica functions remembered as guarded already (as guard
 
 
 class OutOfSyncError(RuntimeError):
-    """The copies of a mirrored object differ (raised by `strategy.check_in_sync`)."""
+    """The copies of a mirrored object differ (raised by `strategy.check_in_sync`, and by a step whose
+    replicas find their module copies different when their gradients meet)."""
 
 
 class ValueContext:
@@ -418,11 +419,14 @@ class Strategy:
         return count
 
     def all_reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
-                             grads: list[Tensor | None]) -> list[Tensor | None]:
+                             grads: list[Tensor | None], copies: Any = None) -> list[Tensor | None]:
         """The SUM over the replicas of `ctx`'s replica's gradients of `params` (called on every replica
         at once, by a mirrored optimizer's step); `cache` is the caller's, kept between steps for the
         strategy's buffers. A gradient that is None on every replica stays None; None on some only
         counts as zeros. Returns the reduced gradients; each may be the given tensor, summed in place.
+        `copies` (passed only where this process holds several replicas) is what the replicas' module
+        copies must agree on (a CopyWatch signature), compared in the same meeting: where the replicas'
+        differ, nothing is reduced and every replica raises CopiesDiffer with all of them.
 
         Here small gradients are packed into persistent buffers, and large ones are reduced in place,
         as DDP reduces .grad (a second copy of a ResNet-50's gradients per replica would cost 100 MB,
@@ -437,8 +441,12 @@ class Strategy:
         state = _replica_entry(ctx, cache, _GradientState, "all_reduce (gradients)")
         mask = tuple(g is not None for g in grads)
         expected = state.unions.get(mask, mask)
-        reduced = self._reduce_with_union(ctx, state, params, grads, mask, expected)
+        reduced = self._reduce_with_union(ctx, state, params, grads, mask, expected, copies)
         if isinstance(reduced, Disagreement):
+            if any(token[2] != copies for token in reduced.tokens):
+                from mirrored.distribute._copy_watch import CopiesDiffer
+
+                raise CopiesDiffer([token[2] for token in reduced.tokens])
             masks = [token[0] for token in reduced.tokens]
             if any(len(m) != len(mask) for m in masks):
                 raise replicas.CollectiveMismatchError(
@@ -446,21 +454,21 @@ class Strategy:
                     f"({[len(m) for m in masks]}). Every replica must step the same mirrored optimizer.")
             union = _union_of(masks)
             state.learn(mask, union)
-            reduced = self._reduce_with_union(ctx, state, params, grads, mask, union)
+            reduced = self._reduce_with_union(ctx, state, params, grads, mask, union, copies)
             if isinstance(reduced, Disagreement):
                 raise RuntimeError("replicas disagree on the union of their gradient masks (internal error).")
         return reduced
 
     def _reduce_with_union(self, ctx: ReplicaContext, state: _GradientState, params: Sequence[Tensor],
-                           grads: list[Tensor | None], mask: tuple[bool, ...], union: tuple[bool, ...]
-                           ) -> list[Tensor | None] | Disagreement:
+                           grads: list[Tensor | None], mask: tuple[bool, ...], union: tuple[bool, ...],
+                           copies: Any) -> list[Tensor | None] | Disagreement:
         if union != mask:  # zeros where this replica's loss did not reach a parameter others need
             grads = [torch.zeros_like(params[i]) if needed and g is None else g
                      for i, (g, needed) in enumerate(zip(grads, union))]
         layout = state.buffers(grads, union, self._cross_device_ops.bytes_per_pack)
         inputs, outputs, results = layout.stage(grads, like=params)  # (a gradient laid out like its parameter)
         reduced = self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, ReduceOp.SUM, inputs, outputs,
-                                                    agree=(mask, union), agreed=_union_is_exact,
+                                                    agree=(mask, union, copies), agreed=_copies_and_union_agree,
                                                     what="all_reduce (gradients)")
         return reduced if isinstance(reduced, Disagreement) else results
 
@@ -577,7 +585,7 @@ class Strategy:
 
     def check_in_sync(self, obj: Any) -> None:
         """Raises OutOfSyncError naming the first tensor whose copies differ, and the replicas."""
-        from mirrored.distribute.modules import named_copies
+        from mirrored.distribute.modules import copies_checked, named_copies
 
         for name, copies in named_copies(obj):
             ref = copies[0].detach().cpu()
@@ -592,6 +600,7 @@ class Strategy:
                                 if ref.is_floating_point() else "")
                     raise OutOfSyncError(f"{name}: replica 0 and replica {r} ({self._devices[r]}) hold different "
                                          f"values{diff}; the copies must be bitwise identical after every step.")
+        copies_checked(obj)  # (a mirrored module's count of in-place writes starts again from here)
 
     # ---- input ----------------------------------------------------------------------------------------
     def experimental_distribute_dataset(self, dataset: Any,
@@ -607,6 +616,12 @@ class Strategy:
         from mirrored.distribute.input import DistributedDatasetsFromFunction
 
         return DistributedDatasetsFromFunction(self, dataset_fn, options)
+
+
+def _copies_and_union_agree(tokens: list[tuple[tuple[bool, ...], tuple[bool, ...], Any]]) -> bool:
+    """The replicas' module copies agree (all_reduce_gradients' `copies`) and so do their gradient masks."""
+    copies = tokens[0][2]
+    return all(token[2] == copies for token in tokens) and _union_is_exact([token[:2] for token in tokens])
 
 
 class MirroredStrategy(Strategy):
