@@ -267,8 +267,9 @@ class Model:
         use_jit = jit.resolve(jit_compile)
         strategy = self.distribute_strategy
         with strategy.scope():
-            self.optimizer = optimizers.get(optimizer)
-            self._mopt = strategy.mirror_optimizer(lambda params: self.optimizer.build(params), self._net)
+            recipe = optimizers.get(optimizer)  # (set on the model once built: a refused instance changes nothing)
+            self._mopt = strategy.mirror_optimizer(lambda params: recipe.build(params), self._net)
+            self.optimizer = recipe
             self._loss = losses.get(loss)
             if getattr(self._loss, "reduction", None) == "none":
                 raise ValueError(f"compile(loss={loss!r}): reduction='none' leaves one loss per example, but fit "
@@ -483,6 +484,7 @@ class Model:
         self._epoch_iterator = epoch_iterator
         try:
             cbs.on_train_begin()  # BackupAndRestore may move the iterator to where a run stopped
+            optimizers.warn_if_instance_changed(self.optimizer, stacklevel=2)
             if epoch_iterator.resume_learning_rate is not None:
                 self.optimizer.learning_rate = epoch_iterator.resume_learning_rate
             for m in self._net.replicas:
@@ -527,6 +529,7 @@ class Model:
                 for m in self._net.replicas:
                     m.train()
             cbs.on_epoch_end(epoch, epoch_logs)
+            optimizers.warn_if_instance_changed(self.optimizer, stacklevel=3)  # (a scheduler stepped by hand)
             if self.stop_training:
                 break
         return epoch_logs
