@@ -322,7 +322,9 @@ class Model:
         logits, but joins whatever collective the others make: with ignore_class, the count of
         kept labels; with SyncBatchNorm, the forward pass's statistics."""
         rows = _rows(x)
-        y = _as_labels(y)
+        # Labels and weights as Keras's data adapters make them: float ones in the module's dtype (floatx).
+        dtype = _module_dtype(net)
+        y, sw = _cast_inputs(_as_labels(y), dtype), _cast_inputs(sw, dtype)
         logits = per_example = None
         if rows or self._sync_bn:
             logits = self._forward(net, x)
@@ -350,8 +352,9 @@ class Model:
         penalty = regularization.detach().float() if isinstance(regularization, Tensor) else regularization
         self._loss_tracker.total.assign_add(share.detach().float() * count + penalty * rows)  # no device sync
         self._loss_tracker.count.assign_add(rows)
+        y = _cast_inputs(_as_labels(y), logits.dtype if logits.is_floating_point() else None)
         for m in self._metrics:
-            m.update_state(_as_labels(y), logits.detach(), sw)
+            m.update_state(y, logits.detach(), sw)
 
     def _train_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
         ctx = md.get_replica_context()
