@@ -448,9 +448,14 @@ class Model:
         if batch_size is not None:
             raise ValueError(f"Model.{where}: batch_size= is only for arrays; a dataset is batched already "
                              "(by the GLOBAL batch size).")
-        if not isinstance(x, Iterable) or isinstance(x, Iterator):
+        if isinstance(x, Iterator):  # (a DataLoader is Iterable; its iterator, like a generator, is one pass)
+            raise TypeError(f"Model.{where}: got a {type(x).__name__}, which can be read only once, but every epoch "
+                            "(and validation) reads the data again. Give something re-iterable that yields GLOBAL "
+                            "batches: a torch DataLoader, a list of batches, mr.data.Dataset.from_generator(fn) "
+                            "(fn returns a new generator each pass), or arrays with batch_size=.")
+        if not isinstance(x, Iterable):
             raise TypeError(f"Model.{where}: expected an mr.data.Dataset of GLOBAL batches (or arrays with "
-                            f"batch_size=); got {type(x).__name__}.")
+                            f"batch_size=, a torch DataLoader, a list of batches); got {type(x).__name__}.")
         return x
 
     # ---- fit / evaluate / predict ------------------------------------------------------------------------
