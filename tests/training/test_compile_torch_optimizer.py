@@ -211,3 +211,25 @@ def test_the_config_records_the_groups_and_save_load_continues_them(tmp_path):
         m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(loaded.get_weights(), model.get_weights()):
         assert np.array_equal(a, b)  # the same program on the same replicas: bit for bit
+
+
+def test_an_optimizer_built_by_an_mr_optimizers_recipe_keeps_its_keras_options():
+    x, y = _data()
+    ref = _net()
+    net = copy.deepcopy(ref)
+    model = _model(net, mr.optimizers.SGD(learning_rate=0.1, momentum=0.9, clipvalue=0.05)(net.parameters()), 2)
+    assert model.optimizer.clipvalue == 0.05
+    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(EPOCHS):
+        for i in range(0, len(x), BATCH):
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(x[i:i + BATCH]), y[i:i + BATCH]).backward()
+            torch.nn.utils.clip_grad_value_(ref.parameters(), 0.05)
+            ref_opt.step()
+    _assert_weights(model, ref)
+    accumulating = mr.optimizers.SGD(learning_rate=0.1, gradient_accumulation_steps=2)(net.parameters())
+    F.cross_entropy(net(x), y).backward()
+    accumulating.step()  # the first of 2 steps: its gradients wait in the optimizer
+    with pytest.raises(ValueError, match="holds gradients accumulated towards its next update"):
+        _model(_net(), accumulating, 2)
