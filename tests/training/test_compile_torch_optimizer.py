@@ -99,6 +99,9 @@ def test_groups_and_state_of_the_instance_train_like_plain_torch(make, replicas)
     opt.load_state_dict(ref_opt.state_dict())
     model = _model(net, opt, replicas)
     assert all(a is b for a, b in zip(model.module.parameters(), net.parameters()))  # replica 0 is the net
+    own = {t.data_ptr() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)}
+    for replica in model.mirrored_optimizer.replicas:  # each replica's state is its own copy
+        assert own.isdisjoint(t.data_ptr() for s in replica.state.values() for t in s.values() if torch.is_tensor(t))
     groups = model.mirrored_optimizer.param_groups
     assert [{k: g[k] for k in ("lr", "weight_decay")} for g in groups] == \
            [{k: g[k] for k in ("lr", "weight_decay")} for g in ref_opt.param_groups]

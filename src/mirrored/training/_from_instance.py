@@ -4,9 +4,9 @@ compile() builds one optimizer per replica, so the user's instance is a descript
 class and defaults (optimizers.get takes those), every parameter group's hyperparameters (a head
 with its own lr, weight decay off for biases and norms, a rate set on a group after construction),
 and its state_dict when it has state (momentum buffers, Adam's moments). InstanceGroups keeps the
-groups and state. The groups' parameters are mapped onto the model's by identity, once, on replica
-0's copy (the module given to mr.Model is that copy: mirroring moves it, it does not copy it), and
-by position onto every other replica's copy. A torch LR scheduler built on the instance is moved
+groups and reads the state as each replica's optimizer is built. The groups' parameters are mapped
+onto the model's by identity, once, on replica 0's copy (the module given to mr.Model is that copy:
+mirroring moves it, it does not copy it), and by position onto every other replica's copy. A torch LR scheduler built on the instance is moved
 onto the model's mirrored optimizer by mr.callbacks.TorchLRScheduler (move_scheduler); a change to
 the instance's settings after compile (a scheduler stepped by hand) would change nothing, and fit
 says so (changes_since_compile). Uses torch only.
@@ -27,14 +27,13 @@ _MISSING = object()
 
 class InstanceGroups:
     """A torch optimizer instance's parameter groups (hyperparameters, and parameters as positions
-    in the model's parameter list) and state, as compile() took them."""
+    in the model's parameter list), as compile() took them, and its state."""
 
     def __init__(self, hparams: list[dict[str, Any]], positions: list[list[int]] | None,
-                 num_params: int | None, state: dict[str, Any] | None, name: str):
+                 num_params: int | None, name: str):
         self.hparams = hparams
         self.positions = positions  # None until resolve() maps the instance's parameters
         self.num_params = num_params
-        self.state = state
         self.name = name
         self._params: list[list[Tensor]] | None = None  # the instance's own, until resolve()
         self._source: Any = None  # weakref to the instance
@@ -43,10 +42,10 @@ class InstanceGroups:
 
     @classmethod
     def of(cls, instance: torch.optim.Optimizer, name: str) -> InstanceGroups:
-        """What `instance` holds now (a copy: later changes to it are not taken)."""
+        """`instance`'s groups as they are now (a copy: later changes to them are not taken); its state is
+        read when an optimizer is built (state_dict())."""
         hparams = [_settings(g) for g in instance.param_groups]
-        state = copy.deepcopy(instance.state_dict()) if instance.state else None
-        groups = cls(hparams, None, None, state, name)
+        groups = cls(hparams, None, None, name)
         groups._params = [list(g["params"]) for g in instance.param_groups]
         groups._source = weakref.ref(instance)
         groups._seen = copy.deepcopy(hparams)
@@ -63,13 +62,26 @@ class InstanceGroups:
                              "{'params': [parameter positions], ...hyperparameters}.")
         positions = [list(g["params"]) for g in config]
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in config]
-        return cls(hparams, positions, None, None, name)
+        return cls(hparams, positions, None, name)
 
     def config(self) -> list[dict[str, Any]]:
         """The groups as JSON-able dicts, the parameters as positions (once resolve() has mapped them)."""
         if self.positions is None:
             raise NotImplementedError(f"{self.name}: the groups are not mapped onto a model's parameters yet.")
         return [{"params": list(pos), **copy.deepcopy(h)} for pos, h in zip(self.positions, self.hparams)]
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """A copy of the instance's state_dict for one replica's optimizer, with the groups' settings as
+        taken (or set on the recipe since); None when it holds no state. Read from the instance at
+        build time rather than copied at compile's start: a copy kept for later would double the
+        memory of Adam's moments for as long as the model lives."""
+        instance = self.source
+        if instance is None or not instance.state:
+            return None
+        state = copy.deepcopy(instance.state_dict())  # (its tensors are the instance's own until copied)
+        for saved, settings in zip(state["param_groups"], self.hparams):
+            saved.update(copy.deepcopy(settings))
+        return state
 
     @property
     def source(self) -> torch.optim.Optimizer | None:

@@ -134,10 +134,8 @@ class Optimizer:
         else:
             opt = _with_options(self._torch_cls)(groups.groups_for(list(params)), lr=lr, **self._kwargs)
         opt._set_options(self._options)
-        if groups is not None and groups.state is not None:
-            state = copy.deepcopy(groups.state)
-            for saved, settings in zip(state["param_groups"], groups.hparams):
-                saved.update(copy.deepcopy(settings))  # (a rate set on the recipe since get())
+        state = groups.state_dict() if groups is not None else None
+        if state is not None:
             opt.load_state_dict(state)
         self._built = [r for r in self._built if r() is not None] + [weakref.ref(opt)]
         return opt
