@@ -128,8 +128,9 @@ def test_torch_optimizers_and_loss_modules_train_like_the_reference(case):
     loss: object = "sparse_categorical_crossentropy"
     if case == "adam class":
         optimizer, make_opt = torch.optim.Adam, lambda p: torch.optim.Adam(p)  # torch's defaults: lr 1e-3, eps 1e-8
-    elif case == "sgd instance":  # built on other parameters: only its class and defaults are reused
-        optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+    elif case == "sgd instance":  # built on the module's parameters, as a PyTorch script builds it
+        net = _net()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     elif case == "loss module":
         loss = torch.nn.CrossEntropyLoss()
     else:
@@ -140,7 +141,7 @@ def test_torch_optimizers_and_loss_modules_train_like_the_reference(case):
             return F.cross_entropy(logits, yb, reduction="none") * class_weight[yb]
     ref = _net()
     want = _reference(ref, x, y, make_opt, epochs=2, loss_fn=loss_fn)
-    model = _model(_net(), optimizer=optimizer, loss=loss)
+    model = _model(net if case == "sgd instance" else _net(), optimizer=optimizer, loss=loss)
     history = model.fit(mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH), epochs=2, verbose=0)
     _assert_weights_match(model, ref)  # Adam too: measured within 1.2e-7 relative
     np.testing.assert_allclose(history.history["loss"], want, rtol=1e-6)

@@ -95,12 +95,12 @@ def test_reduce_lr_on_plateau_steps_with_the_monitored_value():
 
 def test_a_scheduler_of_another_optimizer_is_refused():
     net = _net()
-    plain = torch.optim.SGD(net.parameters(), lr=0.1)
-    model = _model(net, plain)
+    model = _model(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    other = torch.optim.SGD(_net().parameters(), lr=0.1)  # (one on the compiled instance is moved instead)
     x, y = _data()
     with pytest.raises(ValueError, match="not this model's optimizer.*model.mirrored_optimizer"):
         model.fit(x, y, batch_size=8, verbose=0,
-                  callbacks=[mr.callbacks.TorchLRScheduler(lr_scheduler.StepLR(plain, step_size=1))])
+                  callbacks=[mr.callbacks.TorchLRScheduler(lr_scheduler.StepLR(other, step_size=1))])
     with pytest.raises(ValueError, match="step_per"):
         mr.callbacks.TorchLRScheduler(lambda opt: lr_scheduler.StepLR(opt, 1), step_per="step")
 

@@ -310,6 +310,15 @@ def entries(path: str, obj: Any) -> Iterator[tuple[str, Any, Any]]:
             yield f"{path}.loss_scale", _State, obj.loss_scale
         return
     kind = _kind(obj)
+    if kind is None and isinstance(obj, (torch.optim.lr_scheduler.LRScheduler,
+                                         torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        # One place holds a schedule's state, next to the rates it set: its optimizer's entry.
+        raise TypeError(f"Checkpoint: {path} is a torch LR scheduler ({type(obj).__name__}), whose state is saved "
+                        "with its optimizer's. Attach it to the mirrored optimizer it drives - "
+                        "mirrored_optimizer.attach_lr_scheduler(scheduler) - and give that optimizer to the "
+                        "checkpoint instead (optimizer=mirrored_optimizer); Model.save and BackupAndRestore then "
+                        "keep the schedule too. (A scheduler of a plain torch optimizer: build both with "
+                        "strategy.mirror_optimizer(...).)")
     if kind is None and isinstance(obj, (list, tuple)):
         for i, item in enumerate(obj):
             yield from entries(f"{path}.{i}", item)

@@ -494,8 +494,11 @@ class TorchLRScheduler(Callback):
     OneCycleLR); ReduceLROnPlateau steps at each epoch's end with logs[monitor].
 
     Give a scheduler built on model.mirrored_optimizer (after compile), or a function optimizer ->
-    scheduler, which is called with it: TorchLRScheduler(lambda opt: StepLR(opt, step_size=30)).
-    The scheduler sets every replica's rate. Its state is saved with the optimizer's (Model.save,
+    scheduler, which is called with it: TorchLRScheduler(lambda opt: StepLR(opt, step_size=30)), or
+    one built on the torch optimizer instance given to compile(), as a PyTorch script builds it: when
+    fit starts it is moved onto model.mirrored_optimizer, with what it set on the instance, and drives
+    it from then on (the instance keeps its last settings). The scheduler sets every replica's rate.
+    A Keras schedule as the optimizer's learning_rate sets the rate itself: the pair is refused. Its state is saved with the optimizer's (Model.save,
     BackupAndRestore); list this callback before BackupAndRestore and ModelCheckpoint, so that what
     they save at an epoch's or a batch's end holds the step taken there. Before each epoch the
     scheduler's last rate is set again, which a resumed fit needs. Adds "learning_rate" to the epoch
@@ -527,21 +530,31 @@ class TorchLRScheduler(Callback):
         """Builds the scheduler on the model's mirrored optimizer (if compiled) and attaches it, so it is saved."""
         super().set_model(model)
         optimizer = getattr(model, "mirrored_optimizer", None)
-        if optimizer is not None:  # (compiled: fit() needs it; predict() does not)
+        # (Compiled: fit() needs it; predict() does not.) With a Keras schedule nothing is touched here:
+        # on_train_begin refuses the pair.
+        if optimizer is not None and getattr(getattr(model, "optimizer", None), "_schedule", None) is None:
             self._attach(optimizer)
 
     def _attach(self, optimizer: Any) -> None:
+        from mirrored.training import optimizers
+
         if self.scheduler is None:
             self.scheduler = self._make(optimizer)
-        if getattr(self.scheduler, "optimizer", None) is not optimizer:
-            raise ValueError(f"TorchLRScheduler: the scheduler {type(self.scheduler).__name__} drives "
-                             f"{getattr(self.scheduler, 'optimizer', None)!r}, not this model's optimizer, so it "
-                             "would change nothing. Build it on model.mirrored_optimizer after compile(), or pass "
-                             "a function: TorchLRScheduler(lambda opt: StepLR(opt, step_size=30)).")
+        target = getattr(self.scheduler, "optimizer", None)
+        if target is not optimizer:
+            instance = optimizers.from_instance(getattr(self.model, "optimizer", None))
+            if instance is None or target is None or target is not instance.source:
+                raise ValueError(f"TorchLRScheduler: the scheduler {type(self.scheduler).__name__} drives "
+                                 f"{target!r}, not this model's optimizer, so it would change nothing. Build it on "
+                                 "model.mirrored_optimizer after compile(), or pass a function: "
+                                 "TorchLRScheduler(lambda opt: StepLR(opt, step_size=30)).")
+            # Built on the instance given to compile(), which compile() copied into the replicas' optimizers.
+            instance.move_scheduler(self.scheduler, optimizer)
         optimizer.attach_lr_scheduler(self.scheduler)  # its state is saved with the optimizer's
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        """Checks there is an optimizer to schedule."""
+        """Checks there is an optimizer to schedule, whose rate no Keras schedule sets."""
+        settable_learning_rate("TorchLRScheduler", self.model)
         if self.scheduler is None or getattr(self.model, "mirrored_optimizer", None) is None:
             raise RuntimeError("TorchLRScheduler: the model has no optimizer to schedule; call "
                                "model.compile(optimizer=...) before fit().")

@@ -281,8 +281,9 @@ class Model:
         use_jit = jit.resolve(jit_compile)
         strategy = self.distribute_strategy
         with strategy.scope():
-            self.optimizer = optimizers.get(optimizer)
-            self._mopt = strategy.mirror_optimizer(lambda params: self.optimizer.build(params), self._net)
+            recipe = optimizers.get(optimizer)  # (set on the model once built: a refused instance changes nothing)
+            self._mopt = strategy.mirror_optimizer(lambda params: recipe.build(params), self._net)
+            self.optimizer = recipe
             self._loss = losses.get(loss)
             if getattr(self._loss, "reduction", None) == "none":
                 raise ValueError(f"compile(loss={loss!r}): reduction='none' leaves one loss per example, but fit "
@@ -335,7 +336,9 @@ class Model:
         logits, but joins whatever collective the others make: with ignore_class, the count of
         kept labels; with SyncBatchNorm, the forward pass's statistics."""
         rows = _rows(x)
-        y = _as_labels(y)
+        # Labels and weights as Keras's data adapters make them: float ones in the module's dtype (floatx).
+        dtype = _module_dtype(net)
+        y, sw = _cast_inputs(_as_labels(y), dtype), _cast_inputs(sw, dtype)
         logits = per_example = None
         if rows or self._sync_bn:
             logits = self._forward(net, x)
@@ -363,8 +366,9 @@ class Model:
         penalty = regularization.detach().float() if isinstance(regularization, Tensor) else regularization
         self._loss_tracker.total.assign_add(share.detach().float() * count + penalty * rows)  # no device sync
         self._loss_tracker.count.assign_add(rows)
+        y = _cast_inputs(_as_labels(y), logits.dtype if logits.is_floating_point() else None)
         for m in self._metrics:
-            m.update_state(_as_labels(y), logits.detach(), sw)
+            m.update_state(y, logits.detach(), sw)
 
     def _train_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
         ctx = md.get_replica_context()
@@ -461,9 +465,14 @@ class Model:
         if batch_size is not None:
             raise ValueError(f"Model.{where}: batch_size= is only for arrays; a dataset is batched already "
                              "(by the GLOBAL batch size).")
-        if not isinstance(x, Iterable) or isinstance(x, Iterator):
+        if isinstance(x, Iterator):  # (a DataLoader is Iterable; its iterator, like a generator, is one pass)
+            raise TypeError(f"Model.{where}: got a {type(x).__name__}, which can be read only once, but every epoch "
+                            "(and validation) reads the data again. Give something re-iterable that yields GLOBAL "
+                            "batches: a torch DataLoader, a list of batches, mr.data.Dataset.from_generator(fn) "
+                            "(fn returns a new generator each pass), or arrays with batch_size=.")
+        if not isinstance(x, Iterable):
             raise TypeError(f"Model.{where}: expected an mr.data.Dataset of GLOBAL batches (or arrays with "
-                            f"batch_size=); got {type(x).__name__}.")
+                            f"batch_size=, a torch DataLoader, a list of batches); got {type(x).__name__}.")
         return x
 
     # ---- fit / evaluate / predict ------------------------------------------------------------------------
@@ -526,6 +535,7 @@ class Model:
         self._epoch_iterator = epoch_iterator
         try:
             cbs.on_train_begin()  # BackupAndRestore may move the iterator to where a run stopped
+            optimizers.warn_if_instance_changed(self.optimizer, stacklevel=2)
             if epoch_iterator.resume_learning_rate is not None:
                 self.optimizer.learning_rate = epoch_iterator.resume_learning_rate
             for m in self._net.replicas:
@@ -570,6 +580,7 @@ class Model:
                 for m in self._net.replicas:
                     m.train()
             cbs.on_epoch_end(epoch, epoch_logs)
+            optimizers.warn_if_instance_changed(self.optimizer, stacklevel=3)  # (a scheduler stepped by hand)
             if self.stop_training:
                 break
         return epoch_logs

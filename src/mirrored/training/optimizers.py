@@ -20,15 +20,19 @@ optimizer's `state_dict()` (under "keras"), so checkpoints restore them; the acc
 are each replica's own, so replicas_state_dict() saves every replica's and
 load_replicas_state_dict() gives them back (their sum to replica 0 under another replica count).
 `learning_rate` reads the current rate and, without a schedule, sets it (callbacks such as
-ReduceLROnPlateau). get() takes a name, an Optimizer, a config, a torch optimizer class or instance.
-Hyperparameter defaults are Keras 3's. get_config()/from_config() and serialize()/deserialize() round-trip through JSON.
-Uses torch, schedules.py and _config.py.
+ReduceLROnPlateau); with several parameter groups it is the first group's, and setting it scales every
+group's rate by the same factor, so a head trained at 10x stays at 10x. get() takes a name, an
+Optimizer, a config, a torch optimizer class or instance; an instance hands over its class and
+defaults, every parameter group's hyperparameters and its state (_from_instance.py). Hyperparameter
+defaults are Keras 3's. get_config()/from_config() and serialize()/deserialize() round-trip through JSON.
+Uses torch, schedules.py, _config.py and _from_instance.py.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -38,6 +42,7 @@ from torch import Tensor
 
 import mirrored.distribute as md
 from mirrored.training import _config, schedules
+from mirrored.training._from_instance import InstanceGroups
 from mirrored.training.schedules import LearningRateSchedule
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer", "RMSprop", "deserialize", "get", "load_replicas_state_dict",
@@ -115,13 +120,23 @@ class Optimizer:
         self._options = _Options(schedule, clipnorm, clipvalue, global_clipnorm, gradient_accumulation_steps or 1,
                                  use_ema, float(ema_momentum), ema_overwrite_frequency)
         self._built: list[weakref.ref] = []
+        # A torch optimizer instance's groups and state (get(instance)), built into every optimizer.
+        self._from_instance: InstanceGroups | None = None
 
     # ---- building ---------------------------------------------------------------------------------
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        """A new torch optimizer over `params` with this recipe's hyperparameters and options."""
-        opt = _with_options(self._torch_cls)(params, lr=self._lr if self._schedule is None else self._schedule(0),
-                                             **self._kwargs)
+        """A new torch optimizer over `params` with this recipe's hyperparameters and options (and, for
+        one made from a torch optimizer instance, its parameter groups and state)."""
+        lr = self._lr if self._schedule is None else self._schedule(0)
+        groups = self._from_instance
+        if groups is None:
+            opt = _with_options(self._torch_cls)(params, lr=lr, **self._kwargs)
+        else:
+            opt = _with_options(self._torch_cls)(groups.groups_for(list(params)), lr=lr, **self._kwargs)
         opt._set_options(self._options)
+        state = groups.state_dict() if groups is not None else None
+        if state is not None:
+            opt.load_state_dict(state)
         self._built = [r for r in self._built if r() is not None] + [weakref.ref(opt)]
         return opt
 
@@ -135,7 +150,8 @@ class Optimizer:
     # ---- state -------------------------------------------------------------------------------------
     @property
     def learning_rate(self) -> float:
-        """The rate of the next update: the schedule's value at the step count, or the rate last set."""
+        """The rate of the next update: the schedule's value at the step count, or the rate last set
+        (the first parameter group's; setting it scales every group's rate by the same factor)."""
         live = self._live()
         if self._schedule is not None:
             return float(self._schedule(live[-1]._micro_steps if live else 0))
@@ -150,9 +166,10 @@ class Optimizer:
         if value < 0:
             raise ValueError(f"{self.name}.learning_rate = {value}: the learning rate must be non-negative.")
         self._lr = value
+        if self._from_instance is not None:
+            _set_rate(self._from_instance.hparams, value, self.name)
         for opt in self._live():
-            for group in opt.param_groups:
-                group["lr"] = value
+            _set_rate(opt.param_groups, value, self.name)
 
     @property
     def iterations(self) -> int:
@@ -179,7 +196,10 @@ class Optimizer:
         if getattr(torch.optim, getattr(self._torch_cls, "__name__", ""), None) is not self._torch_cls:
             raise NotImplementedError(f"{self.name}: the optimizer class {self._torch_cls!r} is not one of "
                                       "torch.optim's, so no config can rebuild it.")
-        return {"torch_class": self._torch_cls.__name__, **self._option_config(), **self._kwargs}
+        config = {"torch_class": self._torch_cls.__name__, **self._option_config(), **self._kwargs}
+        if self._from_instance is not None:  # [{"params": [positions in the model's parameters], **settings}]
+            config["param_groups"] = self._from_instance.config()
+        return config
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Optimizer:
@@ -190,10 +210,14 @@ class Optimizer:
         if cls is not Optimizer:
             return cls(**config)
         name = config.pop("torch_class", None)
+        groups = config.pop("param_groups", None)
         torch_cls = getattr(torch.optim, str(name), None)
         if not (isinstance(torch_cls, type) and issubclass(torch_cls, torch.optim.Optimizer)):
             raise ValueError(f"Optimizer config: torch_class {name!r} is not a torch.optim optimizer.")
-        return cls(torch_cls, **config)
+        optimizer = cls(torch_cls, **config)
+        if groups is not None:
+            optimizer._from_instance = InstanceGroups.from_config(groups, optimizer.name)
+        return optimizer
 
     def __repr__(self) -> str:
         try:
@@ -201,9 +225,31 @@ class Optimizer:
         except NotImplementedError:
             config = dict(self._kwargs)
         config["learning_rate"] = self._schedule or self._lr
+        if self._from_instance is not None:
+            config["param_groups"] = len(self._from_instance.hparams)  # (their count: the settings are long)
         shown = {k: v for k, v in config.items()
                  if k not in ("name", "torch_class") and not (k in _OPTION_DEFAULTS and v == _OPTION_DEFAULTS[k])}
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+
+def _set_rate(groups: Sequence[Any], value: float, name: str) -> None:
+    """Sets the first group's rate to `value` and scales the others' by the same factor (all of them to
+    `value` when they share one rate), as torch's ReduceLROnPlateau scales every group."""
+    first = float(groups[0]["lr"])
+    if value == first:
+        return
+    if all(float(g["lr"]) == first for g in groups):
+        for g in groups:
+            g["lr"] = value
+        return
+    if first == 0:
+        raise ValueError(f"{name}.learning_rate = {value}: the first parameter group's rate is 0 and the others' are "
+                         "not, so no common factor scales them. Set each group's rate: "
+                         "model.mirrored_optimizer.param_groups[i]['lr'] = ...")
+    factor = value / first
+    groups[0]["lr"] = value
+    for g in groups[1:]:
+        g["lr"] = g["lr"] * factor
 
 
 _OPTION_DEFAULTS = {"clipnorm": None, "global_clipnorm": None, "clipvalue": None, "use_ema": False,
@@ -314,7 +360,8 @@ def deserialize(config: Mapping[str, Any]) -> Optimizer:
 
 def get(identifier: Any) -> Optimizer:
     """An Optimizer from a name, an Optimizer, a serialize() config, a torch optimizer class, or a torch
-    optimizer instance (its class and defaults are reused)."""
+    optimizer instance: its class, defaults, parameter groups (mapped onto the model's parameters by
+    identity when first built) and state are carried over."""
     if isinstance(identifier, Optimizer):
         return identifier
     if isinstance(identifier, str):
@@ -326,20 +373,68 @@ def get(identifier: Any) -> Optimizer:
     if isinstance(identifier, Mapping):
         return deserialize(identifier)
     if isinstance(identifier, torch.optim.Optimizer):
-        torch_cls = _torch_class_of(type(identifier))
-        defaults = dict(identifier.defaults)
-        lr = defaults.pop("lr", 0.001)
-        if len(identifier.param_groups) > 1:
-            raise ValueError(f"optimizer {type(identifier).__name__} has {len(identifier.param_groups)} parameter "
-                             "groups; compile() rebuilds the optimizer for every replica and keeps only the class and "
-                             "defaults. Pass the class with its settings instead.")
-        return Optimizer(torch_cls, float(lr), torch_cls.__name__, **defaults)
+        return _from_torch_instance(identifier)
     if isinstance(identifier, type) and issubclass(identifier, torch.optim.Optimizer):
         lr = inspect.signature(identifier).parameters.get("lr")
         default_lr = lr.default if lr is not None and isinstance(lr.default, (int, float)) else 0.001
         return Optimizer(identifier, float(default_lr), identifier.__name__)
     raise TypeError(f"compile(optimizer={identifier!r}): expected a name ({', '.join(sorted(_OPTIMIZERS))}), "
                     "an mr.optimizers optimizer, a torch.optim class, or a torch optimizer instance.")
+
+
+def _from_torch_instance(instance: torch.optim.Optimizer) -> Optimizer:
+    """The recipe that builds, for every replica, what `instance` is: its class and defaults, its
+    groups' hyperparameters and its state (and, for one an mr.optimizers recipe built, its options)."""
+    if isinstance(instance, md.MirroredOptimizer):
+        raise TypeError(f"compile(optimizer={instance!r}): compile() builds the model's mirrored optimizer itself. "
+                        "Pass a torch optimizer over the module's parameters (torch.optim.SGD(net.parameters(), "
+                        "...)), its class, or an mr.optimizers optimizer.")
+    torch_cls = _torch_class_of(type(instance))
+    name = torch_cls.__name__
+    defaults = _constructor_arguments(torch_cls, instance.defaults)
+    options: _Options | None = getattr(instance, "_options", None)
+    keras: dict[str, Any] = {}
+    if options is not None:  # one an mr.optimizers recipe built: its Keras options too
+        if any(a is not None for a in instance._accumulators or []):
+            raise ValueError(f"compile(optimizer=<{name} instance>): it holds gradients accumulated towards its next "
+                             "update (gradient_accumulation_steps), which are one replica's. Pass it after an update, "
+                             "or pass the mr.optimizers optimizer it was built from.")
+        keras = {"clipnorm": options.clipnorm, "clipvalue": options.clipvalue,
+                 "global_clipnorm": options.global_clipnorm, "use_ema": options.use_ema,
+                 "ema_momentum": options.ema_momentum, "ema_overwrite_frequency": options.ema_overwrite_frequency,
+                 "gradient_accumulation_steps": options.accumulation_steps if options.accumulation_steps > 1 else None}
+    groups = InstanceGroups.of(instance, name)
+    rate = options.schedule if options is not None and options.schedule is not None else float(groups.hparams[0]["lr"])
+    recipe = Optimizer(torch_cls, rate, name, **keras, **defaults)
+    recipe._from_instance = groups
+    return recipe
+
+
+def _constructor_arguments(torch_cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The defaults the class's constructor takes, but lr (AdamW's defaults hold decoupled_weight_decay,
+    which AdamW sets itself and does not take)."""
+    parameters = inspect.signature(torch_cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return {k: v for k, v in defaults.items() if k != "lr"}
+    return {k: v for k, v in defaults.items() if k != "lr" and k in parameters}
+
+
+def from_instance(optimizer: Any) -> InstanceGroups | None:
+    """The groups and state of the torch optimizer instance `optimizer` (a recipe) was made from, if any."""
+    return getattr(optimizer, "_from_instance", None)
+
+
+def warn_if_instance_changed(optimizer: Any, stacklevel: int = 2) -> None:
+    """Warns when the torch optimizer instance given to compile() changed since (a scheduler built on it
+    and stepped by hand): the model trains with its own optimizer, so the change does nothing."""
+    groups = from_instance(optimizer)
+    change = groups.changes_since_compile() if groups is not None else None
+    if change is not None:
+        warnings.warn(f"the {groups.name} optimizer given to compile() changed after compile ({change}), but the "
+                      "model trains with model.mirrored_optimizer, which compile() built from it: the change has no "
+                      "effect. Pass its scheduler to mr.callbacks.TorchLRScheduler(scheduler), which moves it onto "
+                      "the model's optimizer, or change model.mirrored_optimizer.param_groups instead.",
+                      UserWarning, stacklevel=stacklevel + 1)
 
 
 # ---------------------------------------------------------------------------------------------
