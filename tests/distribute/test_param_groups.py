@@ -9,8 +9,6 @@ stepped after strategy.run drives every replica like plain PyTorch.
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +16,7 @@ from torch import nn
 from torch.optim import lr_scheduler
 
 import mirrored.distribute as md
+from test_copy_watch import assert_unchanged, snapshot, train  # the same steps and checks
 
 TIMEOUT_S = 20.0
 # Float reassociation: the replicas' gradient parts add in another order than one device's sum
@@ -45,41 +44,6 @@ def mirrored(n: int, reduction: str):
         mnet = strategy.mirror(net())
         opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction=reduction, lr=0.1, momentum=0.9)
     return strategy, mnet, opt
-
-
-def train(strategy, mnet, opt, x, y, steps: int = 1, after_step=None) -> None:
-    """`steps` global steps on the whole batch; the loss line fits the reduction (TF's or DDP's)."""
-    def step(xb, yb):
-        opt.zero_grad()
-        if opt.gradient_reduction == "mean":
-            F.cross_entropy(mnet(xb), yb).backward()
-        else:
-            F.cross_entropy(mnet(xb), yb, reduction="sum").div(len(x)).backward()
-        opt.step()
-
-    for _ in range(steps):
-        for xb, yb in strategy.experimental_distribute_dataset([(x, y)]):
-            strategy.run(step, args=(xb, yb))
-        if after_step is not None:
-            after_step()
-
-
-def snapshot(mnet, opt) -> list:
-    """Every replica's weights, buffers and optimizer state (tensors copied)."""
-    return [(copy.deepcopy(m.state_dict()), copy.deepcopy(o.state_dict())) for m, o in zip(mnet.values, opt.values)]
-
-
-def assert_unchanged(before: list, mnet, opt) -> None:
-    for r, ((module_state, opt_state), m, o) in enumerate(zip(before, mnet.values, opt.values)):
-        for name, value in m.state_dict().items():
-            assert torch.equal(value, module_state[name]), f"replica {r}: {name} changed"
-        now = o.state_dict()
-        assert now["param_groups"] == opt_state["param_groups"], f"replica {r}: param groups changed"
-        assert now["state"].keys() == opt_state["state"].keys()
-        for index, state in now["state"].items():
-            for key, value in state.items():
-                assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_state["state"][index][key])), \
-                    f"replica {r}: optimizer state[{index}][{key!r}] changed"
 
 
 def assert_matches(mnet, ref: nn.Module, strategy) -> None:
