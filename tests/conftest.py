@@ -18,6 +18,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO.parent / "shared" / "fixtures"
 _THREAD_GRACE_S = 10.0  # generous: a finalizer-driven shutdown joins worker threads
+# Threads that live as long as the process, started lazily by others: pytest-timeout's, and (torch
+# 2.11) the reader and timer of inductor's pool of compile subprocesses, which torch 2.13 starts at
+# the first compile (test_jit_compile.py starts the rest itself, before its tests are checked).
+_PROCESS_WIDE_THREADS = ("pytest_timeout", "InductorSubproc", "subproc_worker_timer")
 
 
 def _live_threads() -> set[threading.Thread]:
@@ -31,7 +35,7 @@ def no_thread_left_behind():
     yield
     deadline = time.monotonic() + _THREAD_GRACE_S
     while True:
-        left = [t for t in _live_threads() - before if not t.name.startswith("pytest_timeout")]
+        left = [t for t in _live_threads() - before if not t.name.startswith(_PROCESS_WIDE_THREADS)]
         if not left or time.monotonic() > deadline:
             break
         gc.collect()  # only when something is left: a strategy's threads stop when it is collected

@@ -224,7 +224,11 @@ class ReplicaCompiler:
 
     def call(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """`module(*args, **kwargs)`, compiled (eager while it cannot be: see the module docstring)."""
-        if self.failure is not None or _global_module_hooks() or torch.compiler.is_compiling():
+        # Traced by a torch.compile of the user's own: the eager call is what that trace should see.
+        # (is_dynamo_compiling, not is_compiling: the latter also reads a process-wide flag that is
+        # True while any thread compiles, so a second replica ran eager beside replica 0's compile,
+        # and the two deadlocked inside autocast and dynamo now and then.)
+        if self.failure is not None or _global_module_hooks() or torch.compiler.is_dynamo_compiling():
             return module._call_impl(*args, **kwargs)
         key = _signature(module, args, kwargs)
         if key in self._ready:
