@@ -105,11 +105,16 @@ def test_a_scheduler_of_another_optimizer_is_refused():
         mr.callbacks.TorchLRScheduler(lambda opt: lr_scheduler.StepLR(opt, 1), step_per="step")
 
 
-def test_model_save_keeps_the_schedule_and_load_continues_it(tmp_path):
+@pytest.mark.parametrize("make", [
+    lambda opt: lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    # Its milestones are a Counter of epochs, a dict with int keys, which JSON cannot key: it used
+    # to make the save fail with a TypeError.
+    lambda opt: lr_scheduler.MultiStepLR(opt, milestones=[2, 4, 5], gamma=0.5),
+], ids=["StepLR", "MultiStepLR"])
+def test_model_save_keeps_the_schedule_and_load_continues_it(tmp_path, make):
     """3 epochs, save, load, 3 more (a new callback, its scheduler restored from the file): the
     weights and rates of 6 epochs straight."""
     x, y = _data()
-    make = lambda opt: lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # noqa: E731
     ref, rates = _plain(make, "epoch", 6, x, y)
     model = _model(_net(), mr.optimizers.SGD(learning_rate=0.1, momentum=0.9))
     first = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,

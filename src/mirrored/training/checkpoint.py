@@ -14,6 +14,7 @@ numpy for the RNG state it owns).
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -48,6 +49,10 @@ _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit; a larger "header" means
 # JSON cannot hold tensors or tuples: they are written as one-key objects with these tags.
 _TENSOR_TAG = "__tensor__"
 _TUPLE_TAG = "__tuple__"
+# A dict whose keys are not all str (JSON's only keys): its [key, value] pairs, e.g. MultiStepLR's
+# milestones, a Counter of epochs, which stays a Counter (a missing epoch counts 0 there).
+_ITEMS_TAG = "__items__"
+_COUNTER_TAG = "__counter__"
 # safetensors dtype names and their bytes per element: a header's offsets must agree with them.
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1,
                 "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
@@ -496,10 +501,14 @@ def _encode(value: Any, name: str, tensors: dict[str, Tensor]) -> Any:
         return [_encode(v, f"{name}/{i}", tensors) for i, v in enumerate(value)]
     if isinstance(value, Mapping):
         if any(not isinstance(k, str) for k in value):
-            raise TypeError(f"optimizer_state_to_flat: {name} is a dict with non-str keys "
-                            f"{[k for k in value if not isinstance(k, str)][:3]}; only str keys "
-                            f"can be stored in JSON.")
-        if len(value) == 1 and next(iter(value)) in (_TENSOR_TAG, _TUPLE_TAG):
+            if any(not isinstance(k, (bool, int, float, tuple)) for k in value):
+                raise TypeError(f"optimizer_state_to_flat: {name} is a dict with keys "
+                                f"{[k for k in value if not isinstance(k, str)][:3]}; keys can be str, numbers "
+                                f"and tuples.")
+            tag = _COUNTER_TAG if isinstance(value, collections.Counter) else _ITEMS_TAG
+            return {tag: [[_encode(k, f"{name}/key{i}", tensors), _encode(v, f"{name}/{i}", tensors)]
+                          for i, (k, v) in enumerate(value.items())]}
+        if len(value) == 1 and next(iter(value)) in (_TENSOR_TAG, _TUPLE_TAG, _ITEMS_TAG, _COUNTER_TAG):
             raise ValueError(f"optimizer_state_to_flat: {name} is a dict whose only key is "
                              f"{next(iter(value))!r}, which the checkpoint format reserves.")
         return {k: _encode(v, f"{name}/{k}", tensors) for k, v in value.items()}
@@ -520,6 +529,9 @@ def _decode(value: Any, tensors: Mapping[str, Tensor]) -> Any:
             return tensors[name]
         if len(value) == 1 and _TUPLE_TAG in value:
             return tuple(_decode(v, tensors) for v in value[_TUPLE_TAG])
+        if len(value) == 1 and (_ITEMS_TAG in value or _COUNTER_TAG in value):
+            pairs = ((_decode(k, tensors), _decode(v, tensors)) for k, v in next(iter(value.values())))
+            return (collections.Counter if _COUNTER_TAG in value else dict)(dict(pairs))
         return {k: _decode(v, tensors) for k, v in value.items()}
     return value
 

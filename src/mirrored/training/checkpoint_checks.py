@@ -14,6 +14,7 @@ numpy, checkpoint.py and mirrored.models.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import random
@@ -31,6 +32,7 @@ __all__ = ["Origin", "build_module", "epoch_state", "is_count", "model_metadata"
 
 _TENSOR_TAG = "__tensor__"  # as checkpoint.py writes them
 _TUPLE_TAG = "__tuple__"
+_ITEMS_TAG, _COUNTER_TAG = "__items__", "__counter__"  # a dict with keys other than str, as [key, value] pairs
 _KERAS_KEY = "keras"  # mr.optimizers' own state in a state_dict (optimizers.py)
 _MAX_DEPTH = 32  # JSON nesting deeper than any optimizer setting: a damaged file, not recursion
 _MAX_CUDA_DEVICES = 1 << 12
@@ -374,6 +376,15 @@ def _decode(origin: Origin, value: Any, tensors: Mapping[str, Tensor], where: st
             if not isinstance(value[_TUPLE_TAG], list):
                 raise origin.damaged(f"{where} is a tuple that holds no list")
             return tuple(_decode(origin, v, tensors, where, depth + 1) for v in value[_TUPLE_TAG])
+        if len(value) == 1 and (_ITEMS_TAG in value or _COUNTER_TAG in value):
+            pairs = next(iter(value.values()))
+            if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+                raise origin.damaged(f"{where} is a dict that holds no list of [key, value] pairs")
+            decoded = [(_decode(origin, k, tensors, where, depth + 1), _decode(origin, v, tensors, where, depth + 1))
+                       for k, v in pairs]
+            if not all(isinstance(k, (bool, int, float, tuple)) for k, _ in decoded):
+                raise origin.damaged(f"{where} has a key that is not a number or a tuple")
+            return (collections.Counter if _COUNTER_TAG in value else dict)(dict(decoded))
         return {k: _decode(origin, v, tensors, where, depth + 1) for k, v in value.items()}
     return value
 
