@@ -195,23 +195,15 @@ def _same(a: Tensor, b: Tensor) -> bool:
 def _walk(module: nn.Module) -> tuple[list[str], list[nn.Module], list[str], list[Tensor]]:
     """The names and modules of `module` and every module inside it (each module once, in
     module.modules() order), and the names and parameters they hold (a shared one once per holder).
-    Reads torch's dicts directly: named_modules() builds the same names through generators."""
+    Not on the step's path (the watch walks at creation and after a change of structure)."""
     module_names, modules, param_names, params = [], [], [], []
-    seen: set[int] = set()
-    stack = [("", module)]
-    while stack:
-        name, m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
+    for name, m in module.named_modules():
         module_names.append(name)
         modules.append(m)
         for key, p in m._parameters.items():
             if p is not None:
                 param_names.append(f"{name}.{key}" if name else key)
                 params.append(p)
-        stack.extend(reversed([(f"{name}.{key}" if name else key, child) for key, child in m._modules.items()
-                               if child is not None]))
     return module_names, modules, param_names, params
 
 
