@@ -37,7 +37,8 @@ templates_path: list[str] = []
 
 html_theme = "furo"
 html_title = f"mirrored {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["mirrored.css"]  # tables that fit the column, coloured diff additions
 
 # `x` in a docstring is code, as in the Markdown guides.
 default_role = "code"
