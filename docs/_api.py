@@ -153,29 +153,159 @@ def _title(text: str, char: str = "=") -> str:
     return f"{text}\n{char * len(text)}\n"
 
 
-def _inherited_members(cls: type) -> str:
-    """Members inherited from our own base classes are shown; those of torch's (nn.Module) are not."""
-    foreign = [b.__name__ for b in cls.__mro__[1:] if not b.__module__.startswith(ROOT)]
-    return ", ".join(dict.fromkeys(foreign)) or "object"
+# ---- what a page opens with, and its order ---------------------------------------------------------------
+# A page opens with "At a glance": the names a reader looks for first, each with the first sentence of its
+# docstring. Pages not listed here open with all their names (up to _GLANCE_MAX), in the page's order.
+GLANCE: dict[str, list[str]] = {
+    "mirrored": ["MirroredStrategy", "Strategy.scope", "Strategy.run", "Strategy.reduce",
+                 "Strategy.experimental_distribute_dataset", "Strategy.num_replicas_in_sync",
+                 "Strategy.mirror", "Strategy.mirror_optimizer", "Model", "get_replica_context",
+                 "ReduceOp"],
+}
+_GLANCE_MAX = 14
+
+# A page's names grouped by use, in the order a program meets them. Names a page has that no group lists
+# follow under "Other" (so a new name still appears); a page not listed keeps its own order (`__all__`, or
+# the source's) instead of the alphabet's.
+GROUPS: dict[str, list[tuple[str, list[str]]]] = {
+    "mirrored": [
+        ("Strategies", ["MirroredStrategy", "Strategy", "OneDeviceStrategy", "MultiWorkerMirroredStrategy",
+                        "CommunicationOptions"]),
+        ("Training with fit", ["Model"]),
+        ("Custom training loops", ["MirroredModule", "MirroredOptimizer", "get_replica_context",
+                                   "ReplicaContext", "ReduceOp", "get_strategy", "has_strategy",
+                                   "in_cross_replica_context"]),
+        ("Distributed values and variables", ["DistributedValues", "PerReplica", "Mirrored", "Variable",
+                                              "MirroredVariable", "SyncOnReadVariable",
+                                              "VariableSynchronization", "VariableAggregation"]),
+        ("Distributed input", ["InputContext", "InputOptions", "ValueContext"]),
+        ("Cross-device ops", ["CrossDeviceOps", "InMemoryAllReduce", "NcclAllReduce",
+                              "HierarchicalCopyAllReduce", "ReductionToOneDevice", "CollectiveAllReduce"]),
+        ("Errors", ["OutOfSyncError", "CollectiveMismatchError", "CollectiveTimeoutError"]),
+        ("Process setup", ["tune_allocator"]),
+    ],
+}
+
+# A class's members grouped by use (the class as its page documents it, e.g. "mirrored.Strategy"); members
+# no group lists follow under "Other members", in source order. Classes not listed show theirs in source order.
+MEMBER_GROUPS: dict[str, list[tuple[str, list[str]]]] = {
+    "mirrored.Strategy": [
+        ("Running a step", ["scope", "run", "reduce", "num_replicas_in_sync", "experimental_local_results",
+                            "gather", "extended"]),
+        ("Input", ["experimental_distribute_dataset", "distribute_datasets_from_function",
+                   "experimental_distribute_values_from_function"]),
+        ("Mirrored modules and optimizers", ["mirror", "mirror_optimizer", "gradient_reductions",
+                                             "check_in_sync"]),
+        ("Across workers", ["num_workers", "first_replica_id", "has_peers", "all_reduce_tensors",
+                            "sum_over_workers", "all_reduce_gradients"]),
+    ],
+    "mirrored.Model": [
+        ("Training", ["compile", "fit", "evaluate", "predict", "summary", "metrics", "reset_metrics"]),
+        ("Saving and loading", ["save", "load", "save_weights", "load_weights", "get_weights",
+                                "set_weights"]),
+        ("Replicas", ["module", "replicas", "mirrored_optimizer", "check_in_sync", "jit_compile",
+                      "loss_scale"]),
+    ],
+}
 
 
-def _entry(path: str, obj: Any) -> str:
+def _inherited_members(cls: type, documented: set[int]) -> str:
+    """Members inherited from our own private bases are shown; those of torch's (nn.Module) are not, nor
+    those of a base the reference documents itself (MirroredStrategy links to Strategy's, rather than
+    repeating them: the repeats made pages of half a megabyte)."""
+    stop = [b.__name__ for b in cls.__mro__[1:] if not b.__module__.startswith(ROOT) or id(b) in documented]
+    return ", ".join(dict.fromkeys(stop)) or "object"
+
+
+def _member_directive(cls: type, name: str) -> str:
+    raw = next(c.__dict__[name] for c in cls.__mro__ if name in c.__dict__)
+    if isinstance(raw, property) or type(raw).__name__ == "cached_property":
+        return "autoproperty"
+    if inspect.isroutine(raw) or isinstance(raw, (staticmethod, classmethod)):
+        return "automethod"
+    return "autoattribute"
+
+
+def _source_order_members(cls: type) -> list[str]:
+    """The public members `cls` defines itself, in the order its source defines them."""
+    return [n for n in cls.__dict__ if not n.startswith("_")]
+
+
+def _grouped_class(path: str, obj: Any, groups: list[tuple[str, list[str]]]) -> str:
+    out = [f".. autoclass:: {path}\n   :show-inheritance:\n"]
+    listed = [n for _, names in groups for n in names]
+    rest = [n for n in _source_order_members(obj) if n not in listed]
+    for title, names in groups + ([("Other members", rest)] if rest else []):
+        out.append(f"   .. rubric:: {title}\n")
+        out += [f"   .. {_member_directive(obj, n)}:: {path}.{n}\n" for n in names]
+    return "\n".join(out)
+
+
+def _entry(path: str, obj: Any, documented: set[int] = frozenset()) -> str:
     what = kind(obj)
     if what == "class":
+        if path in MEMBER_GROUPS:
+            return _grouped_class(path, obj, MEMBER_GROUPS[path])
         return (f".. autoclass:: {path}\n   :members:\n   :undoc-members:\n   :show-inheritance:\n"
-                f"   :inherited-members: {_inherited_members(obj)}\n")
+                f"   :inherited-members: {_inherited_members(obj, documented)}\n")
     if what == "function":
         return f".. autofunction:: {path}\n"
     return f".. autodata:: {path}\n"
+
+
+def first_sentence(obj: Any) -> str:
+    """The first sentence of `obj`'s own docstring, on one line ("" without one)."""
+    doc = inspect.getdoc(obj) if kind(obj) != "data" else None
+    paragraph = " ".join((doc or "").split("\n\n", 1)[0].split())
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[:end + 1]
+
+
+def glance(page: Namespace) -> list[tuple[str, str]]:
+    """(full path, first sentence) of the names a page opens with."""
+    names = GLANCE.get(page.path) or [n for _, group in _ordered(page) for n in group][:_GLANCE_MAX]
+    found = []
+    for name in names:
+        obj: Any = page.module
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        if isinstance(obj, property):
+            obj = obj.fget
+        found.append((f"{page.path}.{name}", first_sentence(obj)))
+    return found
+
+
+def _ordered(page: Namespace) -> list[tuple[str | None, list[str]]]:
+    """The page's names in groups (title, names): GROUPS' for the page, else one untitled group per kind."""
+    if page.path in GROUPS:
+        listed = [n for _, names in GROUPS[page.path] for n in names]
+        rest = [n for n in page.names if n not in listed]
+        groups = [(title, [n for n in names if n in page.names]) for title, names in GROUPS[page.path]]
+        return [g for g in groups + [("Other", rest)] if g[1]]
+    by_kind = {"class": [], "function": [], "data": []}
+    for name in page.names:
+        by_kind[kind(getattr(page.module, name))].append(name)
+    titles = {"class": "Classes", "function": "Functions", "data": "Constants"}
+    return [(titles[k], names) for k, names in by_kind.items() if names]
 
 
 def page_filename(page: Namespace) -> str:
     return page.path + ".rst"
 
 
-def render(page: Namespace, docstring_to_rst: Any) -> str:
-    """The reST of one reference page; `docstring_to_rst` turns a module docstring into reST."""
-    out = [_title(f"``{page.path}``"), f".. py:module:: {page.path}\n"]
+GLANCE_TITLE = "At a glance"
+
+
+def render(page: Namespace, docstring_to_rst: Any, documented: set[int] = frozenset()) -> str:
+    """The reST of one reference page: its title, "At a glance" (the most used names, one line each), the
+    module's docstring, then every name in groups by use. `docstring_to_rst` turns docstrings into reST;
+    `documented` holds the ids of the classes the reference documents (their members are not repeated
+    on subclasses)."""
+    out = [_title(f"``{page.path}``"), f".. py:module:: {page.path}\n", f".. rubric:: {GLANCE_TITLE}\n"]
+    for path, sentence in glance(page):
+        text = " ".join(docstring_to_rst([sentence])).strip()
+        out.append(f"* :py:obj:`{path.removeprefix(page.path + '.')} <{path}>`" + (f" - {text}" if text else ""))
+    out.append("")
     intro = inspect.getdoc(page.module)
     if intro:
         out.append("\n".join(docstring_to_rst(intro.splitlines())) + "\n")
@@ -184,14 +314,9 @@ def render(page: Namespace, docstring_to_rst: Any) -> str:
     if page.aliases:
         also = ", ".join(f"``{name}`` (:py:obj:`{target}`)" for name, target in sorted(page.aliases.items()))
         out.append(f"Also exports {also}.\n")
-    groups = {"class": [], "function": [], "data": []}
-    for name in sorted(page.names, key=str.lower):
-        obj = getattr(page.module, name)
-        groups[kind(obj)].append(_entry(f"{page.path}.{name}", obj))
-    for what, title in (("class", "Classes"), ("function", "Functions"), ("data", "Constants")):
-        if groups[what]:
-            out.append(_title(title, "-"))
-            out += groups[what]
+    for title, names in _ordered(page):
+        out.append(_title(title, "-"))
+        out += [_entry(f"{page.path}.{name}", getattr(page.module, name), documented) for name in names]
     return "\n".join(out)
 
 
@@ -220,7 +345,8 @@ def write_reference(directory: Path, docstring_to_rst: Any) -> list[str]:
     the files. A page whose text did not change is left alone, so Sphinx does not read it again."""
     directory.mkdir(parents=True, exist_ok=True)
     pages = namespaces()
-    texts = {page_filename(page): render(page, docstring_to_rst) for page in pages}
+    documented = {id(obj) for obj in public_names().values() if inspect.isclass(obj)}
+    texts = {page_filename(page): render(page, docstring_to_rst, documented) for page in pages}
     texts["index.rst"] = render_index(pages)
     for stale in set(p.name for p in directory.glob("*.rst")) - set(texts):
         (directory / stale).unlink()

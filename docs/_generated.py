@@ -49,3 +49,34 @@ def benchmark_commands(benchmarks: Path) -> str:
 def write_benchmark_commands(benchmarks: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(benchmark_commands(benchmarks))
+
+
+def example_pages(examples: Path) -> dict[str, str]:
+    """Markdown pages that show each examples/*.py on the site (its docstring's first line, then the
+    file), and an index of them: {relative file name: text}. Guides link to them, so a reader of the
+    site can open a file that a guide names."""
+    pages, rows = {}, []
+    for script in sorted(examples.glob("*.py")):
+        doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+        summary = doc.splitlines()[0].strip() if doc else ""
+        pages[f"{script.stem}.md"] = (f"# `examples/{script.name}`\n\n{summary}\n\n"
+                                      f"```{{literalinclude}} ../../examples/{script.name}\n"
+                                      ":language: python\n:class: repo-file\n```\n")
+        rows.append(f"- [`examples/{script.name}`]({script.stem}.md): {summary}")
+    pages["index.md"] = ("# Examples\n\nThe programs of the repository's `examples/` folder, as they stand; "
+                         "each file's docstring says how to run it. The test suite runs every one.\n\n"
+                         + "\n".join(rows) + "\n\n```{toctree}\n:hidden:\n\n"
+                         + "\n".join(p[:-3] for p in pages if p != "index.md") + "\n```\n")
+    return pages
+
+
+def write_example_pages(examples: Path, target: Path) -> None:
+    """Writes example_pages() into `target` (docs/examples/, ignored by git); a page whose text did not
+    change is left alone, so Sphinx does not read it again."""
+    target.mkdir(parents=True, exist_ok=True)
+    pages = example_pages(examples)
+    for stale in {p.name for p in target.glob("*.md")} - set(pages):
+        (target / stale).unlink()
+    for name, text in pages.items():
+        if not (target / name).exists() or (target / name).read_text() != text:
+            (target / name).write_text(text)

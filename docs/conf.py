@@ -8,6 +8,7 @@ into reST before napoleon reads the sections.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -176,6 +177,7 @@ _PROSE_FIRST_LINE = ["..", ""]
 def _write_generated_pages(app) -> None:  # noqa: ANN001 - Sphinx's hook
     _api.write_reference(DOCS / "reference", docstring_to_rst)
     _generated.write_benchmark_commands(REPO / "benchmarks", DOCS / "_build_inputs" / "benchmark_commands.md")
+    _generated.write_example_pages(REPO / "examples", DOCS / "examples")
 
 
 def _public_bases(bases: list) -> list:
@@ -192,6 +194,24 @@ def _process_bases(app, name, obj, options, bases: list) -> None:  # noqa: ANN00
     bases[:] = _public_bases(bases)
 
 
+def _factory_default(factory) -> str:  # noqa: ANN001 - any zero-argument callable
+    """What a dataclass field's default_factory makes, as a reader would write it: `{}` for dict, `[]`
+    for list, else `Name()`."""
+    made = {dict: "{}", list: "[]", tuple: "()"}.get(factory)
+    return made or f"{getattr(factory, '__qualname__', 'factory')}()"
+
+
+def _readable_signature(app, what, name, obj, options, signature, return_annotation):  # noqa: ANN001 - Sphinx's hook
+    """A dataclass's signature shows `args: dict[str, Any] = {}` where inspect writes `= <factory>`,
+    which is not Python: Sphinx then could not parse the signature and printed `~typing.Any` raw."""
+    if not signature or "<factory>" not in signature or not dataclasses.is_dataclass(obj):
+        return None
+    for f in dataclasses.fields(obj):
+        if f.init and f.default_factory is not dataclasses.MISSING:
+            signature = signature.replace("<factory>", _factory_default(f.default_factory), 1)
+    return signature, return_annotation
+
+
 def _purge_outdated_first(app, env, docnames: list[str]) -> None:  # noqa: ANN001 - Sphinx's hook
     """Forgets every outdated page's objects before any is read again, as Sphinx's parallel reader does.
     The serial reader purges one page just before reading it, so a name that moved to an earlier page
@@ -205,6 +225,7 @@ def _purge_outdated_first(app, env, docnames: list[str]) -> None:  # noqa: ANN00
 def setup(app) -> dict:  # noqa: ANN001 - Sphinx's hook
     app.connect("builder-inited", _write_generated_pages)
     app.connect("autodoc-process-bases", _process_bases)
+    app.connect("autodoc-process-signature", _readable_signature)
     app.connect("env-before-read-docs", _purge_outdated_first)
     app.connect("autodoc-process-docstring", _process_docstring, priority=400)  # before napoleon (500)
     return {"parallel_read_safe": True}

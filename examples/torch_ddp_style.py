@@ -63,10 +63,13 @@ def train(args, model, strategy, train_loader, optimizer, epoch):
         optimizer.step()
         return loss
 
-    for batch_idx, (data, target) in enumerate(strategy.experimental_distribute_dataset(train_loader)):  # mirrored
-        loss = strategy.reduce(mr.ReduceOp.MEAN, strategy.run(step, args=(data, target)))  # mirrored
+    dist_loader = strategy.experimental_distribute_dataset(train_loader)  # mirrored
+    for batch_idx, (data, target) in enumerate(dist_loader):  # mirrored
+        losses = strategy.run(step, args=(data, target))  # mirrored
+        loss = strategy.reduce(mr.ReduceOp.MEAN, losses)  # mirrored
         if batch_idx % args.log_interval == 0:
-            print(f"Train Epoch: {epoch} [{batch_idx * args.batch_size}/{len(train_loader.dataset)} "
+            seen, total = batch_idx * args.batch_size, len(train_loader.dataset)
+            print(f"Train Epoch: {epoch} [{seen}/{total} "
                   f"({100.0 * batch_idx / len(train_loader):.0f}%)]\tLoss: {loss.item():.6f}")
 
 
