@@ -89,6 +89,14 @@ def test_code_lines_fit_the_column():
                       "above, or split the call.")
 
 
+def test_generated_benchmark_commands_fit_the_column(tmp_path):
+    """The Benchmarks page's commands come from the scripts' docstrings; a long side comment goes above."""
+    page = tmp_path / "benchmark_commands.md"
+    page.write_text(test_docs._load_docs_module("_generated").benchmark_commands(REPO / "benchmarks"))
+    assert "```sh" in page.read_text()
+    assert not _long_code_lines(page, CODE_LINE_MAX)
+
+
 def test_the_code_line_check_sees_a_long_line(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("```python\nx = 1\n" + "y = " + "1 + " * 30 + "1\n```\n\n```text\n" + "z" * 120 + "\n```\n")
@@ -356,8 +364,12 @@ def test_rendered_site_fits_at_1280px(tmp_path):
                    if p.parent.name in ("guides", site.name) and p.stem not in ("genindex", "search", "py-modindex"))
     reference = sorted(str(p.relative_to(site)) for p in (site / "reference").glob("*.html") if p.stem != "index")
     results = measure_site(site, pages + reference)
-    problems = {page: r["wide"] + [f"uncoloured added diff line ({t})" for t in r["plain_gi"]]
-                for page, r in results.items() if r["wide"] or r["plain_gi"]}
+    # The Benchmarks page includes benchmarks/RESULTS.md, whose tables of figures (up to 8 columns of
+    # numbers) scroll inside their frame by nature; its code blocks are checked like the others.
+    wide = {page: [w for w in r["wide"] if not (page == "benchmarks.html" and w.startswith("table "))]
+            for page, r in results.items()}
+    problems = {page: wide[page] + [f"uncoloured added diff line ({t})" for t in r["plain_gi"]]
+                for page, r in results.items() if wide[page] or r["plain_gi"]}
     assert not problems, f"at 1280 px: {problems}"
     assert {r["column"] for r in results.values()} == {COLUMN_PX}, "furo's column changed: update COLUMN_PX"
     summaries = {page: results[page]["after_title"] for page in reference}
