@@ -69,8 +69,9 @@ def train(args, model, strategy, train_loader, optimizer, epoch):
         loss = strategy.reduce(mr.ReduceOp.MEAN, losses)  # mirrored
         if batch_idx % args.log_interval == 0:
             seen, total = batch_idx * args.batch_size, len(train_loader.dataset)
-            print(f"Train Epoch: {epoch} [{seen}/{total} "
-                  f"({100.0 * batch_idx / len(train_loader):.0f}%)]\tLoss: {loss.item():.6f}")
+            percent = 100.0 * batch_idx / len(train_loader)
+            print(f"Train Epoch: {epoch} [{seen}/{total} ({percent:.0f}%)]"
+                  f"\tLoss: {loss.item():.6f}")
 
 
 def test(model, strategy, test_loader):
