@@ -3,7 +3,8 @@
 Static checks, no browser and no Sphinx, so they run in CI with the rest:
 - every line of code written in the docs (```python, ```sh, ```diff blocks of the pages and the
   README's example that Getting started includes) is at most CODE_LINE_MAX characters, what the
-  content column shows without a sideways scroll (program output, ```text, is shown as printed);
+  content column shows without a sideways scroll (program output, ```text, is shown as printed and
+  wraps at the column, as in a terminal);
 - every Markdown table fits the content column: its columns' least widths (each the widest word of
   the column, measured in furo's fonts, plus the cell's padding) add up to at most COLUMN_PX, so
   the site's CSS can wrap the cells between words;
@@ -227,6 +228,8 @@ def test_added_diff_lines_are_coloured_in_light_and_dark_mode():
     assert any("highlight-sh" in s and ".nb" in s for _, s, _ in rules), "shell builtins (`test`) are coloured"
     table = [d for _, s, d in rules if "table.docutils td" in s]
     assert table and "overflow-wrap" in table[0], "table cells do not wrap"
+    output = [d for _, s, d in rules if "highlight-text" in s]
+    assert output and "pre-wrap" in output[0], "program output does not wrap at the column"
 
 
 def test_the_css_parser_sees_media_rules():
@@ -295,7 +298,7 @@ function measure(doc, win) {
     if (t.getBoundingClientRect().width > column + 1) r.wide.push('table ' + t.textContent.trim().slice(0, 60)); });
   article.querySelectorAll('div[class*=highlight-] pre').forEach(p => {
     const block = p.closest('div[class*=highlight-]');
-    if (/highlight-(text|default)/.test(block.className) || block.classList.contains('repo-file')) return;
+    if (/highlight-default/.test(block.className) || block.classList.contains('repo-file')) return;
     if (p.scrollWidth > p.clientWidth + 1) r.wide.push('code ' + p.textContent.trim().slice(0, 60)); });
   for (const theme of ['light', 'dark']) {
     doc.body.dataset.theme = theme;
@@ -348,10 +351,10 @@ def measure_site(site: Path, pages: list[str], width: int = 1280) -> dict[str, d
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_rendered_site_fits_at_1280px(tmp_path):
-    """Builds the site and looks at it as a reader does (Chromium at 1280 px): no table and no code block
-    written in the docs wider than the column (output, docstring examples and repository files shown
-    whole are left out), every added diff line coloured in both themes, and reference pages opening
-    with their summary."""
+    """Builds the site and looks at it as a reader does (Chromium at 1280 px): no table and no code or
+    output block of the docs wider than the column (docstring examples, which live in src/, and
+    repository files shown whole are left out), every added diff line coloured in both themes, and
+    reference pages opening with their summary."""
     if not (shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")):
         pytest.skip("no Chromium here (apt-get install chromium)")
     pytest.importorskip("sphinx")
