@@ -2,7 +2,7 @@
 
 Static checks, no browser and no Sphinx, so they run in CI with the rest:
 - every line of code written in the docs (```python, ```sh, ```diff blocks of the pages and the
-  README's example that Getting started includes) is at most CODE_LINE_MAX characters, what the
+  parts of the README that pages include) is at most CODE_LINE_MAX characters, what the
   content column shows without a sideways scroll (program output, ```text, is shown as printed and
   wraps at the column, as in a terminal);
 - every Markdown table fits the content column: its columns' least widths (each the widest word of
@@ -81,10 +81,28 @@ def _long_code_lines(page: Path, limit: int) -> list[str]:
     return found
 
 
-def test_code_lines_fit_the_column():
-    pages = _pages() + [REPO / "README.md"]
+_INCLUDE = re.compile(r"```\{include\} (\S+)\n:start-after: \"(.*)\"\n:end-before: \"(.*)\"\n```")
+
+
+def _included_parts(tmp_path: Path) -> list[Path]:
+    """The parts of other files (the README) that pages include, each written out as a page of its own."""
+    parts = []
+    for page in _pages():
+        for k, (target, start, end) in enumerate(_INCLUDE.findall(page.read_text())):
+            text = (page.parent / target).resolve().read_text()
+            part = tmp_path / f"{page.stem}-{k}-{Path(target).name}"
+            part.write_text(text.split(start, 1)[1].split(end, 1)[0])
+            parts.append(part)
+    return parts
+
+
+def test_code_lines_fit_the_column(tmp_path):
+    pages = _pages()
     assert len(pages) >= 10, f"found only {pages}: the page list is broken"
-    long = [hit for page in pages for hit in _long_code_lines(page, CODE_LINE_MAX)]
+    included = _included_parts(tmp_path)
+    assert len(included) >= 2 and all(test_docs.blocks_of(part) for part in included), \
+        "the README parts that pages include (with their code) were not found"
+    long = [hit for page in pages + included for hit in _long_code_lines(page, CODE_LINE_MAX)]
     assert not long, (f"code lines longer than {CODE_LINE_MAX} characters scroll sideways at 1280 px and hide "
                       f"their end (often the `# tf:` comment): {long}. Put a side comment on its own line "
                       "above, or split the call.")
