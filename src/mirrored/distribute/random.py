@@ -12,7 +12,7 @@ restart (the state is (seed, steps), saved in checkpoints) changes what a replic
 With per_example_random=True, the dropout family and rrelu draw each example's mask from a counter
 hash of (seed, step, op, index of the example in the global batch), so a run draws the same masks
 on any number of replicas; any other random op in a step is refused by name.
-Uses torch only.
+Uses torch and mirrored._seeds.
 """
 from __future__ import annotations
 
@@ -25,23 +25,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-_MASK64 = (1 << 64) - 1
+from mirrored._seeds import derive_seed
+
 _M32 = 0xFFFFFFFF
 # Borrowing a default generator swaps its state; the lock keeps two replicas from swapping it at once.
 # It is the one process-wide lock here because torch's default generators are process-wide.
 _BORROW_LOCK = threading.Lock()
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers, by splitmix64 (so nearby inputs give unrelated seeds)."""
-    h = 0x9E3779B97F4A7C15
-    for part in parts:
-        h = (h ^ (int(part) & _MASK64)) & _MASK64
-        h = (h + 0x9E3779B97F4A7C15) & _MASK64
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
-        h ^= h >> 31
-    return h >> 1
 
 
 def _mix32(x: Tensor) -> Tensor:
