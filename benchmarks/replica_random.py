@@ -8,7 +8,8 @@ both alike), medians printed with the range:
   1. strategy.run(noop): with the replicas' generator mode (what every run now does) vs without it
      (the mode replaced by a null context: the cost before issue 26).
   2. A training step of resnet_cifar(depth=20) (no dropout), custom loop, global batch 64: the same
-     pair; the difference is the mode's per-op dispatch through Python.
+     pair; the difference is the mode's per-op dispatch through Python. 2b: the same model's forward
+     and backward on one thread (batch 32), with the mode pushed or not: that cost without threads.
   3. An MLP with three nn.Dropout(0.3) on 512-wide activations, global batch 256, a training step:
      per_example_random=False (torch's bernoulli on the replica's generator, borrowed) vs True (a
      counter hash per element keyed by example).
@@ -26,7 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored as mr
-from mirrored.distribute import strategy as strategy_module
+from mirrored.distribute.random import ReplicaRandom
+
+
+class _Counting(ReplicaRandom):
+    """The mode, counting the calls that pass through it."""
+
+    calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        _Counting.calls += 1
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def _median_range(samples: list[float]) -> str:
@@ -114,6 +125,30 @@ def main() -> None:
     print(f"  without the generator mode {_median_range(t['without'])}")
     print(f"  with the generator mode    {_median_range(t['with'])}")
     print(f"  with / without: {statistics.median(t['with']) / statistics.median(t['without']):.3f}")
+
+    # 2b. The mode's per-op cost without threads: one forward + backward on this thread, mode pushed or not.
+    torch.set_num_threads(1)
+    net = mr.models.resnet_cifar(depth=20, num_classes=10)
+    x, y = torch.randn(8 if args.quick else 32, 32, 32, 3), torch.randint(0, 10, (8 if args.quick else 32,))
+    counted = _Counting(0, 0, 0)
+    with counted:
+        F.cross_entropy(net(x), y).backward()
+
+    def plain() -> None:
+        F.cross_entropy(net(x), y).backward()
+
+    def moded() -> None:
+        with ReplicaRandom(0, 0, 0):
+            F.cross_entropy(net(x), y).backward()
+
+    t = _alternate({"with": moded, "without": plain}, samples * 3, 1)
+    print(f"\n2b. the same forward + backward on one thread, batch {x.shape[0]} ({counted.calls} calls pass "
+          "through the mode)")
+    print(f"  without the generator mode {_median_range(t['without'])}")
+    print(f"  with the generator mode    {_median_range(t['with'])}")
+    print(f"  with / without: median {statistics.median(t['with']) / statistics.median(t['without']):.3f}, "
+          f"fastest {min(t['with']) / min(t['without']):.3f}")
+    torch.set_num_threads(2)
 
     batch = 16 if args.quick else 256
     steps = {}

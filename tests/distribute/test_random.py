@@ -157,6 +157,22 @@ def test_per_example_draws_do_not_depend_on_the_replica_count(op):
             assert torch.all(kept.all(dim=(2, 3)) | (~kept).all(dim=(2, 3)))
 
 
+def test_per_example_draws_with_an_empty_replica_part_and_an_explicit_generator():
+    x = torch.randn(5, 7)  # batches of 4 and 1 over 3 replicas: parts of 2, 2, 0 and 1, 0, 0 examples
+    outs = []
+    for n in (1, 3):
+        strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], seed=4, per_example_random=True)
+        dist = strategy.experimental_distribute_dataset(mr.data.Dataset.from_tensor_slices(x).batch(4))
+
+        def fn(t):
+            g = torch.Generator().manual_seed(0)  # the caller's own stream is left alone in this mode
+            return F.dropout(F.dropout(t, 0.5), 0.5) + torch.rand(1, generator=g)
+
+        outs.append([torch.cat(strategy.experimental_local_results(strategy.run(fn, args=(b,)))) for b in dist])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_per_example_masks_have_the_right_rate_and_are_independent_across_examples():
     strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"], seed=1, per_example_random=True)
     x = torch.ones(200, 500)

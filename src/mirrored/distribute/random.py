@@ -133,6 +133,8 @@ class ReplicaRandom(TorchFunctionMode):
             keyed = _KEYED.get(func)
             if keyed is not None:
                 return keyed(self, func, args, kwargs)
+            if kind is _INJECT and kwargs.get("generator") is not None:  # the caller's own stream: theirs
+                return func(*args, **kwargs)
             if kind is _BORROW and not _BORROW_DRAWS.get(func, _always)(args, kwargs):
                 return func(*args, **kwargs)
             raise RuntimeError(
@@ -207,23 +209,28 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
 # ---- which ops draw, and how each is handled --------------------------------------------------------
 _INJECT, _BORROW = 1, 2
 
-_INJECTED = [torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like,
-             torch.randint_like, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
-             torch.binomial, Tensor.uniform_, Tensor.normal_, Tensor.bernoulli_, Tensor.bernoulli,
-             Tensor.random_, Tensor.exponential_, Tensor.geometric_, Tensor.log_normal_, Tensor.cauchy_,
-             Tensor.multinomial]
+_INJECTED = [torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli, torch.multinomial,
+             torch.normal, torch.poisson, torch.binomial, Tensor.uniform_, Tensor.normal_, Tensor.bernoulli_,
+             Tensor.bernoulli, Tensor.random_, Tensor.exponential_, Tensor.geometric_, Tensor.log_normal_,
+             Tensor.cauchy_, Tensor.multinomial, torch.nn.init.uniform_, torch.nn.init.normal_,
+             torch.nn.init.trunc_normal_, torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_,
+             torch.nn.init.kaiming_uniform_, torch.nn.init.kaiming_normal_, torch.nn.init.orthogonal_,
+             torch.nn.init.sparse_]
 _BORROWED = [F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
              F.rrelu, F.rrelu_, F.gumbel_softmax, F.multi_head_attention_forward, F.scaled_dot_product_attention,
              F.fractional_max_pool2d, F.fractional_max_pool3d, torch.dropout, torch.dropout_, torch.feature_dropout,
              torch.feature_dropout_, torch.alpha_dropout, torch.alpha_dropout_, torch.feature_alpha_dropout,
              torch.feature_alpha_dropout_, torch.native_dropout, torch.rrelu, torch.rrelu_, torch.lstm, torch.gru,
-             torch.rnn_tanh, torch.rnn_relu, torch.nn.init.uniform_, torch.nn.init.normal_,
-             torch.nn.init.trunc_normal_, torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_,
-             torch.nn.init.kaiming_uniform_, torch.nn.init.kaiming_normal_, torch.nn.init.orthogonal_,
-             torch.nn.init.sparse_]
+             torch.rnn_tanh, torch.rnn_relu]
 for _f in ("fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices"):
     if hasattr(F, _f):
         _BORROWED.append(getattr(F, _f))
+for _f in (torch.rand_like, torch.randn_like, torch.randint_like):  # generator= is recent in these
+    try:
+        _f(torch.zeros(1), *([2] if _f is torch.randint_like else []), generator=torch.Generator())
+        _INJECTED.append(_f)
+    except TypeError:
+        _BORROWED.append(_f)
 _KINDS: dict[Any, int] = {**{f: _INJECT for f in _INJECTED}, **{f: _BORROW for f in _BORROWED}}
 
 
@@ -258,10 +265,16 @@ _BORROW_DRAWS: dict[Any, Callable[[tuple, dict], bool]] = {
 
 
 # ---- per-example implementations (autograd differentiates them: a mask times the input) -------------
+def _per_example(x: Tensor) -> int:
+    """Elements per example of a batch-first tensor (a 0-d one is refused by keyed_bits)."""
+    if x.dim() == 0:
+        return 1
+    return x.numel() // x.shape[0] if x.shape[0] else 0
+
+
 def _keep_mask(mode: ReplicaRandom, what: str, x: Tensor, p: float, feature: bool) -> Tensor:
     """1.0 where an element (or, feature=True, a channel) is kept, with probability 1 - p."""
-    per_example = (x.shape[1] if feature else x[0].numel()) if x.shape[0] else 0
-    bits = mode.keyed_bits(what, x, per_example)
+    bits = mode.keyed_bits(what, x, x.shape[1] if feature else _per_example(x))
     keep = (bits >= int(p * 4294967296.0)).to(x.dtype)
     if feature:
         return keep.view(x.shape[0], x.shape[1], *([1] * (x.dim() - 2)))
@@ -276,7 +289,7 @@ def _check_p(what: str, p: float) -> None:
 def _dropout(mode: ReplicaRandom, what: str, x: Tensor, p: float, training: bool, inplace: bool,
              feature: bool, alpha: bool) -> Tensor:
     _check_p(what, p)
-    if not training or p == 0 or x.numel() == 0:
+    if not training or p == 0:  # (an empty part of the batch still counts the op, as on the other replicas)
         return x
     if feature and x.dim() < 2:
         raise RuntimeError(f"{what}: feature dropout needs a batch and a channel dim; got shape {tuple(x.shape)}.")
@@ -323,10 +336,10 @@ def _rrelu(inplace_default: bool | None):
         lower, upper = float(values.get("lower", 1.0 / 8)), float(values.get("upper", 1.0 / 3))
         training = bool(values.get("training", False))  # torch's default for F.rrelu and torch.rrelu
         inplace = inplace_default if inplace_default is not None else bool(values.get("inplace", False))
-        if not training or x.numel() == 0:
+        if not training:
             slope = (lower + upper) / 2
             return F.leaky_relu(x, slope, inplace=inplace)
-        bits = mode.keyed_bits(_name(func), x, x[0].numel())
+        bits = mode.keyed_bits(_name(func), x, _per_example(x))
         u = bits.to(torch.float64).mul_(1.0 / 4294967296.0).to(x.dtype).view(x.shape)
         noise = torch.where(x >= 0, torch.ones((), dtype=x.dtype, device=x.device), lower + (upper - lower) * u)
         return x.mul_(noise) if inplace else x * noise
