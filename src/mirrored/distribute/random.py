@@ -43,14 +43,24 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 15)
 
 
+def _mix32_(x: Tensor) -> Tensor:
+    """_mix32 in place (x must be a fresh int64 tensor): a third of the allocations on large tensors."""
+    x.bitwise_xor_(x >> 16)
+    x.mul_(0x21F0AAAD).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(0x735A2D97).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 15)
+
+
 def keyed_bits(key: int, first_example: int, examples: int, per_example: int, device: torch.device) -> Tensor:
     """(examples, per_example) int64 hashes in [0, 2**32): entry (e, j) depends only on
-    (key, first_example + e, j), never on which replica computes it."""
+    (key, first_example + e, j), never on which replica computes it. Each example's key is hashed
+    twice; its elements then take one round (fewer ops than torch's bernoulli_ on CPU)."""
     k1, k2 = key & _M32, (key >> 32) & _M32
     rows = torch.arange(first_example, first_example + examples, dtype=torch.int64, device=device)
     row_key = _mix32(_mix32(rows ^ k1) ^ k2).unsqueeze(1)
     cols = torch.arange(per_example, dtype=torch.int64, device=device)
-    return _mix32(_mix32(cols ^ row_key) ^ k1)
+    return _mix32_(cols ^ row_key)
 
 
 class StrategyRandom:
