@@ -148,6 +148,22 @@ def main() -> None:
     print(f"  with the generator mode    {_median_range(t['with'])}")
     print(f"  with / without: median {statistics.median(t['with']) / statistics.median(t['without']):.3f}, "
           f"fastest {min(t['with']) / min(t['without']):.3f}")
+    tiny = torch.ones(1)
+    mode = ReplicaRandom(0, 0, 0)
+
+    def tiny_plain() -> None:
+        tiny.add(1)
+
+    def tiny_moded() -> None:
+        with mode:
+            for _ in range(100):
+                tiny.add(1)
+
+    t = _alternate({"with": tiny_moded, "without": lambda: [tiny_plain() for _ in range(100)]}, samples * 3,
+                   20 if args.quick else 200)
+    per_call = (statistics.median(t["with"]) - statistics.median(t["without"])) / 100
+    print(f"  one call through the mode (a 1-element add): +{per_call:.2f} us, so ~{per_call * counted.calls:.0f} us "
+          f"for these {counted.calls} calls per forward + backward")
     torch.set_num_threads(2)
 
     batch = 16 if args.quick else 256
