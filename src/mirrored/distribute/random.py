@@ -5,8 +5,9 @@ torch.rand) would get numbers in whatever order the threads reach it. `StrategyR
 strategy's seed and how many steps it ran; each step, `ReplicaRandom` - a thread-local
 TorchFunctionMode pushed on the replica's thread around its function - gives the replica a
 torch.Generator per device seeded by (seed, step, replica_id_in_sync_group): ops that take
-`generator=` get it; ops that take none (dropout and kin, rrelu, RNN dropout, nn.init) run with the
-default generator's state swapped for the replica's under one lock. Neither thread order nor a
+`generator=` (torch.rand, Tensor.uniform_, nn.init, ...) get it; ops that take none (the dropout
+family, rrelu, RNN and attention dropout) run with the default generator's state swapped for the
+replica's, under one lock. Neither thread order nor a
 restart (the state is (seed, steps), saved in checkpoints) changes what a replica draws.
 
 With per_example_random=True, the dropout family and rrelu draw each example's mask from a counter
@@ -81,9 +82,11 @@ class StrategyRandom:
         return self._seed
 
     def get_state(self) -> dict[str, Any]:
+        """{"seed", "steps", "per_example_random"} as JSON, for mr.train.Checkpoint."""
         return {"seed": self.seed, "steps": self.steps, "per_example_random": self.per_example}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Continues from get_state()'s seed and step count (per_example_random stays the strategy's)."""
         seed, steps = state.get("seed"), state.get("steps")
         if not (isinstance(seed, int) and isinstance(steps, int) and steps >= 0):
             raise ValueError(f"replica random state {state!r}: expected {{'seed': int, 'steps': int >= 0}}, as "

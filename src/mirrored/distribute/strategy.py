@@ -247,7 +247,8 @@ class Strategy:
         step = replicas.Rendezvous(self._devices, self._timeout_s)
         journals = [rollback.StepJournal() for _ in self._devices]
         modes = _caller_modes()
-        task = self._replica_task(fn, args, kwargs, split, step, journals, modes, self._random_modes(args, kwargs, split))
+        random_modes = self._random_modes(args, kwargs, split)
+        task = self._replica_task(fn, args, kwargs, split, step, journals, modes, random_modes)
         with self._guard(fn):  # refuses plain torch optimizers and modules that the threads would share
             outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
         if outcome.errors or step.error is not None:
