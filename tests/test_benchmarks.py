@@ -79,3 +79,10 @@ def test_gpu_check_runs_in_cpu_smoke_mode():
                     "fit on 2 replicas", "checkpoint -> cpu", "profiler", "nccl"):
         assert re.search(rf"^{re.escape(section)}\s+(PASS|SKIP)\s+[0-9.]+\s+\S", proc.stdout, re.M), proc.stdout
     assert "9 of 9 sections without failure" in proc.stdout, proc.stdout
+
+
+def test_replica_random_benchmark_prints_its_three_comparisons():  # issue 26
+    out = _run("replica_random.py", "--quick")
+    for label in ("1. strategy.run(noop)", "2. resnet_cifar(20)", "2b. the same forward", "3. MLP with 3 x Dropout"):
+        assert label in out, out
+    assert re.search(r"True / False: [0-9.]+$", out, re.M), out

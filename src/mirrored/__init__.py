@@ -8,7 +8,7 @@
     model.fit(dataset_of_global_batches, epochs=5)
 
 The distribution core is imported eagerly; the namespaces (data, datasets, models, layers, losses,
-metrics, optimizers, callbacks, train, profiler) and Model load on first use.
+metrics, optimizers, callbacks, train, profiler, utils) and Model load on first use.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ _NAMESPACES = {
     "callbacks": "mirrored.training.callbacks",
     "train": "mirrored.training.tracking",
     "profiler": "mirrored.profiler",
+    "utils": "mirrored.utils",
 }
 _LAZY_NAMES = {
     "Model": ("mirrored.training.model", "Model"),

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mirrored._cpus import usable_cores
+from mirrored._seeds import derive_seed
 from mirrored.data import _structure
 from mirrored.data._structure import TensorSpec, spec_of
 from mirrored.data._threads import add_note, close_iterator, threaded_iter
@@ -128,6 +129,57 @@ class Map(Node):
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         par = "" if self.workers is None else f", num_parallel_calls={self.workers}"
         return f"map({name}{par})"
+
+
+class MapWithGenerator(Node):
+    """Map whose function also gets a torch.Generator per element, seeded by (seed, pass, element
+    index): the output is the same for any num_parallel_calls, in any run, and after a resume.
+    Stateful like Shuffle: `epoch` counts the passes started (get_state/set_state)."""
+
+    kind = "map_with_generator"
+
+    def __init__(self, input: Node, fn: Callable[..., Any], seed: int, num_parallel_calls: int | None):
+        super().__init__(input)
+        self.fn, self.seed, self.workers = fn, seed, resolve_parallelism(num_parallel_calls)
+        self.epoch = 0
+        self.lock = threading.Lock()
+
+    def iterate(self, probe: bool) -> Iterator[Any]:
+        with self.lock:
+            epoch = self.epoch
+            if not probe:
+                self.epoch += 1
+        fn, seed = self.fn, self.seed
+
+        def call(index: int, element: Any) -> Any:
+            generator = torch.Generator().manual_seed(derive_seed(seed, epoch, index))
+            try:
+                return fn(*element, generator) if type(element) is tuple else fn(element, generator)
+            except Exception as e:
+                add_note(e, f"in Dataset.map_with_generator function, element {index}")
+                raise
+
+        upstream = enumerate(self.inputs[0].iterate(probe))
+        if self.workers is None or probe:
+            return self._sequential(upstream, call)
+        return threaded_iter(upstream, call, num_workers=self.workers, max_in_flight=map_in_flight(self.workers),
+                             deterministic=True, what="map_with_generator")
+
+    @staticmethod
+    def _sequential(upstream: Iterator[Any], call: Callable[[int, Any], Any]) -> Iterator[Any]:
+        try:
+            for index, element in upstream:
+                yield call(index, element)
+        finally:
+            close_iterator(upstream)
+
+    def _compute_spec(self) -> Any:
+        return self._probe_spec()
+
+    def describe(self) -> str:
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        par = "" if self.workers is None else f", num_parallel_calls={self.workers}"
+        return f"map_with_generator({name}, seed={self.seed}{par})"
 
 
 class Filter(Node):

@@ -71,8 +71,9 @@ class Dataset:
     `torch.manual_seed`) gives the same orders in every run.
 
     Resuming: `get_state()` returns a JSON-serialisable dict with the seed and pass count (epoch) of
-    every shuffle in the pipeline; `set_state(state)` on the same pipeline built in a fresh process
-    restores them, so the next `iter()` repeats the order that pass had in the original run. Take
+    every shuffle and map_with_generator in the pipeline; `set_state(state)` on the same pipeline
+    built in a fresh process restores them, so the next `iter()` repeats the order (and the random
+    augmentation) that pass had in the original run. Take
     the state between epochs, before `iter()`: each `iter()` counts a pass. Positions inside a pass
     and memory caches are not part of the state (a file cache persists on its own).
     """
@@ -201,6 +202,23 @@ class Dataset:
         where = "Dataset.map"
         fn = _callable_arg(map_func, where, "map_func")
         return Dataset(_pipeline.Map(self._node, fn, _parallel_arg(num_parallel_calls, where), bool(deterministic)))
+
+    def map_with_generator(self, map_func: Callable[..., Any], seed: int | None = None,
+                           num_parallel_calls: int | None = None) -> Dataset:
+        """map, for random augmentation: map_func gets the element (unpacked as map's) and then a
+        torch.Generator seeded by (seed, pass, element index), like tf.image.stateless_random_*'s seeds.
+        So the output is the same for any num_parallel_calls, in every run, and after a resume
+        (get_state() holds the pass count). seed=None draws one now from torch's global generator.
+
+        E.g. ds.map_with_generator(lambda image, label, g: (mr.data.images.random_flip_left_right(image, g),
+        label), seed=0, num_parallel_calls=mr.data.AUTOTUNE)."""
+        where = "Dataset.map_with_generator"
+        fn = _callable_arg(map_func, where, "map_func")
+        if seed is None:
+            seed = int(torch.randint(0, 1 << 62, ()).item())
+        else:
+            seed = _int_arg(seed, where, "seed", -(1 << 63), "Give an int seed, or None for a random one.")
+        return Dataset(_pipeline.MapWithGenerator(self._node, fn, seed, _parallel_arg(num_parallel_calls, where)))
 
     def filter(self, predicate: Callable[..., Any]) -> Dataset:
         """The elements for which `predicate` (unpacked like map's function) returns True."""
@@ -378,11 +396,15 @@ class Dataset:
     def get_state(self) -> dict[str, Any]:
         """The resumable state of the pipeline (JSON-serialisable): see the class docstring."""
         nodes = _graph(self._node)
-        return {
+        state = {
             "format": _STATE_FORMAT,
             "pipeline": [n.kind for n in nodes],
             "shuffle": [{"seed": n.seed, "epoch": n.epoch} for n in nodes if isinstance(n, _pipeline.Shuffle)],
         }
+        mapped = [{"seed": n.seed, "epoch": n.epoch} for n in nodes if isinstance(n, _pipeline.MapWithGenerator)]
+        if mapped:  # only where there are some, so states of other pipelines keep their old form
+            state["generators"] = mapped
+        return state
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores a `get_state()` dict taken from the same pipeline (possibly in another process)."""
@@ -400,6 +422,13 @@ class Dataset:
             node.seed = _int_arg(entry["seed"], where, "shuffle seed", -(1 << 63), "Pass get_state()'s dict unchanged.")
             with node.lock:
                 node.epoch = _int_arg(entry["epoch"], where, "shuffle epoch", 0, "Pass get_state()'s dict unchanged.")
+        mapped = [n for n in nodes if isinstance(n, _pipeline.MapWithGenerator)]
+        for node, entry in zip(mapped, state.get("generators", []), strict=True):
+            node.seed = _int_arg(entry["seed"], where, "map_with_generator seed", -(1 << 63),
+                                 "Pass get_state()'s dict unchanged.")
+            with node.lock:
+                node.epoch = _int_arg(entry["epoch"], where, "map_with_generator epoch", 0,
+                                      "Pass get_state()'s dict unchanged.")
 
     def __repr__(self) -> str:
         chain, node = [], self._node

@@ -5,7 +5,8 @@ a batch (NHWC). decode_image() decodes JPEGs to gray or RGB with simplejpeg (lib
 everything else with Pillow; both release the GIL while they decode, so a thread pool
 (Dataset.map(num_parallel_calls=...)) decodes in parallel. resize() follows tf.image.resize
 (half-pixel centers, float32 out); its default (bilinear) runs in OpenCV on CPU tensors, 3x faster
-than torch's kernel for 3-channel images. Random ops take an optional torch.Generator. Uses torch,
+than torch's kernel for 3-channel images. Random ops take an optional torch.Generator (brightness,
+contrast and tf.image.stateless_random_* are in _image_random.py, re-exported here). Uses torch,
 numpy, simplejpeg, Pillow and OpenCV.
 
 JPEGs go through simplejpeg with libjpeg's fast integer DCT and fancy upsampling, TF's
@@ -30,6 +31,10 @@ __all__ = [
     "decode_png", "encode_jpeg", "encode_png", "normalize", "pad_to_bounding_box",
     "random_crop", "random_flip_left_right", "random_flip_up_down", "resize",
     "resize_with_crop_or_pad", "to_chw", "to_hwc",
+    # from _image_random.py
+    "adjust_brightness", "adjust_contrast", "random_brightness", "random_contrast", "stateless_random_brightness",
+    "stateless_random_contrast", "stateless_random_crop", "stateless_random_flip_left_right",
+    "stateless_random_flip_up_down",
 ]
 
 ImageLike = torch.Tensor | np.ndarray
@@ -584,3 +589,10 @@ def _random_flip(image: torch.Tensor, axis: int, generator: torch.Generator | No
         return image.flip(axis) if flip else image
     flip = torch.rand(image.shape[0], generator=generator) < 0.5
     return torch.where(flip.to(image.device).reshape(-1, 1, 1, 1), image.flip(axis), image)
+
+
+# Last: _image_random.py builds on the functions above.
+from mirrored.data._image_random import (adjust_brightness, adjust_contrast, random_brightness,  # noqa: E402
+                                         random_contrast, stateless_random_brightness, stateless_random_contrast,
+                                         stateless_random_crop, stateless_random_flip_left_right,
+                                         stateless_random_flip_up_down)

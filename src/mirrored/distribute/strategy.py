@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.nn.parameter import is_lazy
 
 from mirrored.distribute import buckets, context, devices, guards, replicas, rollback
+from mirrored.distribute import random as replica_random
 # (_is_mirrored_variable, _LAYOUTS_KEPT and _SHARED are not used here: multi_worker.py, tests and
 # benchmarks import them from this module, where they were defined before the split.)
 from mirrored.distribute._cross_replica import (_as_tensor, _bitwise_equal, _component, _is_mirrored_variable,
@@ -153,9 +154,15 @@ class Strategy:
     _mirrors_variables = True  # False where TF makes plain variables (default and one-device strategies)
 
     def __init__(self, devices: Sequence[Device], cross_device_ops: CrossDeviceOps | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, seed: int | None = None, per_example_random: bool = False):
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"{type(self).__name__}(timeout_s={timeout_s!r}): give a positive number of seconds.")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise TypeError(f"{type(self).__name__}(seed={seed!r}): give an int, or None to take torch's seed "
+                            "(torch.manual_seed / mr.utils.set_random_seed) at the first step.")
+        if not isinstance(per_example_random, bool):
+            raise TypeError(f"{type(self).__name__}(per_example_random={per_example_random!r}): give True or False.")
+        self._random = replica_random.StrategyRandom(seed, per_example_random)
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(f"{type(self).__name__}(cross_device_ops={cross_device_ops!r}): expected a "
                             "CrossDeviceOps such as mr.ReductionToOneDevice() or mr.NcclAllReduce().")
@@ -184,6 +191,12 @@ class Strategy:
     def num_replicas_in_sync(self) -> int:
         """How many replicas run each step: the GLOBAL batch is split over this many."""
         return len(self._devices)
+
+    @property
+    def random_state(self) -> replica_random.StrategyRandom:
+        """The replicas' randomness (seed, steps run): get_state()/set_state() for checkpoints, which
+        mr.Model and BackupAndRestore save, so a resumed run draws what the uninterrupted one did."""
+        return self._random
 
     @property
     def extended(self) -> StrategyExtended:
@@ -234,7 +247,8 @@ class Strategy:
         step = replicas.Rendezvous(self._devices, self._timeout_s)
         journals = [rollback.StepJournal() for _ in self._devices]
         modes = _caller_modes()
-        task = self._replica_task(fn, args, kwargs, split, step, journals, modes)
+        random_modes = self._random_modes(args, kwargs, split)
+        task = self._replica_task(fn, args, kwargs, split, step, journals, modes, random_modes)
         with self._guard(fn):  # refuses plain torch optimizers and modules that the threads would share
             outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
         if outcome.errors or step.error is not None:
@@ -250,8 +264,30 @@ class Strategy:
             self._roll_back(journals, outcome.finished)
             raise
 
+    def _random_modes(self, args: tuple, kwargs: dict, split: int) -> list[replica_random.ReplicaRandom]:
+        """Each local replica's randomness for the step about to run (random.py); with
+        per_example_random, where each replica's part of the global batch starts."""
+        state = self._random
+        number, seed, first = state.begin_step(), state.seed, self.first_replica_id
+        n = len(self._devices)
+        if not state.per_example:
+            return [replica_random.ReplicaRandom(seed, number, first + i) for i in range(n)]
+        if self.num_workers > 1:
+            raise ValueError(f"{type(self).__name__}: per_example_random=True is not supported across workers; "
+                             "use it with MirroredStrategy on one machine.")
+        sizes = []
+        for i in range(n):
+            leaves = flatten(_replica_arguments(i, args, kwargs, split))
+            batch = next((x for x in leaves if isinstance(x, Tensor) and x.dim() > 0), None)
+            sizes.append(None if batch is None else int(batch.shape[0]))
+        if None in sizes:
+            return [replica_random.ReplicaRandom(seed, number, first + i, True) for i in range(n)]
+        starts = list(itertools.accumulate([0] + sizes[:-1]))
+        return [replica_random.ReplicaRandom(seed, number, first + i, True, starts[i], sizes[i]) for i in range(n)]
+
     def _replica_task(self, fn: Callable[..., Any], args: tuple, kwargs: dict, split: int, step: replicas.Rendezvous,
-                      journals: list[rollback.StepJournal], modes: tuple[Any, ...]) -> Callable[[int], Any]:
+                      journals: list[rollback.StepJournal], modes: tuple[Any, ...],
+                      random_modes: list[replica_random.ReplicaRandom]) -> Callable[[int], Any]:
         """What each replica thread runs for one strategy.run: fn in the replica's context, with its
         arguments, the caller's modes and its journal; a failure releases the other replicas."""
         def task(replica_id: int) -> Any:
@@ -265,11 +301,12 @@ class Strategy:
             try:
                 try:
                     call_args, call_kwargs = _replica_arguments(replica_id, args, kwargs, split)
-                    if modes:
-                        with _entered(modes):
+                    with random_modes[replica_id]:  # the replica's own generators (random.py)
+                        if modes:
+                            with _entered(modes):
+                                result = fn(*call_args, **call_kwargs)
+                        else:
                             result = fn(*call_args, **call_kwargs)
-                    else:
-                        result = fn(*call_args, **call_kwargs)
                 finally:
                     stack.pop()
             except BaseException as e:
@@ -304,7 +341,10 @@ class Strategy:
             stack.append(context._Frame(self, ctx))  # as in run(): context.push costs more than the rest
             try:
                 call_args, call_kwargs = _replica_arguments(0, args, kwargs, split)
-                return fn(*call_args, **call_kwargs)
+                if self._is_default:
+                    return fn(*call_args, **call_kwargs)
+                with self._random_modes(args, kwargs, split)[0]:  # as on replica threads (random.py)
+                    return fn(*call_args, **call_kwargs)
             finally:
                 stack.pop()
         except BaseException:
@@ -639,11 +679,19 @@ class MirroredStrategy(Strategy):
         works (else HierarchicalCopyAllReduce), InMemoryAllReduce on CPUs, ReductionToOneDevice for a mix.
       timeout_s: how long a collective waits for a replica that has not arrived before the step fails
         with CollectiveTimeoutError naming it (a replica stuck or dead would otherwise hang the others).
+      seed: the seed of the replicas' random draws in strategy.run (dropout, torch.rand, ...): each
+        replica draws from generators of its own, seeded by (seed, step, replica id), so neither thread
+        order nor a resume changes them. None: torch.initial_seed() at the first step.
+      per_example_random: key each draw of the dropout family (and rrelu) by (seed, step, index of the
+        example in the global batch) instead, so a run draws the same on any number of replicas; other
+        random ops are refused inside strategy.run. Costs a few elementwise ops per dropout.
     """
 
     def __init__(self, devices: Sequence[str | torch.device] | None = None,
-                 cross_device_ops: CrossDeviceOps | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
-        super().__init__(resolve_devices(devices, where="MirroredStrategy"), cross_device_ops, timeout_s)
+                 cross_device_ops: CrossDeviceOps | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 seed: int | None = None, per_example_random: bool = False):
+        super().__init__(resolve_devices(devices, where="MirroredStrategy"), cross_device_ops, timeout_s,
+                         seed=seed, per_example_random=per_example_random)
 
 
 class OneDeviceStrategy(Strategy):

@@ -308,6 +308,8 @@ def entries(path: str, obj: Any) -> Iterator[tuple[str, Any, Any]]:
             yield f"{path}.optimizer", _Optim, obj.mirrored_optimizer
         if obj.loss_scale is not None:  # fp16's loss scale: a resumed run goes on with it
             yield f"{path}.loss_scale", _State, obj.loss_scale
+        # The replicas' generators (seed, steps run): a resumed run draws the dropout masks the first would have.
+        yield f"{path}.random", _State, obj.distribute_strategy.random_state
         return
     kind = _kind(obj)
     if kind is None and isinstance(obj, (torch.optim.lr_scheduler.LRScheduler,

@@ -1,0 +1,376 @@
+"""Random numbers inside replica steps: each replica draws from generators of its own.
+
+torch's default CPU generator is one per process, so replica threads drawing from it (dropout,
+torch.rand) would get numbers in whatever order the threads reach it. `StrategyRandom` holds a
+strategy's seed and how many steps it ran; each step, `ReplicaRandom` - a thread-local
+TorchFunctionMode pushed on the replica's thread around its function - gives the replica a
+torch.Generator per device seeded by (seed, step, replica_id_in_sync_group): ops that take
+`generator=` (torch.rand, Tensor.uniform_, nn.init, ...) get it; ops that take none (the dropout
+family, rrelu, RNN and attention dropout) run with the default generator's state swapped for the
+replica's, under one lock. Neither thread order nor a
+restart (the state is (seed, steps), saved in checkpoints) changes what a replica draws.
+
+With per_example_random=True, the dropout family and rrelu draw each example's mask from a counter
+hash of (seed, step, op, index of the example in the global batch), so a run draws the same masks
+on any number of replicas; any other random op in a step is refused by name.
+Uses torch and mirrored._seeds.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from mirrored._seeds import derive_seed
+
+_M32 = 0xFFFFFFFF
+# Borrowing a default generator swaps its state; the lock keeps two replicas from swapping it at once.
+# It is the one process-wide lock here because torch's default generators are process-wide.
+_BORROW_LOCK = threading.Lock()
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash, elementwise on int64 values in [0, 2**32) (Wellons's lowbias32 variant
+    with multipliers below 2**31, so no int64 product overflows)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def _mix32_(x: Tensor) -> Tensor:
+    """_mix32 in place (x must be a fresh int64 tensor): a third of the allocations on large tensors."""
+    x.bitwise_xor_(x >> 16)
+    x.mul_(0x21F0AAAD).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(0x735A2D97).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 15)
+
+
+def keyed_bits(key: int, first_example: int, examples: int, per_example: int, device: torch.device) -> Tensor:
+    """(examples, per_example) int64 hashes in [0, 2**32): entry (e, j) depends only on
+    (key, first_example + e, j), never on which replica computes it. Each example's key is hashed
+    twice; its elements then take one round (fewer ops than torch's bernoulli_ on CPU)."""
+    k1, k2 = key & _M32, (key >> 32) & _M32
+    rows = torch.arange(first_example, first_example + examples, dtype=torch.int64, device=device)
+    row_key = _mix32(_mix32(rows ^ k1) ^ k2).unsqueeze(1)
+    cols = torch.arange(per_example, dtype=torch.int64, device=device)
+    return _mix32_(cols ^ row_key)
+
+
+class StrategyRandom:
+    """A strategy's randomness: its seed and the number of steps (strategy.run calls) it ran.
+    get_state()/set_state() put it in checkpoints, so a resumed run draws what the first would have."""
+
+    def __init__(self, seed: int | None, per_example: bool):
+        self._seed = seed
+        self.per_example = per_example
+        self.steps = 0
+
+    @property
+    def seed(self) -> int:
+        """The seed; with seed=None, torch.initial_seed() when first needed (so torch.manual_seed or
+        mr.utils.set_random_seed before the first step decides it)."""
+        if self._seed is None:
+            self._seed = int(torch.initial_seed())
+        return self._seed
+
+    def get_state(self) -> dict[str, Any]:
+        """{"seed", "steps", "per_example_random"} as JSON, for mr.train.Checkpoint."""
+        return {"seed": self.seed, "steps": self.steps, "per_example_random": self.per_example}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continues from get_state()'s seed and step count (per_example_random stays the strategy's)."""
+        seed, steps = state.get("seed"), state.get("steps")
+        if not (isinstance(seed, int) and isinstance(steps, int) and steps >= 0):
+            raise ValueError(f"replica random state {state!r}: expected {{'seed': int, 'steps': int >= 0}}, as "
+                             "get_state() returns; pass the saved state unchanged.")
+        self._seed, self.steps = seed, steps
+
+    def begin_step(self) -> int:
+        """The number of the step about to run (0 for the first)."""
+        step = self.steps
+        self.steps += 1
+        return step
+
+    def __repr__(self) -> str:
+        return f"StrategyRandom(seed={self._seed}, steps={self.steps}, per_example={self.per_example})"
+
+
+class ReplicaRandom(TorchFunctionMode):
+    """One replica's randomness for one step, active on its thread while its function runs.
+
+    Args:
+      seed, step: the strategy's seed and the step's number.
+      replica_id: the replica's id in the sync group (its place).
+      per_example: key draws by example instead (the batch's examples first_example.. of the global batch).
+      first_example, examples: where this replica's part of the global batch starts, and its size
+        (None: the step had no batch tensor to key by).
+    """
+
+    def __init__(self, seed: int, step: int, replica_id: int, per_example: bool = False,
+                 first_example: int = 0, examples: int | None = None):
+        super().__init__()
+        self._seed, self._step, self._replica_id = seed, step, replica_id
+        self._per_example = per_example
+        self._first_example, self._examples = first_example, examples
+        self._generators: dict[tuple[str, int], torch.Generator] = {}
+        self._ops = 0  # random ops keyed so far in this step (per_example)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This replica's generator on `device` for this step, seeded on first use."""
+        device = torch.device(device)
+        index = device.index if device.index is not None else (
+            torch.cuda.current_device() if device.type == "cuda" else 0)
+        key = (device.type, index)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = torch.Generator(torch.device(device.type, index) if device.type != "cpu" else "cpu")
+            place = 0 if device.type == "cpu" else 1 + index  # not hash(key): str hashes vary per process
+            gen.manual_seed(derive_seed(self._seed, self._step, self._replica_id, place))
+            self._generators[key] = gen
+        return gen
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kind = _KINDS.get(func)
+        if kind is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = dict(kwargs) if kwargs else {}
+        if self._per_example:
+            keyed = _KEYED.get(func)
+            if keyed is not None:
+                return keyed(self, func, args, kwargs)
+            if kind is _INJECT and kwargs.get("generator") is not None:  # the caller's own stream: theirs
+                return func(*args, **kwargs)
+            if kind is _BORROW and not _BORROW_DRAWS.get(func, _always)(args, kwargs):
+                return func(*args, **kwargs)
+            raise RuntimeError(
+                f"{_name(func)} was called in a replica step of a strategy with per_example_random=True, which keys "
+                "each random draw by the example it is for; this op's draws cannot be tied to examples of the batch "
+                f"(covered: {', '.join(sorted(_name(f) for f in _KEYED))} on tensors whose dim 0 is the batch). "
+                "Draw it outside strategy.run, pass generator= explicitly, or use per_example_random=False.")
+        if kind is _INJECT:
+            if kwargs.get("generator") is None:
+                kwargs["generator"] = self.generator(_device_of(args, kwargs))
+            return func(*args, **kwargs)
+        return self._borrow(func, args, kwargs)
+
+    def _borrow(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """Runs a random op that takes no generator with the device's default generator in this replica's state."""
+        device = _device_of(args, kwargs)
+        own = self.generator(device)
+        default = torch.default_generator if device.type == "cpu" else torch.cuda.default_generators[own.device.index]
+        with _BORROW_LOCK:
+            saved = default.get_state()
+            default.set_state(own.get_state())
+            try:
+                return func(*args, **kwargs)
+            finally:
+                own.set_state(default.get_state())
+                default.set_state(saved)
+
+    # ---- per-example draws -------------------------------------------------------------------------
+    def keyed_bits(self, what: str, x: Tensor, per_example: int) -> Tensor:
+        """Hashes for the examples of `x` (dim 0 is the batch), per_example of them for each."""
+        if self._examples is None:
+            raise RuntimeError(f"{what} in a replica step with per_example_random=True, but strategy.run got no "
+                               "tensor argument to find the batch in. Pass the batch (e.g. the distributed "
+                               "dataset's element) to strategy.run.")
+        if x.dim() == 0 or x.shape[0] != self._examples:
+            raise RuntimeError(f"{what} on a tensor of shape {tuple(x.shape)} with per_example_random=True: its dim 0 "
+                               f"must be this replica's batch ({self._examples} examples), so that draws are keyed by "
+                               "example. Apply it to a batch-first tensor, or use per_example_random=False.")
+        key = derive_seed(self._seed, self._step, self._ops, 0x5EED)
+        self._ops += 1
+        return keyed_bits(key, self._first_example, self._examples, per_example, x.device)
+
+
+def _always(args: tuple, kwargs: dict) -> bool:
+    return True
+
+
+def _name(func: Callable) -> str:
+    module = getattr(func, "__module__", None) or ""
+    qual = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+    if "TensorBase" in qual or qual.startswith("Tensor."):
+        return "Tensor." + qual.rsplit(".", 1)[-1]
+    if module.startswith("torch.nn.functional"):
+        return "torch.nn.functional." + qual
+    if module.startswith("torch.nn.init"):
+        return "torch.nn.init." + qual
+    return "torch." + getattr(func, "__name__", qual)
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    device = kwargs.get("device")
+    if device is not None:
+        return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    for a in args:
+        if isinstance(a, Tensor):
+            return a.device
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], Tensor):
+            return a[0].device
+    return torch.get_default_device()
+
+
+# ---- which ops draw, and how each is handled --------------------------------------------------------
+_INJECT, _BORROW = 1, 2
+
+_INJECTED = [torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli, torch.multinomial,
+             torch.normal, torch.poisson, torch.binomial, Tensor.uniform_, Tensor.normal_, Tensor.bernoulli_,
+             Tensor.bernoulli, Tensor.random_, Tensor.exponential_, Tensor.geometric_, Tensor.log_normal_,
+             Tensor.cauchy_, Tensor.multinomial, torch.nn.init.uniform_, torch.nn.init.normal_,
+             torch.nn.init.trunc_normal_, torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_,
+             torch.nn.init.kaiming_uniform_, torch.nn.init.kaiming_normal_, torch.nn.init.orthogonal_,
+             torch.nn.init.sparse_]
+_BORROWED = [F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+             F.rrelu, F.rrelu_, F.gumbel_softmax, F.multi_head_attention_forward, F.scaled_dot_product_attention,
+             F.fractional_max_pool2d, F.fractional_max_pool3d, torch.dropout, torch.dropout_, torch.feature_dropout,
+             torch.feature_dropout_, torch.alpha_dropout, torch.alpha_dropout_, torch.feature_alpha_dropout,
+             torch.feature_alpha_dropout_, torch.native_dropout, torch.rrelu, torch.rrelu_, torch.lstm, torch.gru,
+             torch.rnn_tanh, torch.rnn_relu]
+for _f in ("fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices"):
+    if hasattr(F, _f):
+        _BORROWED.append(getattr(F, _f))
+for _f in (torch.rand_like, torch.randn_like, torch.randint_like):  # generator= is recent in these
+    try:
+        _f(torch.zeros(1), *([2] if _f is torch.randint_like else []), generator=torch.Generator())
+        _INJECTED.append(_f)
+    except TypeError:
+        _BORROWED.append(_f)
+_KINDS: dict[Any, int] = {**{f: _INJECT for f in _INJECTED}, **{f: _BORROW for f in _BORROWED}}
+
+
+def _rnn_draws(args: tuple, kwargs: dict) -> bool:
+    # lstm/gru/rnn_* take (..., num_layers, dropout: float, train: bool, ...): dropout is their one float.
+    for i, a in enumerate(args):
+        if type(a) is float:
+            return a > 0 and bool(args[i + 1]) if i + 1 < len(args) else a > 0
+    return False
+
+
+def _sdpa_draws(args: tuple, kwargs: dict) -> bool:
+    p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    return bool(p)
+
+
+def _mha_draws(args: tuple, kwargs: dict) -> bool:
+    p = args[10] if len(args) > 10 else kwargs.get("dropout_p", 0.0)
+    training = args[13] if len(args) > 13 else kwargs.get("training", True)
+    return bool(p) and bool(training)
+
+
+def _fractional_draws(args: tuple, kwargs: dict) -> bool:
+    return kwargs.get("_random_samples") is None and not (len(args) > 5 and args[5] is not None)
+
+
+_BORROW_DRAWS: dict[Any, Callable[[tuple, dict], bool]] = {
+    torch.lstm: _rnn_draws, torch.gru: _rnn_draws, torch.rnn_tanh: _rnn_draws, torch.rnn_relu: _rnn_draws,
+    F.scaled_dot_product_attention: _sdpa_draws, F.multi_head_attention_forward: _mha_draws,
+    F.fractional_max_pool2d: _fractional_draws, F.fractional_max_pool3d: _fractional_draws,
+}
+
+
+# ---- per-example implementations (autograd differentiates them: a mask times the input) -------------
+def _per_example(x: Tensor) -> int:
+    """Elements per example of a batch-first tensor (a 0-d one is refused by keyed_bits)."""
+    if x.dim() == 0:
+        return 1
+    return x.numel() // x.shape[0] if x.shape[0] else 0
+
+
+def _keep_mask(mode: ReplicaRandom, what: str, x: Tensor, p: float, feature: bool) -> Tensor:
+    """1.0 where an element (or, feature=True, a channel) is kept, with probability 1 - p."""
+    bits = mode.keyed_bits(what, x, x.shape[1] if feature else _per_example(x))
+    keep = (bits >= int(p * 4294967296.0)).to(x.dtype)
+    if feature:
+        return keep.view(x.shape[0], x.shape[1], *([1] * (x.dim() - 2)))
+    return keep.view(x.shape)
+
+
+def _check_p(what: str, p: float) -> None:
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"{what}: dropout probability has to be between 0 and 1, but got {p}")
+
+
+def _dropout(mode: ReplicaRandom, what: str, x: Tensor, p: float, training: bool, inplace: bool,
+             feature: bool, alpha: bool) -> Tensor:
+    _check_p(what, p)
+    if not training or p == 0:  # (an empty part of the batch still counts the op, as on the other replicas)
+        return x
+    if feature and x.dim() < 2:
+        raise RuntimeError(f"{what}: feature dropout needs a batch and a channel dim; got shape {tuple(x.shape)}.")
+    keep = _keep_mask(mode, what, x, p, feature)
+    if alpha:  # torch's formula (ATen's _dropout_impl): keeps the self-normalizing mean and variance
+        if p == 1:
+            return x.mul_(0) if inplace else x * 0
+        a_const = 1.7580993408473766
+        a = 1.0 / ((a_const * a_const * p + 1) * (1 - p)) ** 0.5
+        b = (keep - 1) * (a_const * a) + a_const * a * p
+        noise = keep * a
+        return x.mul_(noise).add_(b) if inplace else x * noise + b
+    noise = keep * (1.0 / (1 - p)) if p < 1 else keep * 0
+    return x.mul_(noise) if inplace else x * noise
+
+
+def _f_dropout(feature: bool, alpha: bool, batched_dims: tuple[int, ...] | None, training_default: bool):
+    def keyed(mode: ReplicaRandom, func: Callable, args: tuple, kwargs: dict) -> Tensor:
+        names = ("input", "p", "training", "inplace")
+        values = dict(zip(names, args)) | kwargs
+        x = values["input"]
+        what = _name(func)
+        if batched_dims is not None and x.dim() not in batched_dims:
+            raise RuntimeError(f"{what} on an input of shape {tuple(x.shape)} with per_example_random=True: only a "
+                               f"batched input ({' or '.join(f'{d}-D' for d in batched_dims)}) has its examples on dim "
+                               "0. Give it a batch dim.")
+        return _dropout(mode, what, x, float(values.get("p", 0.5)), bool(values.get("training", training_default)),
+                        bool(values.get("inplace", False)), feature, alpha)
+    return keyed
+
+
+def _torch_dropout(feature: bool, alpha: bool, inplace: bool):
+    def keyed(mode: ReplicaRandom, func: Callable, args: tuple, kwargs: dict) -> Tensor:
+        values = dict(zip(("input", "p", "train"), args)) | kwargs
+        return _dropout(mode, _name(func), values["input"], float(values["p"]), bool(values["train"]), inplace,
+                        feature, alpha)
+    return keyed
+
+
+def _rrelu(inplace_default: bool | None):
+    def keyed(mode: ReplicaRandom, func: Callable, args: tuple, kwargs: dict) -> Tensor:
+        values = dict(zip(("input", "lower", "upper", "training", "inplace"), args)) | kwargs
+        x = values["input"]
+        lower, upper = float(values.get("lower", 1.0 / 8)), float(values.get("upper", 1.0 / 3))
+        training = bool(values.get("training", False))  # torch's default for F.rrelu and torch.rrelu
+        inplace = inplace_default if inplace_default is not None else bool(values.get("inplace", False))
+        if not training:
+            slope = (lower + upper) / 2
+            return F.leaky_relu(x, slope, inplace=inplace)
+        bits = mode.keyed_bits(_name(func), x, _per_example(x))
+        u = bits.to(torch.float64).mul_(1.0 / 4294967296.0).to(x.dtype).view(x.shape)
+        noise = torch.where(x >= 0, torch.ones((), dtype=x.dtype, device=x.device), lower + (upper - lower) * u)
+        return x.mul_(noise) if inplace else x * noise
+    return keyed
+
+
+_KEYED: dict[Any, Callable[[ReplicaRandom, Callable, tuple, dict], Tensor]] = {
+    F.dropout: _f_dropout(False, False, None, True),
+    F.dropout1d: _f_dropout(True, False, (3,), True),
+    F.dropout2d: _f_dropout(True, False, (3, 4), True),
+    F.dropout3d: _f_dropout(True, False, (5,), True),
+    F.alpha_dropout: _f_dropout(False, True, None, False),
+    F.feature_alpha_dropout: _f_dropout(True, True, None, False),
+    torch.dropout: _torch_dropout(False, False, False), torch.dropout_: _torch_dropout(False, False, True),
+    torch.feature_dropout: _torch_dropout(True, False, False),
+    torch.feature_dropout_: _torch_dropout(True, False, True),
+    torch.alpha_dropout: _torch_dropout(False, True, False), torch.alpha_dropout_: _torch_dropout(False, True, True),
+    torch.feature_alpha_dropout: _torch_dropout(True, True, False),
+    torch.feature_alpha_dropout_: _torch_dropout(True, True, True),
+    F.rrelu: _rrelu(None), F.rrelu_: _rrelu(True), torch.rrelu: _rrelu(False), torch.rrelu_: _rrelu(True),
+}
