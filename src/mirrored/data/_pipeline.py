@@ -164,9 +164,10 @@ class Shuffle(Node):
     kind = "shuffle"
     passes_elements = True
 
-    def __init__(self, input: Node, buffer_size: int, seed: int, reshuffle: bool):
+    def __init__(self, input: Node, buffer_size: int, seed: int, reshuffle: bool, drawn: bool = False):
         super().__init__(input)
         self.buffer_size, self.seed, self.reshuffle = buffer_size, seed, reshuffle
+        self.drawn = drawn  # seed=None: drawn here, so a multi-worker strategy replaces it with the chief's
         self.epoch = 0
         self.lock = threading.Lock()
 

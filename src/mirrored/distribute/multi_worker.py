@@ -334,6 +334,20 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._collectives.all_sum_([n], "distributed input (batches left)")
         return int(n.item())
 
+    def gather_over_workers(self, row: Sequence[int], what: str) -> list[list[int]]:
+        """Strategy.gather_over_workers through torch.distributed (an all-gather of int64)."""
+        if self._world_size == 1:
+            return [list(row)]
+        return self._collectives.all_gather_row(row, what)
+
+    def chief_ints(self, values: Sequence[int], what: str) -> list[int]:
+        """Strategy.chief_ints through torch.distributed (a broadcast from rank 0)."""
+        if self._world_size == 1 or not values:
+            return list(values)
+        shared = torch.tensor(list(values), dtype=torch.int64)
+        self._collectives.broadcast_([shared], what)
+        return shared.tolist()
+
     def all_reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
                              grads: list[Tensor | None]) -> list[Tensor | None]:
         """SUM-all-reduces this worker's gradients over the workers in persistent buckets. Every parameter

@@ -107,6 +107,21 @@ def say(message: str) -> None:
     sys.stdout.flush()
 
 
+def writes_summaries(model: Any) -> bool:
+    """Whether this process writes logs (progress, CSV rows, TensorBoard events): under a multi-worker
+    strategy only the chief (TF's should_save_summary). TF's other workers write to temporary directories
+    and delete them, so the chief's files are what is left; here they skip writing (none of these writes
+    takes part in a collective), which leaves the same files without the detour."""
+    extended = getattr(getattr(model, "distribute_strategy", None), "extended", None)
+    return bool(getattr(extended, "should_save_summary", True))
+
+
+def writes_checkpoints(model: Any) -> bool:
+    """Whether this process writes checkpoints and saved models: the chief only (TF's should_checkpoint)."""
+    extended = getattr(getattr(model, "distribute_strategy", None), "extended", None)
+    return bool(getattr(extended, "should_checkpoint", True))
+
+
 def check_mode(where: str, mode: str) -> None:
     if mode not in ("auto", "min", "max"):
         raise ValueError(f"{where}(mode={mode!r}): mode is 'auto', 'min' or 'max'.")

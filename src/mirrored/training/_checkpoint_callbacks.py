@@ -12,7 +12,7 @@ import os
 
 from mirrored.training import checkpoint, checkpoint_checks, tracking
 from mirrored.training._callback import (NOT_METRICS, Callback, Logs, StepCounter, check_mode, check_save_freq,
-                                         improved, monitor_value, resolve_mode, say)
+                                         improved, monitor_value, resolve_mode, say, writes_checkpoints)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class ModelCheckpoint(Callback):
 
     def _save(self, epoch: int, batch: int | None, logs: Logs) -> None:
         path = self._format_path(epoch, batch, logs)
+        chief = writes_checkpoints(self.model)  # other workers of a multi-worker run follow "best" but write nothing
+        verbose = self.verbose and chief
         if self.save_best_only:
             current = monitor_value(self, logs)
             if current is None:
@@ -76,15 +78,17 @@ class ModelCheckpoint(Callback):
             if self._direction is None:
                 self._direction = resolve_mode("ModelCheckpoint", self.monitor, self.mode, self.model)
             if math.isnan(current) or not improved(self._direction, current, self.best, 0.0):
-                if self.verbose:
+                if verbose:
                     say(f"Epoch {epoch + 1}: {self.monitor} did not improve from {self.best}")
                 return
-            if self.verbose:
+            if verbose:
                 say(f"Epoch {epoch + 1}: {self.monitor} improved from {self.best} to "
                     f"{current}, saving model to {path}")
             self.best = current
-        elif self.verbose:
+        elif verbose:
             say(f"Epoch {epoch + 1}: saving model to {path}")
+        if not chief:
+            return
         directory = os.path.dirname(path)
         if directory:
             os.makedirs(directory, exist_ok=True)
