@@ -206,6 +206,14 @@ def _backend_for(device: Device, implementation: str) -> str:
     return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
+def launched_as_worker() -> bool:
+    """Whether this process was started as one of several workers (torchrun's RANK with WORLD_SIZE > 1),
+    so a program such as `mirrored train` should build a MultiWorkerMirroredStrategy rather than train
+    alone. Reads the environment only; nothing is joined."""
+    launch = _read_launch()
+    return launch.rank is not None and (launch.world_size or 1) > 1
+
+
 class ClusterResolver(NamedTuple):
     """What `strategy.cluster_resolver` tells (the fields of TF's that training scripts read)."""
 
