@@ -134,7 +134,8 @@ def write_files(directory: Path) -> None:
 
 def test_file_sharding_parses_half_the_records_per_worker_and_trains_each_once(tmp_path):
     """AutoShardPolicy.FILE over 4 TFRecord files (list_files unseeded, seed + rank): each worker opens
-    2 whole files and parses only their 32 records, and each epoch trains every example exactly once."""
+    2 whole files and parses only their 32 records, and each epoch trains every example exactly once.
+    Then OFF on the same pipeline: every worker reads all of it, each example trained on twice."""
     write_files(tmp_path)
     assert launch("file_sharding", tmp_path) == [0, 0], logs(tmp_path)
     res = results(tmp_path)
@@ -143,6 +144,8 @@ def test_file_sharding_parses_half_the_records_per_worker_and_trains_each_once(t
         assert r["parsed"] == N // 2 * EPOCHS, r["parsed"]  # half of the records, per epoch
         assert len(r["ids_by_file"]) == FILES // 2  # whole files: every id of a file it read
     assert sorted(f for r in res for f in r["ids_by_file"]) == list(range(FILES))
+    # OFF: every worker reads everything, so each example is trained on once per worker
+    assert sorted(i for r in res for i in r["seen_off"]) == sorted(list(range(N)) * 2)
 
 
 # ---- the worker side -----------------------------------------------------------------------------
@@ -246,7 +249,12 @@ def scenario_file_sharding(strategy, rank: int, out: Path) -> dict:
     seen: list[list[int]] = []
     model = _model(strategy)
     model.fit(ds, epochs=EPOCHS, callbacks=[_epochs_callback(seen)], verbose=0)
-    return {"seen": seen, "parsed": len(parsed), "ids_by_file": sorted({i // PER_FILE for i in parsed})}
+    result = {"seen": seen, "parsed": len(parsed), "ids_by_file": sorted({i // PER_FILE for i in parsed})}
+    off = mr.data.Options()
+    off.experimental_distribute.auto_shard_policy = mr.data.experimental.AutoShardPolicy.OFF
+    seen_off: list[list[int]] = []
+    model.fit(ds.with_options(off), epochs=1, callbacks=[_epochs_callback(seen_off)], verbose=0)
+    return {**result, "seen_off": seen_off[0]}
 
 
 SCENARIOS = {"fit_arrays": scenario_fit_arrays, "pipeline_seed_plus_rank": scenario_pipeline_seed_plus_rank,
