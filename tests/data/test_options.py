@@ -11,7 +11,7 @@ import torch
 import mirrored as mr
 from mirrored.data import Dataset, Options, TensorSpec
 from mirrored.data.experimental import AutoShardPolicy
-from mirrored.distribute import input as input_lib
+from mirrored.distribute import _input_workers
 
 
 def test_options_merge_downstream_values_over_upstream_ones_and_survive_transformations():
@@ -116,7 +116,7 @@ def _with_policy(ds: Dataset, policy: AutoShardPolicy) -> Dataset:
 @pytest.mark.parametrize("policy", list(AutoShardPolicy))
 def test_one_worker_accepts_every_shard_policy_as_tf_ignores_them(policy):
     ds = _with_policy(Dataset.range(8).batch(4), policy)
-    assert input_lib._shard_policy(_fake_strategy(2, 2), ds) == "DATA"  # one process, two replicas
+    assert _input_workers.shard_policy(_fake_strategy(2, 2), ds) == "DATA"  # one process, two replicas
     strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     first = next(iter(strategy.experimental_distribute_dataset(ds)))
     assert [t.tolist() for t in strategy.experimental_local_results(first)] == [[0, 1], [2, 3]]
@@ -134,17 +134,17 @@ def _files(tmp_path, count: int) -> Dataset:
 def test_several_workers_resolve_the_policy_as_tf(tmp_path, policy, files, resolved):
     """Issue 24: as TF's auto_shard, AUTO is FILE where there is at least one file per worker, else DATA."""
     ds = _files(tmp_path, files) if files else Dataset.range(8)
-    assert input_lib._shard_policy(_fake_strategy(2, 1), _with_policy(ds.batch(4), policy)) == resolved
+    assert _input_workers.shard_policy(_fake_strategy(2, 1), _with_policy(ds.batch(4), policy)) == resolved
 
 
 def test_impossible_file_sharding_names_both_counts_and_hint_is_refused(tmp_path):
     two_workers = _fake_strategy(2, 1)
     with pytest.raises(ValueError, match=r"reads 1 file for 2 workers, not enough for the required 2 shards"):
-        input_lib._shard_policy(two_workers, _with_policy(_files(tmp_path, 1), AutoShardPolicy.FILE))
+        _input_workers.shard_policy(two_workers, _with_policy(_files(tmp_path, 1), AutoShardPolicy.FILE))
     with pytest.raises(ValueError, match=r"reads none: found an unshardable source dataset.*AutoShardPolicy.DATA"):
-        input_lib._shard_policy(two_workers, _with_policy(Dataset.range(8), AutoShardPolicy.FILE))
+        _input_workers.shard_policy(two_workers, _with_policy(Dataset.range(8), AutoShardPolicy.FILE))
     with pytest.raises(ValueError, match=r"HINT.*SHARD_HINT.*distribute_datasets_from_function"):
-        input_lib._shard_policy(two_workers, _with_policy(Dataset.range(8), AutoShardPolicy.HINT))
+        _input_workers.shard_policy(two_workers, _with_policy(Dataset.range(8), AutoShardPolicy.HINT))
 
 
 def test_distributed_element_spec_describes_each_replicas_part():

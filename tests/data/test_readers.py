@@ -11,7 +11,7 @@ import torch
 import mirrored as mr
 from mirrored.data import Dataset, _distribute
 from mirrored.data.tfrecord import write_records
-from mirrored.distribute import input as input_lib
+from mirrored.distribute import _input_workers
 
 
 @pytest.fixture
@@ -100,10 +100,10 @@ def test_tfds_shards_are_a_file_source(fixtures_dir):
 
 def test_digest_of_a_batch_sees_its_labels_not_float_noise():
     x, y = torch.randn(8, 3), torch.arange(8)
-    digest = input_lib._batch_digest((x, y))
-    assert input_lib._batch_digest((x + 0.5, y)) == digest  # an augmentation of the inputs
-    assert input_lib._batch_digest((x, y.flip(0))) != digest  # other examples, or another order
-    assert input_lib._batch_digest(x) != input_lib._batch_digest(x.flip(0))  # no labels: every leaf
-    assert input_lib._batch_digest((x[:4], y[:4])) != digest
-    assert input_lib._batch_digest((x, ["a"] * 8)) != input_lib._batch_digest((x, ["b"] * 8))
+    digest = _input_workers.batch_digest((x, y))
+    assert _input_workers.batch_digest((x + 0.5, y)) == digest  # an augmentation of the inputs
+    assert _input_workers.batch_digest((x, y.flip(0))) != digest  # other examples, or another order
+    assert _input_workers.batch_digest(x) != _input_workers.batch_digest(x.flip(0))  # no labels: every leaf
+    assert _input_workers.batch_digest((x[:4], y[:4])) != digest
+    assert _input_workers.batch_digest((x, ["a"] * 8)) != _input_workers.batch_digest((x, ["b"] * 8))
     assert os.environ.get("RANK") is None  # (these run in one process)
