@@ -14,7 +14,8 @@ one file per worker) gives each worker whole files of its own and takes this wor
 batch it reads from them; OFF gives every worker all the data the same way.
 `distribute_datasets_from_function` calls the user's function with an `InputContext` (one input
 pipeline per worker) and gives replicas successive per-replica batches. Iterators hand out distributed
-batches with next() / get_next(), or get_next_as_optional(). Uses values.py, devices.py, _input_workers.py and data/
+batches with next() / get_next(), or get_next_as_optional(). Uses values.py, devices.py,
+_input_workers.py and data/.
 """
 from __future__ import annotations
 
