@@ -424,7 +424,8 @@ class DistributedDataset:
             raise TypeError(f"experimental_distribute_dataset: expected a dataset of GLOBAL batches (an "
                             f"mr.data.Dataset, a DataLoader or any iterable); got {type(dataset).__name__}.")
         self._policy = shard_policy(strategy, dataset)
-        if strategy.num_workers > 1 and isinstance(dataset, Dataset):
+        if strategy.num_workers > 1 and isinstance(dataset, Dataset) and self._policy != "OFF":
+            # (OFF keeps each worker's own draws, as TF: the same order everywhere would repeat examples in a step)
             share_drawn_seeds(strategy, dataset)
             if self._policy == "FILE":  # this worker's copy lists its own files: it reads about 1/W of them
                 local = len(strategy.extended.worker_devices)
