@@ -200,7 +200,8 @@ def scenario_fit_arrays(strategy, rank: int, out: Path) -> dict:
     model = _model(strategy)
     x, y = _arrays()
     callbacks = [_epochs_callback(seen), mr.callbacks.CSVLogger(shared / "log.csv"),
-                 mr.callbacks.TensorBoard(shared / "tb"), mr.callbacks.ModelCheckpoint(str(shared / "ckpt-{epoch}.safetensors"))]
+                 mr.callbacks.TensorBoard(shared / "tb"),
+                 mr.callbacks.ModelCheckpoint(str(shared / "ckpt-{epoch}.safetensors"))]
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, callbacks=callbacks, verbose=1)
     model.save(shared / "model.safetensors")
     return {"seen": seen}

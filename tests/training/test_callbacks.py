@@ -637,7 +637,7 @@ def test_csv_logger_of_a_resumed_run_keeps_the_rows_before_it_and_redoes_the_res
 
 def test_only_the_chief_writes_logs(tmp_path, capsys):
     """Issue 24: on a worker other than the chief (should_save_summary False, as TF's), CSVLogger,
-    TensorBoard and the progress bar write nothing."""
+    TensorBoard, the progress bar and a callback's verbose messages write nothing."""
     extended = SimpleNamespace(should_save_summary=False, should_checkpoint=False)
     model = SimpleNamespace(distribute_strategy=SimpleNamespace(extended=extended), optimizer=None)
     callbacks = [CSVLogger(tmp_path / "log.csv"), TensorBoard(tmp_path / "tb"), ProgbarLogger()]
@@ -650,6 +650,12 @@ def test_only_the_chief_writes_logs(tmp_path, capsys):
             cb.on_train_batch_end(0, {"loss": 0.5})
             cb.on_epoch_end(epoch, {"loss": 0.5})
         cb.on_train_end({})
+    stopper = EarlyStopping(monitor="loss", patience=0, verbose=1)
+    stopper.set_model(model)
+    stopper.on_train_begin({})
+    for epoch, loss in enumerate([0.5, 0.6]):
+        stopper.on_epoch_end(epoch, {"loss": loss})
+    stopper.on_train_end({})  # ("Epoch 2: early stopping" on the chief)
     assert list(tmp_path.iterdir()) == [] and capsys.readouterr().out == ""
     extended.should_save_summary = True  # the chief
     callbacks[2].on_epoch_begin(0)

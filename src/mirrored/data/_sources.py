@@ -1,5 +1,6 @@
 """Source nodes for `Dataset`: tensor slices, one tensor, range, a Python generator, zip,
-concatenate, and the list of files a reader opens (Files, which FILE auto-sharding divides). Each pass of a source starts from the beginning (the generator is called again).
+concatenate, and the list of files a reader opens (Files, which FILE auto-sharding divides). Each
+pass of a source starts from the beginning (the generator is called again).
 Uses torch, _structure.py, _threads.py and the Node base class of _pipeline.py.
 """
 from __future__ import annotations

@@ -113,8 +113,8 @@ def compare_first_batches(strategy: Strategy, batch: Any) -> None:
         groups.setdefault(tuple(r), []).append(w)
     if len(groups) == 1:
         return
-    described = "; ".join(f"worker(s) {', '.join(map(str, ws))}: " + ("no batch" if not key[0] else f"digest {key[1]:x}")
-                          for key, ws in groups.items())
+    described = "; ".join(f"worker(s) {', '.join(map(str, ws))}: "
+                          + ("no batch" if not key[0] else f"digest {key[1]:x}") for key, ws in groups.items())
     raise ValueError(
         f"experimental_distribute_dataset: the workers read different first batches ({described}). With DATA "
         "sharding every worker must read the same global batches and keeps its replicas' part of each, so "

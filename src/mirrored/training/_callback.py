@@ -100,9 +100,12 @@ class Callback:
 
 
 
-def say(message: str) -> None:
+def say(message: str, model: Any = None) -> None:
     """Output a callback's `verbose` asked for: printed like the progress bar (as in Keras), since
-    the user asked to see it; all else goes through logging."""
+    the user asked to see it; all else goes through logging. Given the model, only by the chief of a
+    multi-worker run (writes_summaries), so N workers print it once."""
+    if model is not None and not writes_summaries(model):
+        return
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
 

@@ -258,10 +258,11 @@ class EarlyStopping(Callback):
         """As Keras 3 does: the best weights come back when training ends, however it ends (this
         callback stopped it, another one did, or the epochs ran out)."""
         if self.stopped_epoch > 0 and self.verbose:
-            say(f"Epoch {self.stopped_epoch + 1}: early stopping")
+            say(f"Epoch {self.stopped_epoch + 1}: early stopping", model=self.model)
         if self.restore_best_weights and self.best_weights is not None:
             if self.verbose:
-                say(f"Restoring the model weights from the end of the best epoch: {self.best_epoch + 1}.")
+                say(f"Restoring the model weights from the end of the best epoch: {self.best_epoch + 1}.",
+                    model=self.model)
             self.model.set_weights(self.best_weights)
 
     def __repr__(self) -> str:
@@ -334,7 +335,7 @@ class ReduceLROnPlateau(Callback):
             new_lr = max(old_lr * self.factor, self.min_lr)
             optimizer.learning_rate = new_lr
             if self.verbose:
-                say(f"Epoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {new_lr}.")
+                say(f"Epoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {new_lr}.", model=self.model)
             self.cooldown_counter, self.wait = self.cooldown, 0
 
     def __repr__(self) -> str:
@@ -370,7 +371,7 @@ class LearningRateScheduler(Callback):
                              f"must return a finite float learning rate.")
         optimizer.learning_rate = float(lr)
         if self.verbose:
-            say(f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {float(lr)}.")
+            say(f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {float(lr)}.", model=self.model)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         """Adds the epoch's rate to `logs` as "learning_rate"."""
@@ -625,7 +626,7 @@ class TorchLRScheduler(Callback):
         elif self.step_per == "epoch":
             self.scheduler.step()
         if self.verbose and self._rate() != before:
-            say(f"Epoch {epoch + 1}: TorchLRScheduler setting learning rate to {self._rate()}.")
+            say(f"Epoch {epoch + 1}: TorchLRScheduler setting learning rate to {self._rate()}.", model=self.model)
         if logs is not None:
             logs["learning_rate"] = before  # the rate this epoch ran with, as Keras logs it
 
