@@ -36,7 +36,8 @@ def file_sources(dataset: Dataset) -> list[_sources.Files]:
 def shard_files(dataset: Dataset, count: int, index: int) -> Dataset:
     """A copy of the pipeline whose file sources list every `count`-th file from `index` (tf.data's FILE
     auto-shard): nodes between them and the output are copied, the rest shared. A cardinality the
-    whole set of files promised (TFDS' shard lengths) no longer holds for a part, so it is dropped."""
+    whole set of files promised (TFDS' shard lengths) no longer holds for a part, so it is dropped, and a
+    memory cache starts empty. (A cache(filename) keeps its file: give each worker its own, as in TF.)"""
     memo: dict[int, _pipeline.Node] = {}
 
     def clone(node: _pipeline.Node) -> _pipeline.Node:
@@ -57,6 +58,8 @@ def shard_files(dataset: Dataset, count: int, index: int) -> Dataset:
                 out.inputs = inputs
                 if isinstance(getattr(node, "lock", None), type(threading.Lock())):
                     out.lock = threading.Lock()  # (a shuffle's pass counter: the copy counts its own passes)
+                if node.kind == "cache":
+                    out.elements, out.namedtuples = None, {}  # a memory cache of all files is not this part's
         memo[id(node)] = out
         return out
 
