@@ -137,14 +137,17 @@ def test_several_workers_resolve_the_policy_as_tf(tmp_path, policy, files, resol
     assert _input_workers.shard_policy(_fake_strategy(2, 1), _with_policy(ds.batch(4), policy)) == resolved
 
 
-def test_impossible_file_sharding_names_both_counts_and_hint_is_refused(tmp_path):
+def test_impossible_file_sharding_names_both_counts_and_hint_needs_a_placeholder(tmp_path):
     two_workers = _fake_strategy(2, 1)
     with pytest.raises(ValueError, match=r"reads 1 file for 2 workers, not enough for the required 2 shards"):
         _input_workers.shard_policy(two_workers, _with_policy(_files(tmp_path, 1), AutoShardPolicy.FILE))
     with pytest.raises(ValueError, match=r"reads none: found an unshardable source dataset.*AutoShardPolicy.DATA"):
         _input_workers.shard_policy(two_workers, _with_policy(Dataset.range(8), AutoShardPolicy.FILE))
-    with pytest.raises(ValueError, match=r"HINT.*SHARD_HINT.*distribute_datasets_from_function"):
+    with pytest.raises(ValueError, match=r"HINT shards where the pipeline calls shard\(SHARD_HINT, SHARD_HINT\), "
+                                         r"but .* has no such call, so each of the 2 workers would read all of it"):
         _input_workers.shard_policy(two_workers, _with_policy(Dataset.range(8), AutoShardPolicy.HINT))
+    hinted = Dataset.range(8).shard(mr.data.experimental.SHARD_HINT, mr.data.experimental.SHARD_HINT)
+    assert _input_workers.shard_policy(two_workers, _with_policy(hinted, AutoShardPolicy.HINT)) == "HINT"
 
 
 def test_distributed_element_spec_describes_each_replicas_part():

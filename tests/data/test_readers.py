@@ -89,6 +89,17 @@ def test_file_sharding_gives_each_worker_every_second_file_and_leaves_the_datase
     assert _distribute.describe_files(_distribute.file_sources(ds)) == "4 files"
 
 
+def test_shard_hint_keeps_everything_until_hint_sharding_fills_it_in():
+    """tf.data's shard(SHARD_HINT, SHARD_HINT): a placeholder; HINT auto-sharding makes it shard(W, rank)."""
+    hint = mr.data.experimental.SHARD_HINT
+    ds = Dataset.range(10).shard(hint, hint).batch(2)
+    assert [t.tolist() for t in ds] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert len(_distribute.hint_shards(ds)) == 1
+    parts = [[t.tolist() for t in _distribute.fill_hints(ds, 2, w)] for w in range(2)]
+    assert parts == [[[0, 2], [4, 6], [8]], [[1, 3], [5, 7], [9]]]
+    assert [t.tolist() for t in ds] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]  # (the dataset itself is unchanged)
+
+
 def test_tfds_shards_are_a_file_source(fixtures_dir):
     """tfds.load's shards are what FILE sharding divides (TFDS' own shards, as TF's auto-shard sees them)."""
     directory = fixtures_dir / "tfds"

@@ -135,7 +135,8 @@ def write_files(directory: Path) -> None:
 def test_file_sharding_parses_half_the_records_per_worker_and_trains_each_once(tmp_path):
     """AutoShardPolicy.FILE over 4 TFRecord files (list_files unseeded, seed + rank): each worker opens
     2 whole files and parses only their 32 records, and each epoch trains every example exactly once.
-    Then OFF on the same pipeline: every worker reads all of it, each example trained on twice."""
+    Then OFF on the same pipeline: every worker reads all of it, each example trained on twice; and HINT
+    with a shard(SHARD_HINT, SHARD_HINT) placeholder: each example once."""
     write_files(tmp_path)
     assert launch("file_sharding", tmp_path) == [0, 0], logs(tmp_path)
     res = results(tmp_path)
@@ -146,6 +147,8 @@ def test_file_sharding_parses_half_the_records_per_worker_and_trains_each_once(t
     assert sorted(f for r in res for f in r["ids_by_file"]) == list(range(FILES))
     # OFF: every worker reads everything, so each example is trained on once per worker
     assert sorted(i for r in res for i in r["seen_off"]) == sorted(list(range(N)) * 2)
+    # HINT: shard(SHARD_HINT, SHARD_HINT) after the records becomes shard(2, rank): each example once
+    assert sorted(i for r in res for i in r["seen_hint"]) == list(range(N))
 
 
 # ---- the worker side -----------------------------------------------------------------------------
@@ -255,7 +258,13 @@ def scenario_file_sharding(strategy, rank: int, out: Path) -> dict:
     off.experimental_distribute.auto_shard_policy = mr.data.experimental.AutoShardPolicy.OFF
     seen_off: list[list[int]] = []
     model.fit(ds.with_options(off), epochs=1, callbacks=[_epochs_callback(seen_off)], verbose=0)
-    return {**result, "seen_off": seen_off[0]}
+    hint = mr.data.experimental.SHARD_HINT
+    hinted = mr.data.TFRecordDataset(files).shard(hint, hint).map(parse).batch(BATCH)
+    options = mr.data.Options()
+    options.experimental_distribute.auto_shard_policy = mr.data.experimental.AutoShardPolicy.HINT
+    seen_hint: list[list[int]] = []
+    model.fit(hinted.with_options(options), epochs=1, callbacks=[_epochs_callback(seen_hint)], verbose=0)
+    return {**result, "seen_off": seen_off[0], "seen_hint": seen_hint[0]}
 
 
 SCENARIOS = {"fit_arrays": scenario_fit_arrays, "pipeline_seed_plus_rank": scenario_pipeline_seed_plus_rank,

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 from mirrored.data import _pipeline, _sources
 from mirrored.data.dataset import Dataset, _graph
 
-__all__ = ["drawn_seeds", "file_sources", "set_drawn_seeds", "shard_files"]
+__all__ = ["drawn_seeds", "file_sources", "fill_hints", "hint_shards", "set_drawn_seeds", "shard_files"]
 
 
 def _drawn_shuffles(dataset: Dataset) -> list[_pipeline.Shuffle]:
@@ -38,28 +39,54 @@ def shard_files(dataset: Dataset, count: int, index: int) -> Dataset:
     auto-shard): nodes between them and the output are copied, the rest shared. A cardinality the
     whole set of files promised (TFDS' shard lengths) no longer holds for a part, so it is dropped, and a
     memory cache starts empty. (A cache(filename) keeps its file: give each worker its own, as in TF.)"""
+    def files(node: _pipeline.Node) -> _pipeline.Node | None:
+        if not isinstance(node, _sources.Files):
+            return None
+        out = copy.copy(node)
+        out.shard = (count, index)
+        return out
+    return _rewritten(dataset, files)
+
+
+def hint_shards(dataset: Dataset) -> list[_pipeline.Shard]:
+    """The pipeline's shard(SHARD_HINT, SHARD_HINT) placeholders."""
+    return [n for n in _graph(dataset._node) if isinstance(n, _pipeline.Shard) and n.hint]
+
+
+def fill_hints(dataset: Dataset, count: int, index: int) -> Dataset:
+    """A copy of the pipeline whose SHARD_HINT placeholders are shard(count, index) (tf.data's HINT)."""
+    def hint(node: _pipeline.Node) -> _pipeline.Node | None:
+        if not (isinstance(node, _pipeline.Shard) and node.hint):
+            return None
+        out = copy.copy(node)
+        out.num_shards, out.index = count, index
+        return out
+    return _rewritten(dataset, hint)
+
+
+def _rewritten(dataset: Dataset, replace: Callable[[_pipeline.Node], _pipeline.Node | None]) -> Dataset:
+    """The pipeline with the nodes `replace` returns a copy for replaced: the nodes between them and the
+    output are copied (their inputs change), the others shared."""
     memo: dict[int, _pipeline.Node] = {}
 
     def clone(node: _pipeline.Node) -> _pipeline.Node:
         if id(node) in memo:
             return memo[id(node)]
-        out: _pipeline.Node
-        if isinstance(node, _sources.Files):
-            out = copy.copy(node)
-            out.shard = (count, index)
+        inputs = tuple(clone(i) for i in node.inputs)
+        out = replace(node)
+        if out is not None:
+            out.inputs = inputs
+        elif all(a is b for a, b in zip(inputs, node.inputs)):
+            out = node
+        elif node.kind == "assert_cardinality":
+            out = inputs[0]
         else:
-            inputs = tuple(clone(i) for i in node.inputs)
-            if all(a is b for a, b in zip(inputs, node.inputs)):
-                out = node
-            elif node.kind == "assert_cardinality":
-                out = inputs[0]
-            else:
-                out = copy.copy(node)
-                out.inputs = inputs
-                if isinstance(getattr(node, "lock", None), type(threading.Lock())):
-                    out.lock = threading.Lock()  # (a shuffle's pass counter: the copy counts its own passes)
-                if node.kind == "cache":
-                    out.elements, out.namedtuples = None, {}  # a memory cache of all files is not this part's
+            out = copy.copy(node)
+            out.inputs = inputs
+            if isinstance(getattr(node, "lock", None), type(threading.Lock())):
+                out.lock = threading.Lock()  # (a shuffle's pass counter: the copy counts its own passes)
+            if node.kind == "cache":
+                out.elements, out.namedtuples = None, {}  # a memory cache of all of it is not this part's
         memo[id(node)] = out
         return out
 

@@ -409,9 +409,10 @@ class Shard(Node):
     kind = "shard"
     passes_elements = True
 
-    def __init__(self, input: Node, num_shards: int, index: int):
+    def __init__(self, input: Node, num_shards: int, index: int, hint: bool = False):
         super().__init__(input)
         self.num_shards, self.index = num_shards, index
+        self.hint = hint  # shard(SHARD_HINT, SHARD_HINT): all of it, unless HINT auto-sharding fills it in
 
     def iterate(self, probe: bool) -> Iterator[Any]:
         upstream = self.inputs[0].iterate(probe)
@@ -427,7 +428,7 @@ class Shard(Node):
         return n // self.num_shards + (1 if self.index < n % self.num_shards else 0)
 
     def describe(self) -> str:
-        return f"shard({self.num_shards}, {self.index})"
+        return "shard(SHARD_HINT)" if self.hint and self.num_shards == 1 else f"shard({self.num_shards}, {self.index})"
 
 
 class Enumerate(Node):

@@ -30,6 +30,8 @@ from mirrored.data._structure import TensorSpec
 from mirrored.data._threads import AUTOTUNE, close_iterator
 from mirrored.data.options import Options
 
+SHARD_HINT = -1  # tf.data.experimental.SHARD_HINT: Dataset.shard's placeholder for HINT auto-sharding
+
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "TensorSpec"]
 
 _AUTOTUNE_PREFETCH = 2  # elements: one ready while one is consumed; more only holds memory
@@ -293,8 +295,12 @@ class Dataset:
         return Dataset(_pipeline.Skip(self._node, count))
 
     def shard(self, num_shards: int, index: int) -> Dataset:
-        """Every `num_shards`-th element starting at `index`: element i goes to shard i % num_shards."""
+        """Every `num_shards`-th element starting at `index`: element i goes to shard i % num_shards.
+        shard(SHARD_HINT, SHARD_HINT) (mr.data.experimental.SHARD_HINT) is a placeholder that a multi-worker
+        strategy's HINT auto-sharding fills with (workers, rank); elsewhere it keeps every element."""
         where = "Dataset.shard"
+        if num_shards == SHARD_HINT and index == SHARD_HINT:
+            return Dataset(_pipeline.Shard(self._node, 1, 0, hint=True))
         num_shards = _int_arg(num_shards, where, "num_shards", 1,
                               "Give the number of shards (e.g. the number of workers), >= 1.")
         index = _int_arg(index, where, "index", 0, f"Give an index in [0, {num_shards}).")

@@ -24,9 +24,9 @@ class AutoShardPolicy(enum.IntEnum):
     DATA: every worker reads the same global batches and keeps its replicas' parts of each. FILE: each
     worker reads whole files of its own (list_files, TFRecordDataset, tfds.load's shards; at least one
     per worker, else an error) and takes its share of every batch from them. AUTO: FILE where every
-    file source has at least one file per worker, else DATA. OFF: every worker reads all the data. HINT
-    is refused (mr.data has no SHARD_HINT placeholder). On one worker every policy means the same, as
-    in TF."""
+    file source has at least one file per worker, else DATA. OFF: every worker reads all the data. HINT:
+    the pipeline's shard(SHARD_HINT, SHARD_HINT) placeholders become shard(workers, rank) (none is an
+    error). On one worker every policy means the same, as in TF."""
 
     OFF = -1
     AUTO = 0

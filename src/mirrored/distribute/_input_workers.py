@@ -24,12 +24,13 @@ if TYPE_CHECKING:
 
 
 def shard_policy(strategy: Strategy, dataset: Any) -> str:
-    """The AutoShardPolicy this worker follows, as TF resolves it: "DATA", "FILE" or "OFF".
+    """The AutoShardPolicy this worker follows, as TF resolves it: "DATA", "FILE", "HINT" or "OFF".
 
     AUTO is FILE where the dataset reads files (list_files, TFRecordDataset, tfds.load's shards) and
     each source has at least one per worker, DATA otherwise; FILE with fewer files than workers, or with
-    no files at all, is an error as in TF. HINT (shard(SHARD_HINT, ...) placeholders) is refused: mr.data
-    has no such placeholder to rewrite. On one worker every policy reads everything once, as in TF."""
+    no files at all, is an error as in TF. HINT fills the pipeline's shard(SHARD_HINT, SHARD_HINT)
+    placeholders with (workers, rank); without one it is an error (every worker would read everything).
+    On one worker every policy reads everything once, as in TF."""
     workers = strategy.num_workers
     options = getattr(dataset, "options", None)
     policy = getattr(getattr(options(), "experimental_distribute", None), "auto_shard_policy", None) \
@@ -38,10 +39,13 @@ def shard_policy(strategy: Strategy, dataset: Any) -> str:
     if workers == 1 or not isinstance(dataset, Dataset):
         return "DATA"  # a DataLoader or list: every worker reads it and keeps its part
     if policy is AutoShardPolicy.HINT:
-        raise ValueError("experimental_distribute_dataset: AutoShardPolicy.HINT shards where the pipeline calls "
-                         "shard(SHARD_HINT, SHARD_HINT), a placeholder mr.data does not have. Use FILE (whole files "
-                         "per worker), DATA, or shard yourself in strategy.distribute_datasets_from_function(fn) "
-                         "with input_context.num_input_pipelines and input_pipeline_id.")
+        if not _distribute.hint_shards(dataset):
+            raise ValueError(f"experimental_distribute_dataset: AutoShardPolicy.HINT shards where the pipeline calls "
+                             f"shard(SHARD_HINT, SHARD_HINT), but {dataset!r} has no such call, so each of the "
+                             f"{workers} workers would read all of it. Add "
+                             "ds.shard(mr.data.experimental.SHARD_HINT, mr.data.experimental.SHARD_HINT) where each "
+                             "worker's part should be taken, or use FILE, DATA or AUTO.")
+        return "HINT"
     if policy in (AutoShardPolicy.OFF, AutoShardPolicy.DATA):
         return policy.name
     sources = _distribute.file_sources(dataset)

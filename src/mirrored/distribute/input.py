@@ -11,7 +11,8 @@ the same global batches everywhere and keeps this worker's replicas' parts - the
 are shared first, and a digest of the first batch of each pass is compared across workers, so two
 workers that read different batches are an error, not data trained twice; FILE (and AUTO with at least
 one file per worker) gives each worker whole files of its own and takes this worker's share of every
-batch it reads from them; OFF gives every worker all the data the same way.
+batch it reads from them; HINT does so with the part its shard(SHARD_HINT, SHARD_HINT) placeholders
+take; OFF gives every worker all the data the same way.
 `distribute_datasets_from_function` calls the user's function with an `InputContext` (one input
 pipeline per worker) and gives replicas successive per-replica batches. Iterators hand out distributed
 batches with next() / get_next(), or get_next_as_optional(). Uses values.py, devices.py,
@@ -207,7 +208,7 @@ class DistributedIterator(_GetNext):
         self._source = source
         self._step = 0
         self._ahead: list[Any] = []
-        self._policy = policy  # "DATA": the same global batches on every worker; "FILE"/"OFF": each its own
+        self._policy = policy  # "DATA": the same global batches on every worker; "FILE"/"HINT"/"OFF": its own
         self._compared = False  # DATA on several workers: the first batch's digest is compared once a pass
         self._parts: list[Any] = []  # FILE/OFF: replicas' parts of this worker's batches, not yet handed out
         self._template: Any = None
@@ -230,7 +231,7 @@ class DistributedIterator(_GetNext):
         return self._splitter.split(batch, "experimental_distribute_dataset")
 
     def _fetch_own(self) -> Any | None:
-        """FILE / OFF: each batch this worker reads is cut into num_replicas_in_sync parts (TF's rebatch)
+        """FILE / HINT / OFF: each batch this worker reads is cut into num_replicas_in_sync parts (TF's rebatch)
         and its replicas take the next parts each step, so a step's global batch is every worker's share
         and each worker reads only its own data. Workers whose data ran out take empty parts while any
         other still has some (a count per step, as TF's get_next_as_optional); (None when all are done)."""
@@ -427,9 +428,11 @@ class DistributedDataset:
         if strategy.num_workers > 1 and isinstance(dataset, Dataset) and self._policy != "OFF":
             # (OFF keeps each worker's own draws, as TF: the same order everywhere would repeat examples in a step)
             share_drawn_seeds(strategy, dataset)
+            rank = strategy.first_replica_id // len(strategy.extended.worker_devices)
             if self._policy == "FILE":  # this worker's copy lists its own files: it reads about 1/W of them
-                local = len(strategy.extended.worker_devices)
-                dataset = _distribute.shard_files(dataset, strategy.num_workers, strategy.first_replica_id // local)
+                dataset = _distribute.shard_files(dataset, strategy.num_workers, rank)
+            elif self._policy == "HINT":  # its shard(SHARD_HINT, SHARD_HINT) placeholders become shard(W, rank)
+                dataset = _distribute.fill_hints(dataset, strategy.num_workers, rank)
         self._strategy = strategy
         self._passes = _Passes(dataset, "experimental_distribute_dataset")
         self._options = options
@@ -453,8 +456,8 @@ class DistributedDataset:
 
     def cardinality(self) -> int:
         """The number of global batches, INFINITE_CARDINALITY (-1) or UNKNOWN_CARDINALITY (-2), as the
-        dataset reports it (cardinality() or len()); unknown where workers read their own data (FILE, OFF),
-        whose steps depend on every worker's part."""
+        dataset reports it (cardinality() or len()); unknown where workers read their own data (FILE, HINT,
+        OFF), whose steps depend on every worker's part."""
         n = self._passes.cardinality()
         return n if self._policy == "DATA" or n == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
 
