@@ -144,6 +144,31 @@ def _strategy(args: argparse.Namespace, devices: list[str]) -> Any:
         raise CliError(f"{_where(args)}: {e}") from None
 
 
+def _multi_worker_strategy(args: argparse.Namespace) -> Any:
+    """A MultiWorkerMirroredStrategy when this process is one worker of a launched job (torchrun), else None.
+    Each worker drives its own device (--devices chooses it); --replicas would count the job's processes,
+    which the launcher sets."""
+    import mirrored as mr
+
+    if not mr.distribute.multi_worker.launched_as_worker():
+        return None
+    if getattr(args, "replicas", None) is not None:
+        raise CliError(f"--replicas {args.replicas}: this process is one worker of a job started by a launcher "
+                       "(torchrun), which sets how many there are (--nproc_per_node, --nnodes). Drop --replicas, "
+                       "or pass --devices to choose this worker's device.")
+    devices = None
+    if getattr(args, "devices", None) is not None:
+        devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    try:
+        return mr.MultiWorkerMirroredStrategy(devices=devices)
+    except ValueError as e:
+        raise CliError(f"{_where(args)}: {e}") from None
+
+
+def _quiet(*_: Any, **__: Any) -> None:
+    """print's stand-in on workers other than the chief: one job prints once."""
+
+
 def _where(args: argparse.Namespace) -> str:
     """The flag that chose the devices, for messages."""
     if getattr(args, "devices", None) is not None:
@@ -278,8 +303,13 @@ def cmd_train(args: argparse.Namespace) -> int:
                        "epoch and deleted when a run finishes). Drop --resume to start afresh.")
     _check_out(out)
     torch.manual_seed(args.seed)
-    devices = _devices(args)
-    n = len(devices)
+    # Under torchrun each process is one worker of one job: a MultiWorkerMirroredStrategy over all of them,
+    # the global batch scaled by every replica, and the files written by the chief alone.
+    strategy = _multi_worker_strategy(args)
+    devices = list(strategy.extended.worker_devices) if strategy is not None else _devices(args)
+    n = strategy.num_replicas_in_sync if strategy is not None else len(devices)
+    chief = strategy is None or strategy.extended.should_checkpoint
+    say = print if chief else _quiet
     model_name = args.model or ("resnet_cifar" if args.dataset == "digits" else "resnet18")
     if model_name not in mr.models.names():
         raise CliError(f"--model {model_name!r}: known models are {', '.join(mr.models.names())}.")
@@ -296,14 +326,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"{_where(args)} ({model_name} at {image_size}x{image_size}, global batch {global_batch})")
     except ValueError as e:
         raise CliError(str(e)) from None
-    strategy = _strategy(args, devices)
-    print(f"replicas: {n} on {', '.join(strategy.extended.worker_devices)} | cross-device ops: "
-          f"{type(strategy.extended.cross_device_ops).__name__} | global batch {global_batch} "
-          f"({', '.join(map(str, per_replica))} per replica)")
+    if strategy is None:
+        strategy = _strategy(args, devices)
+    workers = strategy.num_workers
+    on = ', '.join(strategy.extended.worker_devices)
+    where = f"({workers} workers, each on {on})" if workers > 1 else f"on {on}"
+    say(f"replicas: {n} {where} | cross-device ops: {type(strategy.extended.cross_device_ops).__name__} | "
+        f"global batch {global_batch} ({', '.join(map(str, per_replica))} per replica)")
     val_ds, _ = _load(args.dataset, val_split, args.data_dir, image_size, False)
     test_ds, _ = _load(args.dataset, test_split, args.data_dir, image_size, False)
     sizes = {split: info.splits[split].num_examples for split in (train_split, val_split, test_split)}
-    print(f"data: {args.dataset} | train on {train_split!r} ({sizes[train_split]} images) | validate (val_*) on "
+    say(f"data: {args.dataset} | train on {train_split!r} ({sizes[train_split]} images) | validate (val_*) on "
           f"{val_split!r} ({sizes[val_split]}) | test once, after training, on {test_split!r} ({sizes[test_split]})")
     train = train_ds.shuffle(2048, seed=args.seed).batch(global_batch).prefetch(mr.data.AUTOTUNE)
     val = val_ds.batch(global_batch).prefetch(mr.data.AUTOTUNE)
@@ -316,12 +349,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.resume and backup.exists():
         import shutil
 
-        shutil.rmtree(backup)
+        # (every worker removes it before its own fit reads it: the chief writes a new one only after an epoch)
+        shutil.rmtree(backup, ignore_errors=True)
     verbose = args.verbose if args.verbose is not None else (1 if sys.stdout.isatty() else 2)
     def cosine(epoch: int, _lr: float) -> float:  # decay to ~0 so BatchNorm statistics settle by the end
         return lr * 0.5 * (1 + math.cos(math.pi * epoch / args.epochs))
 
-    profiler = mr.profiler.Profiler(str(out)) if args.command == "profile" else None
+    profiler = mr.profiler.Profiler(str(out)) if args.command == "profile" and chief else None
     callbacks = [*([profiler] if profiler else []), mr.callbacks.LearningRateScheduler(cosine),
                  mr.callbacks.CSVLogger(str(out / "log.csv"), append=resuming),
                  mr.callbacks.BackupAndRestore(str(backup)),
@@ -335,11 +369,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     images = sizes[train_split] * len(history.history.get("loss", []))
     results = model.evaluate(test, return_dict=True, verbose=0)  # the one look at the test split
-    model.save(out / "model.safetensors")
+    model.save(out / "model.safetensors")  # (by the chief only, under a multi-worker strategy)
+    if not chief:
+        return 0
     _plot(history.history, out / "history.png")
     (out / "run.json").write_text(json.dumps({"dataset": args.dataset, "model": model_name, "image_size":
-                                              image_size, "replicas": n, "splits": {"train": train_split,
-                                              "validation": val_split, "test": test_split}, "test": results},
+                                              image_size, "replicas": n, "workers": workers,
+                                              "splits": {"train": train_split, "validation": val_split,
+                                                         "test": test_split}, "test": results},
                                              indent=2))
     metrics = " - ".join(f"test_{k}: {v:.4f}" for k, v in results.items())
     print(f"{metrics} (split {test_split!r}, evaluated once after training) - {images / seconds:.0f} images/s "

@@ -11,7 +11,7 @@ import torch
 import mirrored as mr
 from mirrored.data import Dataset, Options, TensorSpec
 from mirrored.data.experimental import AutoShardPolicy
-from mirrored.distribute import input as input_lib
+from mirrored.distribute import _input_workers
 
 
 def test_options_merge_downstream_values_over_upstream_ones_and_survive_transformations():
@@ -102,36 +102,52 @@ def test_the_experimental_namespace_keeps_tf_data_experimental_names():
 
 
 def _fake_strategy(replicas: int, local: int) -> object:
-    """What _check_shard_policy reads of a strategy: `replicas` in sync, `local` of them in this process."""
-    return types.SimpleNamespace(num_replicas_in_sync=replicas,
+    """What _shard_policy reads of a strategy: `replicas` in sync, `local` of them in this process."""
+    return types.SimpleNamespace(num_replicas_in_sync=replicas, num_workers=replicas // local,
                                  extended=types.SimpleNamespace(worker_devices=[f"cpu:{i}" for i in range(local)]))
+
+
+def _with_policy(ds: Dataset, policy: AutoShardPolicy) -> Dataset:
+    options = Options()
+    options.experimental_distribute.auto_shard_policy = policy
+    return ds.with_options(options)
 
 
 @pytest.mark.parametrize("policy", list(AutoShardPolicy))
 def test_one_worker_accepts_every_shard_policy_as_tf_ignores_them(policy):
-    options = Options()
-    options.experimental_distribute.auto_shard_policy = policy
-    ds = Dataset.range(8).batch(4).with_options(options)
-    input_lib._check_shard_policy(_fake_strategy(2, 2), ds)  # one process, two replicas
+    ds = _with_policy(Dataset.range(8).batch(4), policy)
+    assert _input_workers.shard_policy(_fake_strategy(2, 2), ds) == "DATA"  # one process, two replicas
     strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     first = next(iter(strategy.experimental_distribute_dataset(ds)))
     assert [t.tolist() for t in strategy.experimental_local_results(first)] == [[0, 1], [2, 3]]
 
 
-@pytest.mark.parametrize("policy, refused", [(AutoShardPolicy.AUTO, False), (AutoShardPolicy.DATA, False),
-                                             (AutoShardPolicy.OFF, True), (AutoShardPolicy.FILE, True),
-                                             (AutoShardPolicy.HINT, True)])
-def test_several_workers_refuse_a_policy_that_would_give_other_batches(policy, refused):
-    options = Options()
-    options.experimental_distribute.auto_shard_policy = policy
-    ds = Dataset.range(8).batch(4).with_options(options)
+def _files(tmp_path, count: int) -> Dataset:
+    for i in range(count):
+        mr.data.tfrecord.write_records(tmp_path / f"part-{i}.tfrecord", [b"x"])
+    return mr.data.TFRecordDataset(Dataset.list_files(str(tmp_path / "part-*.tfrecord"), seed=0))
+
+
+@pytest.mark.parametrize("policy, files, resolved", [
+    (AutoShardPolicy.AUTO, 0, "DATA"), (AutoShardPolicy.AUTO, 1, "DATA"), (AutoShardPolicy.AUTO, 2, "FILE"),
+    (AutoShardPolicy.DATA, 4, "DATA"), (AutoShardPolicy.OFF, 4, "OFF"), (AutoShardPolicy.FILE, 3, "FILE")])
+def test_several_workers_resolve_the_policy_as_tf(tmp_path, policy, files, resolved):
+    """Issue 24: as TF's auto_shard, AUTO is FILE where there is at least one file per worker, else DATA."""
+    ds = _files(tmp_path, files) if files else Dataset.range(8)
+    assert _input_workers.shard_policy(_fake_strategy(2, 1), _with_policy(ds.batch(4), policy)) == resolved
+
+
+def test_impossible_file_sharding_names_both_counts_and_hint_needs_a_placeholder(tmp_path):
     two_workers = _fake_strategy(2, 1)
-    if not refused:
-        input_lib._check_shard_policy(two_workers, ds)
-        return
-    with pytest.raises(ValueError, match=rf"auto_shard_policy is {policy.name}.*Set AutoShardPolicy.DATA.*"
-                                         r"distribute_datasets_from_function"):
-        input_lib._check_shard_policy(two_workers, ds)
+    with pytest.raises(ValueError, match=r"reads 1 file for 2 workers, not enough for the required 2 shards"):
+        _input_workers.shard_policy(two_workers, _with_policy(_files(tmp_path, 1), AutoShardPolicy.FILE))
+    with pytest.raises(ValueError, match=r"reads none: found an unshardable source dataset.*AutoShardPolicy.DATA"):
+        _input_workers.shard_policy(two_workers, _with_policy(Dataset.range(8), AutoShardPolicy.FILE))
+    with pytest.raises(ValueError, match=r"HINT shards where the pipeline calls shard\(SHARD_HINT, SHARD_HINT\), "
+                                         r"but .* has no such call, so each of the 2 workers would read all of it"):
+        _input_workers.shard_policy(two_workers, _with_policy(Dataset.range(8), AutoShardPolicy.HINT))
+    hinted = Dataset.range(8).shard(mr.data.experimental.SHARD_HINT, mr.data.experimental.SHARD_HINT)
+    assert _input_workers.shard_policy(two_workers, _with_policy(hinted, AutoShardPolicy.HINT)) == "HINT"
 
 
 def test_distributed_element_spec_describes_each_replicas_part():

@@ -11,6 +11,7 @@ import struct
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import crc32c
 import numpy as np
@@ -616,6 +617,49 @@ def test_csv_logger_append_continues_under_the_existing_header(tmp_path):
     assert _csv_rows(path) == [["epoch", "loss", "val_loss"], ["0", "0.5", "0.6"], ["1", "0.3", "0.4"]]
     _csv_run(CSVLogger(path), [{"loss": 0.1, "val_loss": 0.2}])  # append=False starts anew
     assert _csv_rows(path) == [["epoch", "loss", "val_loss"], ["0", "0.1", "0.2"]]
+
+
+def test_csv_logger_of_a_resumed_run_keeps_the_rows_before_it_and_redoes_the_rest(tmp_path):
+    """Issue 24: a run restarted by BackupAndRestore at epoch 2 (append=False) keeps rows 0 and 1 - which
+    Keras's CSVLogger truncates - and drops row 2, written before the crash and now run again."""
+    path = tmp_path / "log.csv"
+    _csv_run(CSVLogger(path), [{"loss": 0.5}, {"loss": 0.4}, {"loss": 0.3}])
+    resumed = CSVLogger(path)
+    _begin(resumed)
+    resumed.on_epoch_begin(2)
+    assert _csv_rows(path) == [["epoch", "loss", "val_loss"], ["0", "0.5", "NA"], ["1", "0.4", "NA"]]
+    resumed.on_epoch_end(2, {"loss": 0.25})
+    resumed.on_epoch_begin(3)
+    resumed.on_epoch_end(3, {"loss": 0.2})
+    assert [row[:2] for row in _csv_rows(path)] == [["epoch", "loss"], ["0", "0.5"], ["1", "0.4"], ["2", "0.25"],
+                                                    ["3", "0.2"]]
+
+
+def test_only_the_chief_writes_logs(tmp_path, capsys):
+    """Issue 24: on a worker other than the chief (should_save_summary False, as TF's), CSVLogger,
+    TensorBoard, the progress bar and a callback's verbose messages write nothing."""
+    extended = SimpleNamespace(should_save_summary=False, should_checkpoint=False)
+    model = SimpleNamespace(distribute_strategy=SimpleNamespace(extended=extended), optimizer=None)
+    callbacks = [CSVLogger(tmp_path / "log.csv"), TensorBoard(tmp_path / "tb"), ProgbarLogger()]
+    for cb in callbacks:
+        cb.set_model(model)
+        cb.set_params({"epochs": 2, "steps": 1, "verbose": 1})
+        cb.on_train_begin({})
+        for epoch in range(2):
+            cb.on_epoch_begin(epoch)
+            cb.on_train_batch_end(0, {"loss": 0.5})
+            cb.on_epoch_end(epoch, {"loss": 0.5})
+        cb.on_train_end({})
+    stopper = EarlyStopping(monitor="loss", patience=0, verbose=1)
+    stopper.set_model(model)
+    stopper.on_train_begin({})
+    for epoch, loss in enumerate([0.5, 0.6]):
+        stopper.on_epoch_end(epoch, {"loss": loss})
+    stopper.on_train_end({})  # ("Epoch 2: early stopping" on the chief)
+    assert list(tmp_path.iterdir()) == [] and capsys.readouterr().out == ""
+    extended.should_save_summary = True  # the chief
+    callbacks[2].on_epoch_begin(0)
+    assert capsys.readouterr().out == "Epoch 1/2\n"
 
 
 def test_csv_logger_append_to_a_missing_file_writes_the_header(tmp_path):

@@ -12,6 +12,7 @@ from mirrored.data.dataset import UNKNOWN_CARDINALITY as UNKNOWN_CARDINALITY
 from mirrored.data.dataset import Dataset as Dataset
 from mirrored.data.dataset import TensorSpec as TensorSpec
 from mirrored.data.options import Options as Options
+from mirrored.data.readers import TFRecordDataset as TFRecordDataset
 
-__all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "Options", "TensorSpec", "experimental",
-           "images", "tfrecord"]
+__all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "Options", "TFRecordDataset",
+           "TensorSpec", "experimental", "images", "tfrecord"]

@@ -216,9 +216,10 @@ class Shuffle(Node):
     kind = "shuffle"
     passes_elements = True
 
-    def __init__(self, input: Node, buffer_size: int, seed: int, reshuffle: bool):
+    def __init__(self, input: Node, buffer_size: int, seed: int, reshuffle: bool, drawn: bool = False):
         super().__init__(input)
         self.buffer_size, self.seed, self.reshuffle = buffer_size, seed, reshuffle
+        self.drawn = drawn  # seed=None: drawn here, so a multi-worker strategy replaces it with the chief's
         self.epoch = 0
         self.lock = threading.Lock()
 
@@ -460,9 +461,10 @@ class Shard(Node):
     kind = "shard"
     passes_elements = True
 
-    def __init__(self, input: Node, num_shards: int, index: int):
+    def __init__(self, input: Node, num_shards: int, index: int, hint: bool = False):
         super().__init__(input)
         self.num_shards, self.index = num_shards, index
+        self.hint = hint  # shard(SHARD_HINT, SHARD_HINT): all of it, unless HINT auto-sharding fills it in
 
     def iterate(self, probe: bool) -> Iterator[Any]:
         upstream = self.inputs[0].iterate(probe)
@@ -478,7 +480,7 @@ class Shard(Node):
         return n // self.num_shards + (1 if self.index < n % self.num_shards else 0)
 
     def describe(self) -> str:
-        return f"shard({self.num_shards}, {self.index})"
+        return "shard(SHARD_HINT)" if self.hint and self.num_shards == 1 else f"shard({self.num_shards}, {self.index})"
 
 
 class Enumerate(Node):

@@ -1,5 +1,6 @@
-"""Source nodes for `Dataset`: tensor slices, one tensor, range, a Python generator, zip and
-concatenate. Each pass of a source starts from the beginning (the generator is called again).
+"""Source nodes for `Dataset`: tensor slices, one tensor, range, a Python generator, zip,
+concatenate, and the list of files a reader opens (Files, which FILE auto-sharding divides). Each
+pass of a source starts from the beginning (the generator is called again).
 Uses torch, _structure.py, _threads.py and the Node base class of _pipeline.py.
 """
 from __future__ import annotations
@@ -49,6 +50,38 @@ class TensorSlices(Node):
 
     def describe(self) -> str:
         return f"from_tensor_slices({self.length} elements)"
+
+
+class Files(Node):
+    """The files (names, or TFDS shard indices) a pipeline reads, in order. A multi-worker strategy's
+    FILE auto-sharding sets `shard` = (workers, rank): this worker then lists every workers-th item from
+    its rank, so it opens and decodes about 1/workers of the bytes (tf.data's auto_shard rewrite)."""
+
+    kind = "files"
+    exact_spec = True
+
+    def __init__(self, items: list[Any], what: str):
+        super().__init__()
+        self.items, self.what = items, what  # what: "file" or "shard", for messages
+        self.shard = (1, 0)
+
+    def mine(self) -> list[Any]:
+        count, index = self.shard
+        return self.items[index::count]
+
+    def iterate(self, probe: bool) -> Iterator[Any]:
+        return iter(self.mine())
+
+    def cardinality(self) -> int:
+        return len(self.mine())
+
+    def _compute_spec(self) -> Any:
+        first = self.items[0] if self.items else ""
+        return spec_of(first) if isinstance(first, torch.Tensor) else TensorSpec((), str)
+
+    def describe(self) -> str:
+        count, index = self.shard
+        return f"files({len(self.items)} {self.what}s" + (f", shard {index} of {count})" if count > 1 else ")")
 
 
 class Tensors(Node):

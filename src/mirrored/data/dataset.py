@@ -16,6 +16,7 @@ and numpy only.
 from __future__ import annotations
 
 import functools
+import glob
 import operator
 import os
 from collections.abc import Callable, Iterator
@@ -28,6 +29,8 @@ from mirrored.data._pipeline import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from mirrored.data._structure import TensorSpec
 from mirrored.data._threads import AUTOTUNE, close_iterator
 from mirrored.data.options import Options
+
+SHARD_HINT = -1  # tf.data.experimental.SHARD_HINT: Dataset.shard's placeholder for HINT auto-sharding
 
 __all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset", "TensorSpec"]
 
@@ -164,6 +167,24 @@ class Dataset:
         return Dataset(_sources.Range(start, stop, step, dtype))
 
     @staticmethod
+    def list_files(file_pattern: str | os.PathLike | list[str | os.PathLike], shuffle: bool | None = None,
+                   seed: int | None = None) -> Dataset:
+        """The names of the files matching `file_pattern` (a glob, or a list of them), each once, as str
+        elements (tf.data.Dataset.list_files): shuffled each pass unless shuffle=False (then sorted).
+        A multi-worker strategy's FILE auto-sharding gives each worker every W-th of these files."""
+        where = "Dataset.list_files"
+        patterns = list(file_pattern) if isinstance(file_pattern, (list, tuple)) else [file_pattern]
+        if not patterns or not all(isinstance(p, (str, os.PathLike)) for p in patterns):
+            raise TypeError(f"{where}: file_pattern must be a glob pattern (str) or a list of them; got "
+                            f"{file_pattern!r:.200}.")
+        names = sorted({name for p in patterns for name in glob.glob(os.fspath(p))})
+        if not names:
+            raise ValueError(f"{where}: no files match {', '.join(repr(os.fspath(p)) for p in patterns)}. Check the "
+                             "directory and the pattern (e.g. 'data/train-*.tfrecord').")
+        ds = Dataset(_sources.Files(names, "file"))
+        return ds.shuffle(len(names), seed=seed) if shuffle is None or shuffle else ds
+
+    @staticmethod
     def zip(*args: Any, datasets: Any = None) -> Dataset:
         """Elements of several datasets side by side, stopping at the shortest. Takes datasets as
         arguments (elements are tuples) or one tuple / dict of datasets (elements have its shape)."""
@@ -232,15 +253,18 @@ class Dataset:
 
         `seed=None` draws the seed now from torch's global generator, so torch.manual_seed(s) before
         building the pipeline makes it reproducible. Pass k uses a seed derived from (seed, k) when
-        reshuffle_each_iteration, else the same order each pass. See get_state() to resume."""
+        reshuffle_each_iteration, else the same order each pass. See get_state() to resume. Under a
+        multi-worker strategy a drawn seed is replaced by the chief's, so every worker reads the same order
+        whatever each process seeded (experimental_distribute_dataset shares it)."""
         where = "Dataset.shuffle"
         buffer_size = _int_arg(buffer_size, where, "buffer_size", 1,
                                "Give the number of elements to shuffle among, e.g. 1024 or the dataset size.")
-        if seed is None:
+        drawn = seed is None
+        if drawn:
             seed = int(torch.randint(0, 1 << 62, ()).item())
         else:
             seed = _int_arg(seed, where, "seed", -(1 << 63), "Give an int seed, or None for a random one.")
-        return Dataset(_pipeline.Shuffle(self._node, buffer_size, seed, bool(reshuffle_each_iteration)))
+        return Dataset(_pipeline.Shuffle(self._node, buffer_size, seed, bool(reshuffle_each_iteration), drawn))
 
     def batch(self, batch_size: int, drop_remainder: bool = False) -> Dataset:
         """Stacks `batch_size` consecutive elements (torch.stack per component; numbers become a
@@ -289,8 +313,12 @@ class Dataset:
         return Dataset(_pipeline.Skip(self._node, count))
 
     def shard(self, num_shards: int, index: int) -> Dataset:
-        """Every `num_shards`-th element starting at `index`: element i goes to shard i % num_shards."""
+        """Every `num_shards`-th element starting at `index`: element i goes to shard i % num_shards.
+        shard(SHARD_HINT, SHARD_HINT) (mr.data.experimental.SHARD_HINT) is a placeholder that a multi-worker
+        strategy's HINT auto-sharding fills with (workers, rank); elsewhere it keeps every element."""
         where = "Dataset.shard"
+        if num_shards == SHARD_HINT and index == SHARD_HINT:
+            return Dataset(_pipeline.Shard(self._node, 1, 0, hint=True))
         num_shards = _int_arg(num_shards, where, "num_shards", 1,
                               "Give the number of shards (e.g. the number of workers), >= 1.")
         index = _int_arg(index, where, "index", 0, f"Give an index in [0, {num_shards}).")

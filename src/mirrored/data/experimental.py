@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mirrored.data.dataset import AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset
+from mirrored.data.dataset import AUTOTUNE, INFINITE_CARDINALITY, SHARD_HINT, UNKNOWN_CARDINALITY, Dataset
 from mirrored.data.options import AutoShardPolicy
 
-__all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "AutoShardPolicy", "cardinality"]
+__all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "SHARD_HINT", "UNKNOWN_CARDINALITY", "AutoShardPolicy", "cardinality"]
 
 
 def cardinality(dataset: Any) -> int:

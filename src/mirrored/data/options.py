@@ -21,11 +21,12 @@ __all__ = ["AutoShardPolicy", "DistributeOptions", "Options", "ThreadingOptions"
 class AutoShardPolicy(enum.IntEnum):
     """How a multi-worker strategy splits a dataset between workers (tf.data.experimental's values).
 
-    Here every worker reads the same global batches and keeps its replicas' parts of each, so each
-    example is used once per epoch: the result of TF's DATA policy. AUTO and DATA select that. OFF,
-    FILE and HINT ask for something else (every worker on all the data; files or hints dividing the
-    data) and are refused on more than one worker instead of being silently given DATA's result; on
-    one worker every policy means the same, as in TF."""
+    DATA: every worker reads the same global batches and keeps its replicas' parts of each. FILE: each
+    worker reads whole files of its own (list_files, TFRecordDataset, tfds.load's shards; at least one
+    per worker, else an error) and takes its share of every batch from them. AUTO: FILE where every
+    file source has at least one file per worker, else DATA. OFF: every worker reads all the data. HINT:
+    the pipeline's shard(SHARD_HINT, SHARD_HINT) placeholders become shard(workers, rank) (none is an
+    error). On one worker every policy means the same, as in TF."""
 
     OFF = -1
     AUTO = 0

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from mirrored._files import config_of
-from mirrored.data import _pipeline
+from mirrored.data import _pipeline, _sources
 from mirrored.data._tfds_features import _TFDS, ClassLabel, Feature, FeaturesDict, Image, Text, _feature_from_json
 from mirrored.data._tfds_splits import (DEFAULT_FILEPATH_TEMPLATE, FileInstruction, ReadInstruction, SplitDict,
                                         SplitInfo, _shard_takes, parse_split, split_ranges)
@@ -379,7 +379,8 @@ class PreparedDataset:
             raise ValueError(f"{self.info.name}: as_supervised=True but dataset_info.json names no supervised "
                              f"keys; use the feature dicts (features: {list(self.info.features)}).")
         decoder = _Decoder(self.info.features, self.info.supervised_keys if as_supervised else None)
-        order = Dataset.from_tensor_slices(torch.arange(len(instructions), dtype=torch.int64))
+        # The shards as a Files source: a multi-worker strategy's FILE auto-sharding gives each worker whole shards.
+        order = Dataset(_sources.Files(list(torch.arange(len(instructions), dtype=torch.int64).unbind()), "shard"))
         if shuffle_files:
             order = order.shuffle(max(1, len(instructions)), seed=config.shuffle_seed)
         readers = [_shard_reader(f, config.verify_crc) for f in instructions]

@@ -5,11 +5,18 @@ list, an object whose __iter__ returns a generator): each batch is split along d
 tf.distribute 2.21's rule, where replicas in order take ceil(B/N) examples until the batch runs out
 (10 over 3 -> 4, 4, 2; 1 over 2 -> 1, 0; empty parts are legal), and each part is moved to its
 replica's device one batch ahead of use (host to GPU from pinned memory without waiting; every
-other copy completes before it is handed over). On a worker of a multi-worker strategy every worker
-reads the same global batches and keeps only its own replicas' parts.
+other copy completes before it is handed over). On a worker of a multi-worker strategy the dataset's
+AutoShardPolicy decides what each worker reads, as in TF: DATA (and AUTO without enough files) reads
+the same global batches everywhere and keeps this worker's replicas' parts - the chief's shuffle seeds
+are shared first, and a digest of the first batch of each pass is compared across workers, so two
+workers that read different batches are an error, not data trained twice; FILE (and AUTO with at least
+one file per worker) gives each worker whole files of its own and takes this worker's share of every
+batch it reads from them; HINT does so with the part its shard(SHARD_HINT, SHARD_HINT) placeholders
+take; OFF gives every worker all the data the same way.
 `distribute_datasets_from_function` calls the user's function with an `InputContext` (one input
 pipeline per worker) and gives replicas successive per-replica batches. Iterators hand out distributed
-batches with next() / get_next(), or get_next_as_optional(). Uses values.py, devices.py and data/.
+batches with next() / get_next(), or get_next_as_optional(). Uses values.py, devices.py,
+_input_workers.py and data/.
 """
 from __future__ import annotations
 
@@ -21,7 +28,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mirrored.data import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, TensorSpec
+from mirrored.data import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, TensorSpec, _distribute
+from mirrored.distribute._input_workers import compare_first_batches, shard_policy, share_drawn_seeds
 from mirrored.distribute.devices import torch_device
 from mirrored.distribute.values import PerReplica, flatten, map_structure, pack_sequence_as
 
@@ -158,6 +166,14 @@ class _Splitter:
         columns = [PerReplica([per_replica[r][j] for r in range(len(mine))]) for j in range(len(leaves))]
         return pack_sequence_as(batch, columns), size
 
+    def pack(self, parts: list[Any]) -> Any:
+        """This process's replicas' parts (one each, in order) as one distributed batch."""
+        placed = [self.place(p, r) for r, p in enumerate(parts)]
+        if len(placed) == 1:
+            return placed[0]
+        leaves = [flatten(p) for p in placed]
+        return pack_sequence_as(placed[0], [PerReplica(list(col)) for col in zip(*leaves)])
+
 
 class _GetNext:
     """tf.distribute.DistributedIterator's two reading methods, over the iterator's own __next__: shared
@@ -184,12 +200,18 @@ class DistributedIterator(_GetNext):
     same on every worker). The iterator of distribute_datasets_from_function has get_next() and
     get_next_as_optional() too, but not get_state()/set_state()."""
 
-    def __init__(self, strategy: Strategy, source: Iterator[Any], options: InputOptions | None):
+    def __init__(self, strategy: Strategy, source: Iterator[Any], options: InputOptions | None,
+                 policy: str = "DATA"):
+        self._strategy = strategy
         self._splitter = _Splitter(strategy, options)
         self._n = strategy.num_replicas_in_sync
         self._source = source
         self._step = 0
         self._ahead: list[Any] = []
+        self._policy = policy  # "DATA": the same global batches on every worker; "FILE"/"HINT"/"OFF": its own
+        self._compared = False  # DATA on several workers: the first batch's digest is compared once a pass
+        self._parts: list[Any] = []  # FILE/OFF: replicas' parts of this worker's batches, not yet handed out
+        self._template: Any = None
         #: The size of the global batch the last next() split (None before the first): the same on every
         #: worker, where the parts a worker holds say only how many rows its own replicas got.
         self.global_batch_size: int | None = None
@@ -198,10 +220,51 @@ class DistributedIterator(_GetNext):
         return self
 
     def _fetch(self) -> Any | None:
+        if self._policy != "DATA":
+            return self._fetch_own()
         batch = next(self._source, _END)
+        if not self._compared and self._strategy.num_workers > 1:
+            self._compared = True
+            compare_first_batches(self._strategy, None if batch is _END else batch)
         if batch is _END:
             return None
         return self._splitter.split(batch, "experimental_distribute_dataset")
+
+    def _fetch_own(self) -> Any | None:
+        """FILE / HINT / OFF: each batch this worker reads is cut into num_replicas_in_sync parts (TF's rebatch)
+        and its replicas take the next parts each step, so a step's global batch is every worker's share
+        and each worker reads only its own data. Workers whose data ran out take empty parts while any
+        other still has some (a count per step, as TF's get_next_as_optional); (None when all are done)."""
+        where = "experimental_distribute_dataset"
+        local = len(self._splitter._devices)
+        while True:
+            parts = []
+            while len(parts) < local:
+                if not self._parts:
+                    batch = next(self._source, _END)
+                    if batch is _END:
+                        break
+                    self._template, leaves, lo = batch, flatten(batch), 0
+                    for rows in split_sizes(batch_size_of(batch, where), self._n):
+                        self._parts.append(pack_sequence_as(batch, [_part(leaf, lo, lo + rows) for leaf in leaves]))
+                        lo += rows
+                parts.append(self._parts.pop(0))
+            rows = sum(batch_size_of(p, where) for p in parts)
+            table = self._strategy.gather_over_workers([len(parts), rows], "distributed input (parts left)")
+            if sum(row[0] for row in table) == 0:
+                return None
+            if self._template is None:
+                empty = [r for r, row in enumerate(table) if row[0] == 0]
+                raise ValueError(
+                    f"experimental_distribute_dataset: worker(s) {', '.join(map(str, empty))} read no batches while "
+                    f"other workers still do ({self._policy} auto-sharding: each worker reads its own data). Give "
+                    "every worker data: at least one file per worker for FILE.")
+            while len(parts) < local:  # this worker's data ran out mid-step: empty parts for its other replicas
+                parts.append(pack_sequence_as(self._template, [_empty_part(leaf, len(parts))
+                                                               for leaf in flatten(self._template)]))
+            size = sum(row[1] for row in table)
+            if size:  # (a step where every worker's part is empty trains nothing: skipped)
+                return self._splitter.pack(parts), size
 
     def __next__(self) -> Any:
         if not self._ahead:
@@ -255,9 +318,10 @@ class DistributedIterator(_GetNext):
         if close is not None:
             close()
         self._resume = (dataset, state.get("dataset"))
-        self._source, self._ahead = iter(dataset), []
+        self._source, self._ahead, self._parts, self._template = iter(dataset), [], [], None
+        self._compared = True  # (the batches the restored pass starts with need not be its first)
         for i in range(state["drawn"]):
-            if next(self._source, _END) is _END:
+            if (self._fetch() is None) if self._policy != "DATA" else (next(self._source, _END) is _END):
                 raise ValueError(f"DistributedIterator.set_state: the state is {state['drawn']} batches into the "
                                  f"pass, but the dataset ran out after {i}; restore into an iterator of the same "
                                  "dataset.")
@@ -348,26 +412,6 @@ def _distributed_spec(strategy: Strategy, dataset: Any) -> Any:
     return map_structure(part, spec)
 
 
-def _check_shard_policy(strategy: Strategy, dataset: Any) -> None:
-    """Refuses, on more than one worker, a dataset whose options ask for a split other than ours.
-
-    Every worker here reads the same global batches and keeps its replicas' parts (each example once
-    per epoch: TF's DATA policy). OFF (every worker on all the data), FILE and HINT would give other
-    batches in TF; rather than train silently on something else, they are an error naming the fix."""
-    options = getattr(dataset, "options", None)
-    if not callable(options) or strategy.num_replicas_in_sync == len(strategy.extended.worker_devices):
-        return  # not an mr.data.Dataset, or one worker: TF ignores the policy there too
-    policy = getattr(getattr(options(), "experimental_distribute", None), "auto_shard_policy", None)
-    if policy is None or policy.name in ("AUTO", "DATA"):
-        return
-    raise ValueError(
-        f"experimental_distribute_dataset: the dataset's auto_shard_policy is {policy.name}, but this "
-        f"strategy splits each global batch between its {strategy.num_replicas_in_sync} replicas across workers "
-        "(every worker reads the same batches and keeps its part: TF's DATA policy). Set AutoShardPolicy.DATA "
-        "(or AUTO), or, to give each worker data of its own, build it in "
-        "strategy.distribute_datasets_from_function(fn) and shard there with input_context.")
-
-
 class DistributedDataset:
     """What `strategy.experimental_distribute_dataset` returns (tf.distribute.DistributedDataset):
     iterate it once per epoch; each pass is a DistributedIterator of distributed global batches.
@@ -380,7 +424,15 @@ class DistributedDataset:
         if not isinstance(dataset, Iterable):
             raise TypeError(f"experimental_distribute_dataset: expected a dataset of GLOBAL batches (an "
                             f"mr.data.Dataset, a DataLoader or any iterable); got {type(dataset).__name__}.")
-        _check_shard_policy(strategy, dataset)
+        self._policy = shard_policy(strategy, dataset)
+        if strategy.num_workers > 1 and isinstance(dataset, Dataset) and self._policy != "OFF":
+            # (OFF keeps each worker's own draws, as TF: the same order everywhere would repeat examples in a step)
+            share_drawn_seeds(strategy, dataset)
+            rank = strategy.first_replica_id // len(strategy.extended.worker_devices)
+            if self._policy == "FILE":  # this worker's copy lists its own files: it reads about 1/W of them
+                dataset = _distribute.shard_files(dataset, strategy.num_workers, rank)
+            elif self._policy == "HINT":  # its shard(SHARD_HINT, SHARD_HINT) placeholders become shard(W, rank)
+                dataset = _distribute.fill_hints(dataset, strategy.num_workers, rank)
         self._strategy = strategy
         self._passes = _Passes(dataset, "experimental_distribute_dataset")
         self._options = options
@@ -389,13 +441,13 @@ class DistributedDataset:
         # The dataset's state before a pass starts is where DistributedIterator.get_state() resumes.
         source = self._passes.source
         pass_state = source.get_state() if hasattr(source, "get_state") else None
-        it = DistributedIterator(self._strategy, self._passes.start(), self._options)
+        it = DistributedIterator(self._strategy, self._passes.start(), self._options, self._policy)
         it._resume = (source, pass_state)
         return it
 
     def __len__(self) -> int:
         """The number of global batches, where the dataset knows it (see cardinality())."""
-        n = self._passes.cardinality()
+        n = self.cardinality()
         if n < 0:
             raise TypeError(f"experimental_distribute_dataset: the number of batches of this "
                             f"{type(self.dataset).__name__} is not known "
@@ -404,8 +456,10 @@ class DistributedDataset:
 
     def cardinality(self) -> int:
         """The number of global batches, INFINITE_CARDINALITY (-1) or UNKNOWN_CARDINALITY (-2), as the
-        dataset reports it (cardinality() or len())."""
-        return self._passes.cardinality()
+        dataset reports it (cardinality() or len()); unknown where workers read their own data (FILE, HINT,
+        OFF), whose steps depend on every worker's part."""
+        n = self._passes.cardinality()
+        return n if self._policy == "DATA" or n == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
 
     @property
     def dataset(self) -> Iterable[Any]:

@@ -206,6 +206,14 @@ def _backend_for(device: Device, implementation: str) -> str:
     return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
+def launched_as_worker() -> bool:
+    """Whether this process was started as one of several workers (torchrun's RANK with WORLD_SIZE > 1),
+    so a program such as `mirrored train` should build a MultiWorkerMirroredStrategy rather than train
+    alone. Reads the environment only; nothing is joined."""
+    launch = _read_launch()
+    return launch.rank is not None and (launch.world_size or 1) > 1
+
+
 class ClusterResolver(NamedTuple):
     """What `strategy.cluster_resolver` tells (the fields of TF's that training scripts read)."""
 
@@ -333,6 +341,20 @@ class MultiWorkerMirroredStrategy(Strategy):
         n = torch.tensor([count], dtype=torch.int64, device=self._collectives._wire)
         self._collectives.all_sum_([n], "distributed input (batches left)")
         return int(n.item())
+
+    def gather_over_workers(self, row: Sequence[int], what: str) -> list[list[int]]:
+        """Strategy.gather_over_workers through torch.distributed (an all-gather of int64)."""
+        if self._world_size == 1:
+            return [list(row)]
+        return self._collectives.all_gather_row(row, what)
+
+    def chief_ints(self, values: Sequence[int], what: str) -> list[int]:
+        """Strategy.chief_ints through torch.distributed (a broadcast from rank 0)."""
+        if self._world_size == 1 or not values:
+            return list(values)
+        shared = torch.tensor(list(values), dtype=torch.int64)
+        self._collectives.broadcast_([shared], what)
+        return shared.tolist()
 
     def all_reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
                              grads: list[Tensor | None]) -> list[Tensor | None]:

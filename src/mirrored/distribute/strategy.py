@@ -104,6 +104,17 @@ class StrategyExtended:
 
         return variables.value_container(value)
 
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this process writes checkpoints and saved models (TF's): only the chief, the process
+        holding replica 0, so N workers do not write N copies to one path."""
+        return self._strategy.first_replica_id == 0
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this process writes logs and summaries (CSV, TensorBoard, progress): the chief only."""
+        return self._strategy.first_replica_id == 0
+
     def colocate_vars_with(self, colocate_with_variable: Any) -> AbstractContextManager:
         """A block whose variables go on the devices of `colocate_with_variable`. Every variable of a
         strategy lives on all its devices, so this only checks what TF checks: the strategy's scope,
@@ -457,6 +468,16 @@ class Strategy:
         """`count` summed over the worker processes (distributed input uses it to end an epoch on every
         worker at the same step); one process here, so `count` itself."""
         return count
+
+    def gather_over_workers(self, row: Sequence[int], what: str) -> list[list[int]]:
+        """Every worker process's `row` of ints (the same length on each), in rank order (one all-gather;
+        distributed input compares digests and counts with it); [row] in one process."""
+        return [list(row)]
+
+    def chief_ints(self, values: Sequence[int], what: str) -> list[int]:
+        """The chief's (rank 0's) `values` on every worker process (one broadcast; distributed input
+        shares the seeds drawn there); `values` itself in one process."""
+        return list(values)
 
     def all_reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
                              grads: list[Tensor | None], copies: Any = None) -> list[Tensor | None]:

@@ -100,11 +100,29 @@ class Callback:
 
 
 
-def say(message: str) -> None:
+def say(message: str, model: Any = None) -> None:
     """Output a callback's `verbose` asked for: printed like the progress bar (as in Keras), since
-    the user asked to see it; all else goes through logging."""
+    the user asked to see it; all else goes through logging. Given the model, only by the chief of a
+    multi-worker run (writes_summaries), so N workers print it once."""
+    if model is not None and not writes_summaries(model):
+        return
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
+
+
+def writes_summaries(model: Any) -> bool:
+    """Whether this process writes logs (progress, CSV rows, TensorBoard events): under a multi-worker
+    strategy only the chief (TF's should_save_summary). TF's other workers write to temporary directories
+    and delete them, so the chief's files are what is left; here they skip writing (none of these writes
+    takes part in a collective), which leaves the same files without the detour."""
+    extended = getattr(getattr(model, "distribute_strategy", None), "extended", None)
+    return bool(getattr(extended, "should_save_summary", True))
+
+
+def writes_checkpoints(model: Any) -> bool:
+    """Whether this process writes checkpoints and saved models: the chief only (TF's should_checkpoint)."""
+    extended = getattr(getattr(model, "distribute_strategy", None), "extended", None)
+    return bool(getattr(extended, "should_checkpoint", True))
 
 
 def check_mode(where: str, mode: str) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import tempfile
 
 from mirrored.training import checkpoint, checkpoint_checks, tracking
 from mirrored.training._callback import (NOT_METRICS, Callback, Logs, StepCounter, check_mode, check_save_freq,
-                                         improved, monitor_value, resolve_mode, say)
+                                         improved, monitor_value, resolve_mode, say, writes_checkpoints)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class ModelCheckpoint(Callback):
 
     def _save(self, epoch: int, batch: int | None, logs: Logs) -> None:
         path = self._format_path(epoch, batch, logs)
+        chief = writes_checkpoints(self.model)  # other workers of a multi-worker run follow "best" but write nothing
+        verbose = self.verbose and chief
         if self.save_best_only:
             current = monitor_value(self, logs)
             if current is None:
@@ -76,15 +79,17 @@ class ModelCheckpoint(Callback):
             if self._direction is None:
                 self._direction = resolve_mode("ModelCheckpoint", self.monitor, self.mode, self.model)
             if math.isnan(current) or not improved(self._direction, current, self.best, 0.0):
-                if self.verbose:
+                if verbose:
                     say(f"Epoch {epoch + 1}: {self.monitor} did not improve from {self.best}")
                 return
-            if self.verbose:
+            if verbose:
                 say(f"Epoch {epoch + 1}: {self.monitor} improved from {self.best} to "
                     f"{current}, saving model to {path}")
             self.best = current
-        elif self.verbose:
+        elif verbose:
             say(f"Epoch {epoch + 1}: saving model to {path}")
+        if not chief:
+            return
         directory = os.path.dirname(path)
         if directory:
             os.makedirs(directory, exist_ok=True)
@@ -127,7 +132,8 @@ class BackupAndRestore(Callback):
     fit() in full: every value is checked against the model, optimizer, metrics and data before any
     is assigned, and one that does not (or a damaged file) is a CheckpointError naming the file, with
     the model left as it was. After a fit() that ends normally the backup is deleted (unless
-    delete_checkpoint=False).
+    delete_checkpoint=False). Under a multi-worker strategy only the chief writes and deletes the backup
+    and every worker restores from it, as in TF, so backup_dir must be readable by every worker.
     """
 
     def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
@@ -177,7 +183,7 @@ class BackupAndRestore(Callback):
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         """Deletes the backup after a fit() that finished (unless delete_checkpoint=False)."""
-        if not self.delete_checkpoint:
+        if not self.delete_checkpoint or not writes_checkpoints(self.model):
             return
         try:
             os.remove(self.path)
@@ -189,6 +195,13 @@ class BackupAndRestore(Callback):
             pass
 
     def _backup(self) -> None:
+        # As TF's: every worker restores from the chief's backup, which only the chief keeps. Reading the
+        # state takes collectives (metrics' sync-on-read values), so the other workers build it too and
+        # write it to a temporary directory they delete (TF's workertemp_N directories).
+        if not writes_checkpoints(self.model):
+            with tempfile.TemporaryDirectory(prefix="mirrored-backup-") as scratch:
+                self._checkpoint.write(os.path.join(scratch, _BACKUP_FILE))
+            return
         os.makedirs(self.backup_dir, exist_ok=True)
         self._checkpoint.write(self.path)  # where fit is now: after this batch, or (at an epoch's end) the next epoch
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mirrored.training._callback import EXAMPLE_COUNT_KEYS, NOT_METRICS, Callback, Logs
+from mirrored.training._callback import EXAMPLE_COUNT_KEYS, NOT_METRICS, Callback, Logs, writes_summaries
 
 
 _BAR_WIDTH = 30
@@ -178,7 +178,10 @@ class ProgbarLogger(Callback):
 
     @property
     def verbose(self) -> int:
-        """params["verbose"] as a level: 0 silent, 1 bar or timed lines ("auto" is 1), 2 one line per epoch."""
+        """params["verbose"] as a level: 0 silent, 1 bar or timed lines ("auto" is 1), 2 one line per epoch;
+        0 on a worker other than the chief, so N workers print one progress, not N."""
+        if not writes_summaries(self.model):
+            return 0
         verbose = self.params.get("verbose", 1)
         return 1 if verbose == "auto" else int(verbose or 0)
 

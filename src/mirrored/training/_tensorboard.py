@@ -21,7 +21,7 @@ import crc32c
 from google.protobuf import descriptor_pb2
 
 from mirrored.data.tfrecord import _build_messages, _field
-from mirrored.training._callback import NOT_METRICS, Callback, Logs
+from mirrored.training._callback import NOT_METRICS, Callback, Logs, writes_summaries
 
 __all__ = ["Event", "EventFileWriter", "Summary", "TensorBoard"]
 
@@ -143,6 +143,7 @@ class TensorBoard(Callback):
         self.update_freq = update_freq
         self._writers: dict[str, EventFileWriter] = {}
         self._train_step = 0
+        self._chief = True
 
     def _writer(self, run: str) -> EventFileWriter:
         if run not in self._writers:
@@ -150,15 +151,18 @@ class TensorBoard(Callback):
         return self._writers[run]
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        """Starts this fit()'s step count at 0 and opens log_dir/train."""
+        """Starts this fit()'s step count at 0 and opens log_dir/train (on the chief of a multi-worker run
+        only: the other workers write no events, see writes_summaries)."""
         self._train_step = 0
-        self._writer("train")
+        self._chief = writes_summaries(self.model)
+        if self._chief:
+            self._writer("train")
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         """With update_freq="batch" or N, writes the batch's logs as "batch_<key>" to log_dir/train
         every N steps, at step = training steps so far in this fit()."""
         self._train_step += 1
-        if self.update_freq == "epoch" or self._train_step % self.update_freq:
+        if self.update_freq == "epoch" or self._train_step % self.update_freq or not self._chief:
             return
         scalars = scalar_logs(
             {f"batch_{k}": v for k, v in (logs or {}).items() if k not in NOT_METRICS})
@@ -169,6 +173,8 @@ class TensorBoard(Callback):
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         """Writes the epoch's logs as "epoch_<key>" at step = epoch: training keys (and the optimizer's
         learning rate) to log_dir/train, the val_ keys, prefix removed, to log_dir/validation."""
+        if not self._chief:
+            return
         logs = {k: v for k, v in (logs or {}).items() if k not in NOT_METRICS}
         train = {f"epoch_{k}": v for k, v in logs.items() if not k.startswith("val_")}
         if "epoch_learning_rate" not in train:

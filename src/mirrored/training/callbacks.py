@@ -27,7 +27,7 @@ import numpy as np
 
 from mirrored.training._callback import (
     NOT_METRICS, Callback, Logs, check_mode, improved, monitor_value, optimizer_of, resolve_mode, say,
-    settable_learning_rate)
+    settable_learning_rate, writes_summaries)
 from mirrored.training._checkpoint_callbacks import BackupAndRestore, ModelCheckpoint
 from mirrored.training._progbar import ProgbarLogger
 from mirrored.training._tensorboard import TensorBoard
@@ -258,10 +258,11 @@ class EarlyStopping(Callback):
         """As Keras 3 does: the best weights come back when training ends, however it ends (this
         callback stopped it, another one did, or the epochs ran out)."""
         if self.stopped_epoch > 0 and self.verbose:
-            say(f"Epoch {self.stopped_epoch + 1}: early stopping")
+            say(f"Epoch {self.stopped_epoch + 1}: early stopping", model=self.model)
         if self.restore_best_weights and self.best_weights is not None:
             if self.verbose:
-                say(f"Restoring the model weights from the end of the best epoch: {self.best_epoch + 1}.")
+                say(f"Restoring the model weights from the end of the best epoch: {self.best_epoch + 1}.",
+                    model=self.model)
             self.model.set_weights(self.best_weights)
 
     def __repr__(self) -> str:
@@ -334,7 +335,7 @@ class ReduceLROnPlateau(Callback):
             new_lr = max(old_lr * self.factor, self.min_lr)
             optimizer.learning_rate = new_lr
             if self.verbose:
-                say(f"Epoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {new_lr}.")
+                say(f"Epoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {new_lr}.", model=self.model)
             self.cooldown_counter, self.wait = self.cooldown, 0
 
     def __repr__(self) -> str:
@@ -370,7 +371,7 @@ class LearningRateScheduler(Callback):
                              f"must return a finite float learning rate.")
         optimizer.learning_rate = float(lr)
         if self.verbose:
-            say(f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {float(lr)}.")
+            say(f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {float(lr)}.", model=self.model)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         """Adds the epoch's rate to `logs` as "learning_rate"."""
@@ -419,8 +420,10 @@ class TerminateOnNaN(Callback):
 class CSVLogger(Callback):
     """Writes one row per epoch to a CSV file: "epoch" then the log keys, sorted.
 
-    With append=True an existing file is continued under its own header (e.g. after
-    BackupAndRestore resumes); otherwise fit() starts the file anew.
+    With append=True an existing file is continued under its own header. Otherwise fit() starts the
+    file anew - unless it starts past epoch 0 (BackupAndRestore resumed it, or initial_epoch): then the
+    rows of the epochs before its first are kept and later ones, which it runs again, dropped, so a
+    restarted run leaves one row per epoch. Under a multi-worker strategy only the chief writes.
     """
 
     def __init__(self, filename: str | os.PathLike, separator: str = ",", append: bool = False):
@@ -433,24 +436,50 @@ class CSVLogger(Callback):
         self.append = append
         self.keys: list[str] | None = None
         self._dropped: set[str] = set()
+        self._opened = False
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        """Creates (or, with append=True, continues) the file and its header."""
-        self.keys, self._dropped = None, set()
+        """Creates the file's directory; the file is opened at the first epoch, once fit knows where it
+        starts (BackupAndRestore restores in its own on_train_begin, before or after this one)."""
+        self.keys, self._dropped, self._opened = None, set(), False
+        if not writes_summaries(self.model):
+            return
         directory = os.path.dirname(self.filename)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        if self.append and os.path.exists(self.filename):
-            with open(self.filename, newline="") as f:
-                header = next(csv.reader(f, delimiter=self.sep), None)
-            if header and header[0] == "epoch":
-                self.keys = header[1:]
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        """At fit()'s first epoch: continues the file (append=True, or a run resumed past epoch 0,
+        keeping the rows before `epoch`) or starts it anew."""
+        if self._opened or not writes_summaries(self.model):
+            return
+        self._opened = True
+        header, rows = self._read()
+        if header is not None and (self.append or epoch > 0):
+            self.keys = header[1:]
+            if not self.append:
+                kept = [row for row in rows if row and _epoch_of(row) is not None and _epoch_of(row) < epoch]
+                if len(kept) < len(rows):
+                    _write_rows(self.filename, [header, *kept], self.sep)
             return
         # The file is opened per row, so an interrupted run leaves no open handle behind.
         open(self.filename, "w").close()
 
+    def _read(self) -> tuple[list[str] | None, list[list[str]]]:
+        if not os.path.exists(self.filename):
+            return None, []
+        with open(self.filename, newline="") as f:
+            lines = list(csv.reader(f, delimiter=self.sep))
+        if not lines or not lines[0] or lines[0][0] != "epoch":
+            return None, []
+        return lines[0], lines[1:]
+
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         """Writes the epoch's row of metrics."""
+        if not writes_summaries(self.model):
+            return
+        if not self._opened:  # (a caller that skipped on_epoch_begin)
+            self.on_epoch_begin(epoch)
         logs = {k: v for k, v in (logs or {}).items() if k not in NOT_METRICS}
         rows = []
         if self.keys is None:
@@ -472,6 +501,21 @@ class CSVLogger(Callback):
 
     def __repr__(self) -> str:
         return f"CSVLogger({self.filename!r}, append={self.append})"
+
+
+def _epoch_of(row: list[str]) -> int | None:
+    try:
+        return int(row[0])
+    except ValueError:
+        return None
+
+
+def _write_rows(path: str, rows: list[list[str]], sep: str) -> None:
+    """Replaces the file with `rows` atomically (a crash leaves the old file, not half of it)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        csv.writer(f, delimiter=sep).writerows(rows)
+    os.replace(tmp, path)
 
 
 def _csv_value(value: Any) -> Any:
@@ -582,7 +626,7 @@ class TorchLRScheduler(Callback):
         elif self.step_per == "epoch":
             self.scheduler.step()
         if self.verbose and self._rate() != before:
-            say(f"Epoch {epoch + 1}: TorchLRScheduler setting learning rate to {self._rate()}.")
+            say(f"Epoch {epoch + 1}: TorchLRScheduler setting learning rate to {self._rate()}.", model=self.model)
         if logs is not None:
             logs["learning_rate"] = before  # the rate this epoch ran with, as Keras logs it
 

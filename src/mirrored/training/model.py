@@ -753,14 +753,28 @@ class Model:
         Args:
           path: the file to write (a directory is refused: a checkpoint is one file). Replaced only once the
             new file is complete, so a crash leaves the old one. `Model.load(path)` rebuilds the model.
+            Under a multi-worker strategy only the chief writes it (TF's should_checkpoint; the workers'
+            copies are bitwise equal); the others return without writing.
         """
+        if not self._writes_checkpoints("save", path):
+            return
         tensors, meta = self._state_tensors(with_optimizer=True)
         checkpoint.save_checkpoint(path, tensors, meta)
 
     def save_weights(self, path: str | Path) -> None:
-        """The weights alone (no optimizer state), in one safetensors file, written atomically."""
+        """The weights alone (no optimizer state), in one safetensors file, written atomically (by the
+        chief only, under a multi-worker strategy)."""
+        if not self._writes_checkpoints("save_weights", path):
+            return
         tensors, meta = self._state_tensors(with_optimizer=False)
         checkpoint.save_checkpoint(path, tensors, meta)
+
+    def _writes_checkpoints(self, what: str, path: str | Path) -> bool:
+        # TF's other workers write to a temporary path and delete it; nothing here is collective, so they skip.
+        if self.distribute_strategy.extended.should_checkpoint:
+            return True
+        logger.debug("Model.%s(%s): not the chief worker, so nothing is written here", what, path)
+        return False
 
     def load_weights(self, path: str | Path) -> None:
         """Loads the weights of a checkpoint saved on any number of replicas into every replica; every
