@@ -34,6 +34,51 @@ if TYPE_CHECKING:
     from mirrored.distribute.strategy import Strategy
 
 
+# Finders of the state tensors a module keeps outside its buffers (a Keras 3 model's non-trainable
+# variables are Parameters with requires_grad=False), registered by the layer that knows the module
+# kind, since this package may not import it. Each returns [(tensor, "mean" | "first")], or None for
+# a module that is not of its kind.
+_STATE_FINDERS: list[Callable[[nn.Module], list[tuple[Tensor, str]] | None]] = []
+
+
+def register_state_tensors(finder: Callable[[nn.Module], list[tuple[Tensor, str]] | None]) -> None:
+    """Makes sync_buffers also sync the tensors `finder(copy)` names: "mean" ones averaged across the
+    replicas (weighted as buffers are), "first" ones set to replica 0's."""
+    if finder not in _STATE_FINDERS:
+        _STATE_FINDERS.append(finder)
+
+
+# Copiers for module kinds that copy.deepcopy does not copy as objects (a Keras model pickles itself
+# through its saving library), registered the same way; each returns the copy, or None.
+_COPIERS: list[Callable[[nn.Module], nn.Module | None]] = []
+
+
+def register_copier(copier: Callable[[nn.Module], nn.Module | None]) -> None:
+    """Makes the replicas' copies of a module come from `copier(module)` where it returns one."""
+    if copier not in _COPIERS:
+        _COPIERS.append(copier)
+
+
+def copy_module(module: nn.Module) -> nn.Module:
+    """An independent copy of `module`: a registered copier's, else copy.deepcopy's."""
+    for copier in _COPIERS:
+        copied = copier(module)
+        if copied is not None:
+            return copied
+    return copy.deepcopy(module)
+
+
+def state_tensors(module: nn.Module) -> list[tuple[Tensor, str]]:
+    """A module copy's tensors that steps change outside the optimizer, with how replicas combine
+    them: its buffers (floating point "mean", others "first") and what a registered finder adds."""
+    found = [(b, "mean" if b.is_floating_point() else "first") for b in module.buffers()]
+    for finder in _STATE_FINDERS:
+        extra = finder(module)
+        if extra:
+            found.extend(extra)
+    return found
+
+
 class _Shared:
     """What a mirrored module and the views of its submodules share: each replica's count of the
     examples its copy saw since its optimizer last stepped (kept once an optimizer with
@@ -124,7 +169,7 @@ class MirroredModule:
                 "before mirroring it (module(x[:1]) initialises them), or give the layer its input size (nn.Linear).")
         devices = strategy.extended.worker_devices
         first = module.to(torch_device(devices[0]))
-        copies = [first] + [copy.deepcopy(first).to(torch_device(d)) for d in devices[1:]]
+        copies = [first] + [copy_module(first).to(torch_device(d)) for d in devices[1:]]
         guards.allow_modules(copies)
         object.__setattr__(self, "_strategy", strategy)
         object.__setattr__(self, "replicas", tuple(copies))
@@ -411,7 +456,7 @@ class MirroredModule:
     def _new_module(self, what: str, put: Callable[[nn.Module, Any], None], module: nn.Module | None) -> None:
         self._one_process(what)
         for m, device in zip(self._targets(what), self._devices()):
-            new = None if module is None else copy.deepcopy(module).to(device)
+            new = None if module is None else copy_module(module).to(device)
             put(m, new)
             if new is not None:
                 guards.allow_modules([new])
