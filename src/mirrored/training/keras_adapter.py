@@ -134,6 +134,7 @@ md_modules.register_state_tensors(state_tensors)
 
 
 _COPY_LOCK = threading.Lock()
+_COPY_RECURSION_LIMIT = 100_000
 
 
 def _as_object(self: Any, memo: dict) -> Any:
@@ -153,10 +154,15 @@ def copy_model(module: nn.Module) -> nn.Module | None:
 
     with _COPY_LOCK:
         KerasSaveable.__deepcopy__ = _as_object  # type: ignore[attr-defined]
+        # The copy recurses along the layer graph (a ResNet50's 175 layers and their nodes go deeper
+        # than Python's default limit of 1000 frames); frames of Python code, not of the C stack.
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, _COPY_RECURSION_LIMIT))
         try:
             memo = {id(m): m for m in list(sys.modules.values())}  # (modules a layer refers to are shared)
             return copy.deepcopy(module, memo)
         finally:
+            sys.setrecursionlimit(limit)
             del KerasSaveable.__deepcopy__
 
 
