@@ -127,14 +127,15 @@ def test_keras_optimizer_options_equal_keras_fit(name):
 
 def test_keras_losses_and_metrics_objects():
     """keras.losses objects (from_logits=True on a linear head) and keras.metrics objects give Keras's
-    values; a name with a Keras model means what Keras means (the optimizer "adam" is Keras's Adam)."""
+    values; a name with a Keras model means what Keras means (the optimizer "adam" is Keras's Adam; a
+    metric name mirrored does not have is Keras's metric)."""
     x, y = _data(2)
     onehot = np.eye(CLASSES, dtype="float32")[y]
 
     def compile_args():
         return dict(optimizer="adam", loss=keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.1),
                     metrics=[keras.metrics.CategoricalAccuracy(), keras.metrics.AUC(from_logits=True, name="auc"),
-                             keras.metrics.TopKCategoricalAccuracy(k=2)])
+                             keras.metrics.TopKCategoricalAccuracy(k=2), "mean_squared_error"])
 
     ref = _mlp(2, head=None)
     ref.compile(**compile_args())
@@ -222,6 +223,36 @@ def test_keras_archive_round_trip(tmp_path):
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, batch_size=GLOBAL, verbose=0))
     with pytest.raises(ValueError, match="Keras's archive"):
         _ours(torch.nn.Linear(3, 2), 1, optimizer="sgd", loss="mse").save(tmp_path / "t.keras")
+
+
+def test_model_checkpoint_writes_keras_archives(tmp_path):
+    """ModelCheckpoint with a ".keras" filepath writes Keras archives that keras.models.load_model reads."""
+    x, y = _data(5)
+    model = _ours(_bn_model(5), 2, optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=GLOBAL, epochs=2, verbose=0,
+              callbacks=[mr.callbacks.ModelCheckpoint(str(tmp_path / "m-{epoch}.keras"), save_best_only=False)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m-1.keras", "m-2.keras"]
+    loaded = keras.models.load_model(tmp_path / "m-2.keras")
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, batch_size=GLOBAL, verbose=0))
+
+
+def test_learning_rate_callbacks_set_the_keras_optimizer_rate():
+    """mr.callbacks.LearningRateScheduler sets the Keras optimizer's rate on every replica, as
+    Keras's LearningRateScheduler does on one device."""
+    x, y = _data(8)
+
+    def schedule(epoch, lr):
+        return 0.1 / (epoch + 1)
+
+    ref = _mlp(8)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="sparse_categorical_crossentropy")
+    h_ref = ref.fit(x, y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0,
+                    callbacks=[keras.callbacks.LearningRateScheduler(schedule)])
+    ours = _ours(_mlp(8), 2, optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="sparse_categorical_crossentropy")
+    h_ours = ours.fit(x, y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0,
+                      callbacks=[mr.callbacks.LearningRateScheduler(schedule)])
+    _assert_same_fit(ref, ours, h_ref, h_ours)
+    assert ours.optimizer.learning_rate == pytest.approx(0.1 / 3)
 
 
 def test_backup_and_restore_resumes_exactly(tmp_path):

@@ -9,7 +9,9 @@ falling through to its copy. A test enumerates nn.Module's methods against these
 MirroredOptimizer (optimizer.py) keeps the copies in sync; `named_copies` lists their tensors for
 check_in_sync. A change that reaches some copies only all the same (through what a read returned:
 `p.requires_grad = False` on replica 0's parameter) is caught when the replicas' gradients meet, by
-the module's CopyWatch (_copy_watch.py). Uses context.py, devices.py, guards.py, rollback.py and
+the module's CopyWatch (_copy_watch.py). A layer above may register how a kind of module is
+copied (register_copier) and which of its tensors besides buffers a step changes
+(register_state_tensors): training/'s Keras adapter does, for Keras 3 models. Uses context.py, devices.py, guards.py, rollback.py and
 _copy_watch.py.
 """
 from __future__ import annotations
@@ -59,13 +61,13 @@ def register_copier(copier: Callable[[nn.Module], nn.Module | None]) -> None:
         _COPIERS.append(copier)
 
 
-def copy_module(module: nn.Module) -> nn.Module:
-    """An independent copy of `module`: a registered copier's, else copy.deepcopy's."""
+def copy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
+    """An independent copy of `module`: a registered copier's, else copy.deepcopy's (with `memo`)."""
     for copier in _COPIERS:
         copied = copier(module)
         if copied is not None:
             return copied
-    return copy.deepcopy(module)
+    return copy.deepcopy(module, memo)
 
 
 def state_tensors(module: nn.Module) -> list[tuple[Tensor, str]]:
@@ -288,7 +290,7 @@ class MirroredModule:
     def __deepcopy__(self, memo: dict) -> MirroredModule:
         """Independent copies of every replica's module, mirrored by the same strategy (which is shared,
         not copied: a strategy owns threads)."""
-        copies = [copy.deepcopy(m, memo) for m in self.replicas]
+        copies = [copy_module(m, memo) for m in self.replicas]
         guards.allow_modules(copies)
         return MirroredModule._of(self._strategy, copies,
                                   _Shared(copies, self._strategy.extended.worker_devices))

@@ -283,7 +283,20 @@ def metric(identifier: Any, loss_name: str | None) -> metrics_lib.Metric:
     keras.metrics object computed by Keras (KerasMetric), anything else as for any module."""
     if _is_keras(identifier, "metric"):
         return KerasMetric(identifier() if isinstance(identifier, type) else identifier)
-    return metrics_lib.get(identifier, loss_name=loss_name, from_logits=False)
+    try:
+        return metrics_lib.get(identifier, loss_name=loss_name, from_logits=False)
+    except ValueError:
+        if not isinstance(identifier, str):
+            raise
+    keras = _keras()  # a name we do not have ("f1_score", "r2_score", ...): Keras's metric of that name
+    try:
+        found = keras.metrics.get(identifier)
+    except ValueError as e:
+        raise ValueError(f"compile(metrics=[{identifier!r}]): neither mirrored nor Keras knows this metric ({e}).") \
+            from None
+    if not isinstance(found, keras.metrics.Metric):
+        found = keras.metrics.MeanMetricWrapper(found, name=identifier)
+    return KerasMetric(found)
 
 
 # ---- optimizers ----------------------------------------------------------------------------------------

@@ -234,7 +234,11 @@ class Model:
                 m.train(mode)
 
     def summary(self, print_fn: Any = print) -> None:
-        """Prints the top-level layers with their parameter counts, and the totals."""
+        """Prints the top-level layers with their parameter counts, and the totals (a Keras model's
+        own summary for a Keras model)."""
+        if self._keras:
+            self.module.summary(print_fn=lambda line, *args, **kwargs: print_fn(line))
+            return
         rows = [(name, type(child).__name__, sum(p.numel() for p in child.parameters()))
                 for name, child in self.module.named_children()]
         total = sum(p.numel() for p in self.module.parameters())
