@@ -146,6 +146,25 @@ def test_keras_losses_and_metrics_objects():
     _assert_same_fit(ref, ours, h_ref, h_ours)
 
 
+def test_regularizers_as_in_keras_fit():
+    """Weight and activity regularizers (model.losses) add to the loss as in Keras's own fit."""
+    x, y = _data(9)
+
+    def net():
+        keras.utils.set_random_seed(9)
+        inp = keras.Input((FEATURES,))
+        h = keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.L2(0.01),
+                               activity_regularizer=keras.regularizers.L1(0.001))(inp)
+        return keras.Model(inp, keras.layers.Dense(CLASSES, activation="softmax")(h))
+
+    ref = net()
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    h_ref = ref.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    ours = _ours(net(), 2, optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    h_ours = ours.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    _assert_same_fit(ref, ours, h_ref, h_ours)
+
+
 class _Records(keras.layers.Layer):
     """Passes its input through and records the `training` it was called with."""
 

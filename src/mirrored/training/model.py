@@ -150,6 +150,10 @@ class Model:
     makes it."""
 
     def __init__(self, module: nn.Module, name: str | None = None):
+        # A Keras 3 model (torch backend): Keras's conventions apply (keras_adapter.py).
+        self._keras = keras_adapter.is_keras_model(module)
+        if self._keras:
+            keras_adapter.check_backend(module)
         if not isinstance(module, nn.Module):
             raise TypeError(f"mr.Model({type(module).__name__}): expected a torch.nn.Module.")
         strategy = md.get_strategy()
@@ -158,10 +162,6 @@ class Model:
         if md.get_replica_context() is not None and md.has_strategy():
             raise RuntimeError("mr.Model(...) was created inside strategy.run; create it in `with strategy.scope():`.")
         self.name = name or type(module).__name__
-        # A Keras 3 model (torch backend): Keras's conventions apply (keras_adapter.py).
-        self._keras = keras_adapter.is_keras_model(module)
-        if self._keras:
-            keras_adapter.check_backend(module)
         self.distribute_strategy = strategy
         if all(d.startswith("cuda") for d in strategy.extended.worker_devices) and any(
                 isinstance(m, nn.Conv2d) for m in module.modules()):
