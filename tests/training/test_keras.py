@@ -319,6 +319,8 @@ def test_keras_fit_under_our_scope_warns_once():
 
 
 def test_refused_with_the_fix():
+    with pytest.raises(ValueError, match="not built yet"):  # each replica would draw its own weights
+        _ours(keras.Sequential([keras.layers.Dense(3)]), 2, optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="LossScaleOptimizer"):
         _ours(_mlp(), 1, optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
               loss="sparse_categorical_crossentropy")

@@ -33,7 +33,6 @@ import torch
 from torch import Tensor, nn
 
 import mirrored.distribute as md
-from mirrored.distribute import context as md_context, modules as md_modules
 from mirrored.training import losses as losses_lib, metrics as metrics_lib, optimizers as optimizers_lib
 
 logger = logging.getLogger(__name__)
@@ -63,12 +62,17 @@ def _is_keras(obj: Any, kind: str) -> bool:
     return isinstance(obj, base) or (isinstance(obj, type) and issubclass(obj, base))
 
 
-def check_backend(model: Any) -> None:
-    """Refuses a Keras model of another backend than torch: it would not be an nn.Module."""
+def check_model(model: Any, where: str = "mr.Model") -> None:
+    """Refuses a Keras model of another backend than torch (it would not be an nn.Module), and one not
+    built yet: each replica would draw its own initial weights at its first call."""
     keras = _keras()
     if keras is not None and keras.backend.backend() != "torch":
-        raise ValueError(f"mr.Model({type(model).__name__}): Keras runs on the {keras.backend.backend()!r} backend, "
+        raise ValueError(f"{where}({type(model).__name__}): Keras runs on the {keras.backend.backend()!r} backend, "
                          "but mirrored trains torch modules. Set KERAS_BACKEND=torch before importing keras.")
+    if not model.built or not model.variables:
+        raise ValueError(f"{where}({type(model).__name__}): the Keras model is not built yet (it has no variables), "
+                         "so every replica would create its own at its first call. Build it first: start it with "
+                         "keras.Input(shape), call model.build(input_shape), or call it once on a sample batch.")
 
 
 def device_scope(device: torch.device) -> Any:
@@ -130,7 +134,7 @@ def state_tensors(module: nn.Module) -> list[tuple[Tensor, str]] | None:
     return found
 
 
-md_modules.register_state_tensors(state_tensors)
+md.register_state_tensors(state_tensors)
 
 
 _COPY_LOCK = threading.Lock()
@@ -150,6 +154,7 @@ def copy_model(module: nn.Module) -> nn.Module | None:
     mirrored.distribute's mirroring."""
     if not is_keras_model(module):
         return None
+    check_model(module, "strategy.mirror")
     from keras.src.saving.keras_saveable import KerasSaveable
 
     with _COPY_LOCK:
@@ -166,7 +171,7 @@ def copy_model(module: nn.Module) -> nn.Module | None:
             del KerasSaveable.__deepcopy__
 
 
-md_modules.register_copier(copy_model)
+md.register_copier(copy_model)
 
 
 # ---- losses --------------------------------------------------------------------------------------------
@@ -525,4 +530,4 @@ def watch_keras_fit() -> None:
     cls.compile, cls.fit = compile, fitting
 
 
-md_context.register_scope_hook(watch_keras_fit)
+md.register_scope_hook(watch_keras_fit)

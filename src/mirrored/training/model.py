@@ -153,7 +153,7 @@ class Model:
         # A Keras 3 model (torch backend): Keras's conventions apply (keras_adapter.py).
         self._keras = keras_adapter.is_keras_model(module)
         if self._keras:
-            keras_adapter.check_backend(module)
+            keras_adapter.check_model(module)
         if not isinstance(module, nn.Module):
             raise TypeError(f"mr.Model({type(module).__name__}): expected a torch.nn.Module.")
         strategy = md.get_strategy()
