@@ -232,6 +232,40 @@ def test_batchnorm_moving_statistics_are_the_replicas_mean():
     model.check_in_sync()
 
 
+class _FailsOnReplica1(keras.layers.Layer):
+    """Raises in replica 1's training call while `armed` (after the BatchNormalization before it ran)."""
+
+    armed = False
+
+    def call(self, inputs, training=None):
+        ctx = mr.get_replica_context()
+        if training and _FailsOnReplica1.armed and ctx is not None and ctx.replica_id_in_sync_group == 1:
+            raise RuntimeError("injected failure")
+        return inputs
+
+
+def test_failed_step_puts_moving_statistics_back():
+    """A step that fails in one replica leaves every replica's moving statistics as they were."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((FEATURES,))
+    h = _FailsOnReplica1()(keras.layers.BatchNormalization(momentum=0.5)(keras.layers.Dense(8)(inp)))
+    model = _ours(keras.Model(inp, keras.layers.Dense(CLASSES, activation="softmax")(h)), 2, optimizer="sgd",
+                  loss="sparse_categorical_crossentropy")
+    x, y = _data(10)
+    model.fit(x[:GLOBAL], y[:GLOBAL], batch_size=GLOBAL, verbose=0)
+    before = [copy.get_weights() for copy in model.replicas]
+    _FailsOnReplica1.armed = True
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            model.fit(x[:GLOBAL], y[:GLOBAL], batch_size=GLOBAL, verbose=0)
+    finally:
+        _FailsOnReplica1.armed = False
+    for copy, saved in zip(model.replicas, before):
+        for a, b in zip(copy.get_weights(), saved):
+            np.testing.assert_array_equal(a, b)
+    model.check_in_sync()
+
+
 def test_keras_archive_round_trip(tmp_path):
     """Model.save("x.keras") writes Keras's archive; keras.models.load_model predicts identically."""
     x, y = _data(5)

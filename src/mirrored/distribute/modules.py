@@ -222,6 +222,9 @@ class MirroredModule:
         journal = journal_of(ctx)
         if journal is not None:  # a failed step puts this copy's gradients and buffers back
             journal.before_forward(copy_)
+            for finder in _STATE_FINDERS:  # and the state a registered finder names (Keras's moving statistics)
+                for t, _ in finder(copy_) or ():
+                    journal.before_write(t)
         if self._shared.examples is not None:  # gradient_reduction="mean" weighs replicas by their examples
             self._shared.add_examples(rid, journal, args, kwargs)
         if self._shared.grad_sync is not None and torch.is_grad_enabled():
