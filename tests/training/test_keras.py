@@ -274,6 +274,9 @@ def test_keras_archive_round_trip(tmp_path):
     model.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, batch_size=GLOBAL, verbose=0))
+    with _strategy(2).scope():
+        again = mr.Model.load(tmp_path / "m.keras")  # on 2 replicas, to compile and train on
+    np.testing.assert_array_equal(again.predict(x, batch_size=GLOBAL, verbose=0), loaded.predict(x, verbose=0))
     with pytest.raises(ValueError, match="Keras's archive"):
         _ours(torch.nn.Linear(3, 2), 1, optimizer="sgd", loss="mse").save(tmp_path / "t.keras")
 

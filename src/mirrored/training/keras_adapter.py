@@ -494,6 +494,15 @@ def save_keras(model: Any, path: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def load_keras(path: Any) -> Any:
+    """The Keras model of a ".keras" archive, uncompiled (compile it through mr.Model)."""
+    keras = _keras()
+    if keras is None:
+        raise ValueError(f"Model.load({str(path)!r}): a .keras archive is read by Keras; import keras first (with "
+                         "KERAS_BACKEND=torch set before it).")
+    return keras.models.load_model(path, compile=False)
+
+
 # ---- Keras's own fit under our scope ----------------------------------------------------------------------
 _WATCHED = False
 

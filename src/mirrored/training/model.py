@@ -826,8 +826,11 @@ class Model:
 
         Returns:
           The Model, under the current strategy's scope (one replica outside any). Every tensor's name,
-          shape and dtype is checked first: a file that does not fit is a CheckpointError naming it.
+          shape and dtype is checked first: a file that does not fit is a CheckpointError naming it. A
+          ".keras" archive (Keras 3, torch backend) is read by keras.models.load_model, uncompiled.
         """
+        if str(path).endswith(".keras"):
+            return cls(keras_adapter.load_keras(path))
         tensors, meta = checkpoint.load_checkpoint(path, where="Model.load")
         origin = checkpoint_checks.Origin(f"Model.load({str(path)!r})")
         if meta.get("format") != _FORMAT:
