@@ -361,6 +361,8 @@ def test_refused_with_the_fix():
     with pytest.raises(ValueError, match="LossScaleOptimizer"):
         _ours(_mlp(), 1, optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
               loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="jit_compile=True"):
+        _ours(_mlp(), 1, optimizer="sgd", loss="sparse_categorical_crossentropy", jit_compile=True)
     with pytest.raises(TypeError, match="mr.optimizers.Adam"):
         _ours(torch.nn.Linear(3, 2), 1, optimizer=keras.optimizers.Adam(), loss="mse")
     with pytest.raises(ValueError, match="mean_with_sample_weight"):

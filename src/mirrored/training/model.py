@@ -291,6 +291,10 @@ class Model:
             raise ValueError("compile(precision=\"fp16\") needs CUDA devices (fp16 with loss scaling); on CPU use "
                              "precision=\"bf16\".")
         use_jit = jit.resolve(jit_compile)
+        if use_jit and self._keras:
+            raise ValueError("compile(jit_compile=True) with a Keras model: not supported (untested with Keras's "
+                             "layers on the replica threads). Use jit_compile=False or \"auto\" (eager, Keras 3's "
+                             "default on torch).")
         strategy = self.distribute_strategy
         with strategy.scope():
             recipe = optimizers.get(optimizer)  # (set on the model once built: a refused instance changes nothing)
