@@ -97,6 +97,43 @@ def test_fit_equals_keras_fit(name, replicas):
     np.testing.assert_allclose(ours.predict(x, batch_size=GLOBAL, verbose=0), ref.predict(x, verbose=0), atol=1e-5)
 
 
+class _Subclassed(keras.Model):
+    """A subclassed model with a custom layer that is not registered for Keras's serialization."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.scale = _Records()
+        self.out = keras.layers.Dense(CLASSES, activation="softmax")
+
+    def call(self, inputs, training=False):
+        return self.out(self.scale(self.hidden(inputs), training=training))
+
+
+@pytest.mark.parametrize("kind", ["sequential", "subclassed"])
+def test_sequential_and_subclassed_models_equal_keras_fit(kind):
+    """Sequential and subclassed models (with an unregistered custom layer, which Keras's own copy
+    through its saving library could not rebuild) train on 2 replicas as Keras's fit on one device."""
+    x, y = _data(11)
+
+    def net():
+        keras.utils.set_random_seed(11)
+        if kind == "sequential":
+            return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
+                                     _Records(), keras.layers.Dense(CLASSES, activation="softmax")])
+        model = _Subclassed()
+        model(x[:1])
+        return model
+
+    ref = net()
+    ref.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    h_ref = ref.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    ours = _ours(net(), 2, optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                 metrics=["accuracy"])
+    h_ours = ours.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    _assert_same_fit(ref, ours, h_ref, h_ours)
+
+
 OPTION_CASES = {
     "adamw": lambda: keras.optimizers.AdamW(learning_rate=0.01, weight_decay=0.1),
     "rmsprop": lambda: keras.optimizers.RMSprop(learning_rate=0.01, momentum=0.5, centered=True),
