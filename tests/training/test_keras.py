@@ -402,6 +402,8 @@ def test_refused_with_the_fix():
         _ours(_mlp(), 1, optimizer="sgd", loss="sparse_categorical_crossentropy", jit_compile=True)
     with pytest.raises(TypeError, match="mr.optimizers.Adam"):
         _ours(torch.nn.Linear(3, 2), 1, optimizer=keras.optimizers.Adam(), loss="mse")
+    with pytest.raises(ValueError, match="Keras does not know this loss"):
+        _ours(_mlp(), 1, optimizer="sgd", loss="no_such_loss")
     with pytest.raises(ValueError, match="mean_with_sample_weight"):
         _ours(_mlp(), 1, optimizer="sgd",
               loss=keras.losses.SparseCategoricalCrossentropy(reduction="mean_with_sample_weight"))

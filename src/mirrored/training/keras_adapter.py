@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import copyreg
-import logging
 import sys
 import threading
 import warnings
@@ -34,14 +33,6 @@ from torch import Tensor, nn
 
 import mirrored.distribute as md
 from mirrored.training import losses as losses_lib, metrics as metrics_lib, optimizers as optimizers_lib
-
-logger = logging.getLogger(__name__)
-
-# Keras's optimizer options that we carry over; a config key outside these and the update rule's own
-# hyperparameters is refused by name (see KerasOptimizer).
-_OPTIONS = ("name", "learning_rate", "weight_decay", "clipnorm", "global_clipnorm", "clipvalue", "use_ema",
-            "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor", "gradient_accumulation_steps")
-
 
 def _keras() -> Any:
     """The keras module if the program imported it, else None (we never import it ourselves)."""
@@ -219,19 +210,17 @@ class KerasLoss(losses_lib.Loss):
 def loss(identifier: Any) -> losses_lib.Loss:
     """compile(loss=...) for a Keras model: a name, function or keras.losses object as Keras means it
     (probabilities unless from_logits=True); an mr.losses object or torch loss as it is."""
-    keras = _keras()
-    if isinstance(identifier, str) or _is_keras(identifier, "loss") or (
-            callable(identifier) and getattr(identifier, "__module__", "").startswith("keras")):
-        if isinstance(identifier, type):
-            identifier = identifier()
+    if isinstance(identifier, str):
         try:
-            return KerasLoss(identifier)
-        except ValueError:
-            raise
-        except Exception as e:  # keras.losses.get's own error for an unknown name
+            _keras().losses.get(identifier)
+        except ValueError as e:
             raise ValueError(f"compile(loss={identifier!r}): Keras does not know this loss ({e}).") from None
-    del keras
-    return losses_lib.get(identifier)
+    elif isinstance(identifier, type) and _is_keras(identifier, "loss"):
+        identifier = identifier()
+    elif not (_is_keras(identifier, "loss") or (callable(identifier) and
+                                                getattr(identifier, "__module__", "").startswith("keras"))):
+        return losses_lib.get(identifier)
+    return KerasLoss(identifier)
 
 
 # ---- metrics -------------------------------------------------------------------------------------------
@@ -241,7 +230,7 @@ class KerasMetric(metrics_lib.Metric):
     metric's sync-on-read state; result() sets a copy's variables to the replicas' sum and asks it."""
 
     def __init__(self, keras_metric: Any):
-        bad = [v.path for v in keras_metric.variables if v.aggregation not in ("sum", "none")]
+        bad = [v.path for v in keras_metric.variables if v.aggregation != "sum"]
         if bad:
             raise ValueError(f"compile(metrics=[{keras_metric!r}]): its variables {bad} are aggregated by "
                              "another rule than a sum, so replicas' parts cannot be combined. Use a metric "
