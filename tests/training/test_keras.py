@@ -303,6 +303,34 @@ def test_failed_step_puts_moving_statistics_back():
     model.check_in_sync()
 
 
+def test_seeded_dropout_state_advances_as_on_one_device():
+    """A seeded Dropout's seed generator state advances once per step on every replica, a replica
+    whose part of the last batch is empty included, and ends where Keras's own fit leaves it; the
+    empty replica's moving statistics, which did not move, are synced too (this step used to fail in
+    the copies' check before the sync)."""
+    x, y = _data(12)
+
+    def net():
+        keras.backend.clear_session()
+        keras.utils.set_random_seed(12)
+        inp = keras.Input((FEATURES,))
+        h = keras.layers.BatchNormalization()(keras.layers.Dense(16, activation="relu")(inp))
+        h = keras.layers.Dropout(0.5, seed=7)(h)
+        return keras.Model(inp, keras.layers.Dense(CLASSES, activation="softmax")(h))
+
+    ref = net()
+    ref.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    ref.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    ours = _ours(net(), 3, optimizer="sgd", loss="sparse_categorical_crossentropy")
+    ours.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)  # last batch: 2, 2 and 0 rows
+    ours.check_in_sync()
+    state = [v for v in ref.variables if "seed_generator" in v.path]
+    assert state and int(state[0].numpy()[1]) > 0
+    for copy in ours.replicas:
+        mine = [v for v in copy.variables if "seed_generator" in v.path]
+        np.testing.assert_array_equal(mine[0].numpy(), state[0].numpy())
+
+
 def test_keras_archive_round_trip(tmp_path):
     """Model.save("x.keras") writes Keras's archive; keras.models.load_model predicts identically."""
     x, y = _data(5)

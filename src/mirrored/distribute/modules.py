@@ -70,6 +70,12 @@ def copy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
+def _found_state(module: nn.Module) -> list[Tensor]:
+    """The tensors registered finders name in `module` (not its buffers): the optimizer syncs them
+    after a step, so the copies' CopyWatch does not compare their writes before it."""
+    return [t for finder in _STATE_FINDERS for t, _ in (finder(module) or ())]
+
+
 def state_tensors(module: nn.Module) -> list[tuple[Tensor, str]]:
     """A module copy's tensors that steps change outside the optimizer, with how replicas combine
     them: its buffers (floating point "mean", others "first") and what a registered finder adds."""
@@ -96,7 +102,7 @@ class _Shared:
         # Taken now, while the copies are equal: a change that later reaches some of them only is
         # caught when their gradients meet. One copy (a worker of a multi-worker strategy) has no
         # other to differ from.
-        self.watch = CopyWatch(copies, devices) if len(copies) > 1 else None
+        self.watch = CopyWatch(copies, devices, _found_state) if len(copies) > 1 else None
         # The optimizer that all-reduces this module's gradients when backward ends ("mean", as DDP), if
         # any: told of each forward and of zero_grad (MirroredOptimizer.before_forward / grads_cleared).
         self.grad_sync: Any = None
@@ -222,9 +228,8 @@ class MirroredModule:
         journal = journal_of(ctx)
         if journal is not None:  # a failed step puts this copy's gradients and buffers back
             journal.before_forward(copy_)
-            for finder in _STATE_FINDERS:  # and the state a registered finder names (Keras's moving statistics)
-                for t, _ in finder(copy_) or ():
-                    journal.before_write(t)
+            for t in _found_state(copy_):  # and the state a registered finder names (Keras's moving statistics)
+                journal.before_write(t)
         if self._shared.examples is not None:  # gradient_reduction="mean" weighs replicas by their examples
             self._shared.add_examples(rid, journal, args, kwargs)
         if self._shared.grad_sync is not None and torch.is_grad_enabled():
