@@ -134,6 +134,19 @@ def test_sequential_and_subclassed_models_equal_keras_fit(kind):
     _assert_same_fit(ref, ours, h_ref, h_ours)
 
 
+def test_mr_optimizer_on_a_keras_model():
+    """mr.optimizers.SGD with momentum (torch's rule, equal to Keras's at a constant rate) trains a
+    Keras model's trainable variables only, as keras.optimizers.SGD does on one device."""
+    x, y = _data(13)
+    ref = _bn_model(13, dropout=0.0)
+    ref.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="sparse_categorical_crossentropy")
+    h_ref = ref.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    ours = _ours(_bn_model(13, dropout=0.0), 1, optimizer=mr.optimizers.SGD(0.05, momentum=0.9),
+                 loss="sparse_categorical_crossentropy")
+    h_ours = ours.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    _assert_same_fit(ref, ours, h_ref, h_ours)
+
+
 OPTION_CASES = {
     "adamw": lambda: keras.optimizers.AdamW(learning_rate=0.01, weight_decay=0.1),
     "rmsprop": lambda: keras.optimizers.RMSprop(learning_rate=0.01, momentum=0.5, centered=True),
