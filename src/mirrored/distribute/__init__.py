@@ -1,12 +1,12 @@
 """The distribution core: strategies, replica contexts, distributed values and variables,
 cross-device ops and distributed input. Knows nothing of `mirrored.training`."""
 from mirrored.distribute.context import (ReplicaContext, get_replica_context, get_strategy, has_strategy,
-                                         in_cross_replica_context)
+                                         in_cross_replica_context, register_scope_hook)
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, InMemoryAllReduce,
                                                   NcclAllReduce, ReductionToOneDevice)
 from mirrored.distribute.input import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator,
                                       InputContext, InputOptions, Optional)
-from mirrored.distribute.modules import HookHandles, MirroredModule
+from mirrored.distribute.modules import HookHandles, MirroredModule, register_copier, register_state_tensors
 from mirrored.distribute.optimizer import MirroredOptimizer
 from mirrored.distribute.multi_worker import CollectiveAllReduce, CommunicationOptions, MultiWorkerMirroredStrategy
 from mirrored.distribute.rollback import StepJournal, current_journal
@@ -25,5 +25,5 @@ __all__ = [
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "Optional", "OutOfSyncError", "PerReplica", "ReduceOp",
     "ReductionToOneDevice", "ReplicaContext", "StepJournal", "Strategy", "SyncOnReadVariable", "ValueContext", "Variable",
     "VariableAggregation", "VariableSynchronization", "current_journal", "get_replica_context", "get_strategy", "has_strategy",
-    "in_cross_replica_context",
+    "in_cross_replica_context", "register_copier", "register_scope_hook", "register_state_tensors",
 ]

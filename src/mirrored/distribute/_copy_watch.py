@@ -21,7 +21,7 @@ Uses torch; strategy.py's OutOfSyncError and _cross_replica's _bitwise_equal whe
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -47,11 +47,15 @@ class CopyWatch:
     """The copies of one mirrored module: per copy its modules and parameters (walked once, and again
     after a change of structure), and each parameter's version when the copies were last known equal."""
 
-    __slots__ = ("_copies", "_devices", "_modules", "_params", "_base", "_module_names", "_param_names")
+    __slots__ = ("_copies", "_devices", "_modules", "_params", "_base", "_module_names", "_param_names", "_synced")
 
-    def __init__(self, copies: Sequence[nn.Module], devices: Sequence[str]):
+    def __init__(self, copies: Sequence[nn.Module], devices: Sequence[str],
+                 synced: Callable[[nn.Module], list[Tensor]] | None = None):
         self._copies = tuple(copies)
         self._devices = tuple(devices)
+        # Parameters a step may write differently on each copy until the optimizer syncs them (a Keras
+        # model's moving statistics, a replica with an empty part skipping its forward): not watched.
+        self._synced = synced
         n = len(self._copies)
         self._modules: list[list[nn.Module]] = [[] for _ in range(n)]
         self._params: list[list[Tensor]] = [[] for _ in range(n)]
@@ -64,6 +68,8 @@ class CopyWatch:
         """Walks the copies again after a change of their structure made on every copy (add_module,
         load_state_dict, apply): a parameter seen before keeps its baseline, a new one starts now."""
         walks = [_walk(c) for c in self._copies]
+        if self._synced is not None:
+            walks = [_without(walk, self._synced(c)) for walk, c in zip(walks, self._copies)]
         for r, (_, modules, _, params) in enumerate(walks):
             old = dict(zip(map(id, self._params[r]), self._base[r]))  # (the old parameters are alive: ids hold)
             self._base[r] = [old.get(id(p), p._version) for p in params]
@@ -123,6 +129,16 @@ class CopyWatch:
                 return written_difference(name, values[0], values[r], signatures[0][2][i], signatures[r][2][i], r,
                                           self._devices[r])
         return None
+
+
+def _without(walk: tuple, skip: list[Tensor]) -> tuple:
+    """A _walk() result without the parameters in `skip`."""
+    if not skip:
+        return walk
+    ids = {id(t) for t in skip}
+    module_names, modules, param_names, params = walk
+    kept = [(n, p) for n, p in zip(param_names, params) if id(p) not in ids]
+    return module_names, modules, [n for n, _ in kept], [p for _, p in kept]
 
 
 def copies_difference(copies: Sequence[nn.Module], devices: Sequence[str]) -> str | None:

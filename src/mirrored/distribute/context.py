@@ -68,7 +68,20 @@ def enter_scope(strategy: Strategy) -> Iterator[None]:
         )
     keep = frame.replica_context if frame is not None and frame.strategy is strategy else None
     with push(strategy, keep):
+        for hook in _SCOPE_HOOKS:
+            hook()
         yield
+
+
+# Called on every entry of a strategy's scope, inside it: a layer above (training/'s Keras adapter)
+# registers what it must do then, since this package may not import it.
+_SCOPE_HOOKS: list[Callable[[], None]] = []
+
+
+def register_scope_hook(hook: Callable[[], None]) -> None:
+    """Runs `hook()` at every entry of a strategy's scope (inside it) from now on."""
+    if hook not in _SCOPE_HOOKS:
+        _SCOPE_HOOKS.append(hook)
 
 
 def get_strategy() -> Strategy:

@@ -9,7 +9,9 @@ falling through to its copy. A test enumerates nn.Module's methods against these
 MirroredOptimizer (optimizer.py) keeps the copies in sync; `named_copies` lists their tensors for
 check_in_sync. A change that reaches some copies only all the same (through what a read returned:
 `p.requires_grad = False` on replica 0's parameter) is caught when the replicas' gradients meet, by
-the module's CopyWatch (_copy_watch.py). Uses context.py, devices.py, guards.py, rollback.py and
+the module's CopyWatch (_copy_watch.py). A layer above may register how a kind of module is
+copied (register_copier) and which of its tensors besides buffers a step changes
+(register_state_tensors): training/'s Keras adapter does, for Keras 3 models. Uses context.py, devices.py, guards.py, rollback.py and
 _copy_watch.py.
 """
 from __future__ import annotations
@@ -34,6 +36,57 @@ if TYPE_CHECKING:
     from mirrored.distribute.strategy import Strategy
 
 
+# Finders of the state tensors a module keeps outside its buffers (a Keras 3 model's non-trainable
+# variables are Parameters with requires_grad=False), registered by the layer that knows the module
+# kind, since this package may not import it. Each returns [(tensor, "mean" | "first")], or None for
+# a module that is not of its kind.
+_STATE_FINDERS: list[Callable[[nn.Module], list[tuple[Tensor, str]] | None]] = []
+
+
+def register_state_tensors(finder: Callable[[nn.Module], list[tuple[Tensor, str]] | None]) -> None:
+    """Makes sync_buffers also sync the tensors `finder(copy)` names: "mean" ones averaged across the
+    replicas (weighted as buffers are), "first" ones set to replica 0's."""
+    if finder not in _STATE_FINDERS:
+        _STATE_FINDERS.append(finder)
+
+
+# Copiers for module kinds that copy.deepcopy does not copy as objects (a Keras model pickles itself
+# through its saving library), registered the same way; each returns the copy, or None.
+_COPIERS: list[Callable[[nn.Module], nn.Module | None]] = []
+
+
+def register_copier(copier: Callable[[nn.Module], nn.Module | None]) -> None:
+    """Makes the replicas' copies of a module come from `copier(module)` where it returns one."""
+    if copier not in _COPIERS:
+        _COPIERS.append(copier)
+
+
+def copy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
+    """An independent copy of `module`: a registered copier's, else copy.deepcopy's (with `memo`)."""
+    for copier in _COPIERS:
+        copied = copier(module)
+        if copied is not None:
+            return copied
+    return copy.deepcopy(module, memo)
+
+
+def _found_state(module: nn.Module) -> list[Tensor]:
+    """The tensors registered finders name in `module` (not its buffers): the optimizer syncs them
+    after a step, so the copies' CopyWatch does not compare their writes before it."""
+    return [t for finder in _STATE_FINDERS for t, _ in (finder(module) or ())]
+
+
+def state_tensors(module: nn.Module) -> list[tuple[Tensor, str]]:
+    """A module copy's tensors that steps change outside the optimizer, with how replicas combine
+    them: its buffers (floating point "mean", others "first") and what a registered finder adds."""
+    found = [(b, "mean" if b.is_floating_point() else "first") for b in module.buffers()]
+    for finder in _STATE_FINDERS:
+        extra = finder(module)
+        if extra:
+            found.extend(extra)
+    return found
+
+
 class _Shared:
     """What a mirrored module and the views of its submodules share: each replica's count of the
     examples its copy saw since its optimizer last stepped (kept once an optimizer with
@@ -49,7 +102,7 @@ class _Shared:
         # Taken now, while the copies are equal: a change that later reaches some of them only is
         # caught when their gradients meet. One copy (a worker of a multi-worker strategy) has no
         # other to differ from.
-        self.watch = CopyWatch(copies, devices) if len(copies) > 1 else None
+        self.watch = CopyWatch(copies, devices, _found_state) if len(copies) > 1 else None
         # The optimizer that all-reduces this module's gradients when backward ends ("mean", as DDP), if
         # any: told of each forward and of zero_grad (MirroredOptimizer.before_forward / grads_cleared).
         self.grad_sync: Any = None
@@ -124,7 +177,7 @@ class MirroredModule:
                 "before mirroring it (module(x[:1]) initialises them), or give the layer its input size (nn.Linear).")
         devices = strategy.extended.worker_devices
         first = module.to(torch_device(devices[0]))
-        copies = [first] + [copy.deepcopy(first).to(torch_device(d)) for d in devices[1:]]
+        copies = [first] + [copy_module(first).to(torch_device(d)) for d in devices[1:]]
         guards.allow_modules(copies)
         object.__setattr__(self, "_strategy", strategy)
         object.__setattr__(self, "replicas", tuple(copies))
@@ -175,6 +228,8 @@ class MirroredModule:
         journal = journal_of(ctx)
         if journal is not None:  # a failed step puts this copy's gradients and buffers back
             journal.before_forward(copy_)
+            for t in _found_state(copy_):  # and the state a registered finder names (Keras's moving statistics)
+                journal.before_write(t)
         if self._shared.examples is not None:  # gradient_reduction="mean" weighs replicas by their examples
             self._shared.add_examples(rid, journal, args, kwargs)
         if self._shared.grad_sync is not None and torch.is_grad_enabled():
@@ -243,7 +298,7 @@ class MirroredModule:
     def __deepcopy__(self, memo: dict) -> MirroredModule:
         """Independent copies of every replica's module, mirrored by the same strategy (which is shared,
         not copied: a strategy owns threads)."""
-        copies = [copy.deepcopy(m, memo) for m in self.replicas]
+        copies = [copy_module(m, memo) for m in self.replicas]
         guards.allow_modules(copies)
         return MirroredModule._of(self._strategy, copies,
                                   _Shared(copies, self._strategy.extended.worker_devices))
@@ -411,7 +466,7 @@ class MirroredModule:
     def _new_module(self, what: str, put: Callable[[nn.Module, Any], None], module: nn.Module | None) -> None:
         self._one_process(what)
         for m, device in zip(self._targets(what), self._devices()):
-            new = None if module is None else copy.deepcopy(module).to(device)
+            new = None if module is None else copy_module(module).to(device)
             put(m, new)
             if new is not None:
                 guards.allow_modules([new])

@@ -38,7 +38,7 @@ from torch import Tensor
 from mirrored.distribute import context, guards
 from mirrored.distribute._copy_watch import CopiesDiffer
 from mirrored.distribute._param_groups import MirroredGroup, ReplicaGroup
-from mirrored.distribute.modules import MirroredModule, HookHandles
+from mirrored.distribute.modules import MirroredModule, HookHandles, state_tensors
 from mirrored.distribute.rollback import journal_of
 from mirrored.distribute.values import ReduceOp
 
@@ -362,17 +362,18 @@ class MirroredOptimizer(torch.optim.Optimizer):
         num_batches_tracked) take replica 0's value. With `weight` (this replica's examples in the step),
         the average is weighted by it: a replica whose part of a short last batch was empty (weight 0)
         did not update its statistics and does not count, and uneven parts count by their size, which
-        gives a single device's update of the running mean on the whole batch."""
+        gives a single device's update of the running mean on the whole batch. State a module keeps
+        outside its buffers (a Keras model's moving statistics) is synced too (modules.state_tensors)."""
         ctx = self._replica()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             return
         # Packed: one flat tensor per device (floats, as float64) and per device and integer dtype, so a
         # ResNet's ~60 buffers cost a handful of torch ops per step instead of ~4 per buffer.
         groups: dict[tuple, list[Tensor]] = {}
-        for b in self._module.replicas[ctx.local_replica_id].buffers():
-            if b.is_floating_point():
+        for b, how in state_tensors(self._module.replicas[ctx.local_replica_id]):
+            if how == "mean" and b.is_floating_point():
                 groups.setdefault((True, b.device), []).append(b)
-            elif not b.is_complex() and b.dtype != torch.bool:
+            elif not b.is_complex() and b.dtype != torch.bool:  # replica 0's
                 groups.setdefault((False, b.device, b.dtype), []).append(b)
         if not groups:  # (the same on every replica: no meeting at all)
             return

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 import mirrored.distribute as md
 from mirrored.training import callbacks as callbacks_lib
 from mirrored.training import checkpoint, checkpoint_checks, epochs as epochs_lib, losses, metrics as metrics_lib, optimizers
-from mirrored.training import jit
+from mirrored.training import jit, keras_adapter
 from mirrored.training._trackables import LossScale
 from mirrored.training.layers import has_sync_batchnorm
 
@@ -150,6 +150,10 @@ class Model:
     makes it."""
 
     def __init__(self, module: nn.Module, name: str | None = None):
+        # A Keras 3 model (torch backend): Keras's conventions apply (keras_adapter.py).
+        self._keras = keras_adapter.is_keras_model(module)
+        if self._keras:
+            keras_adapter.check_model(module)
         if not isinstance(module, nn.Module):
             raise TypeError(f"mr.Model({type(module).__name__}): expected a torch.nn.Module.")
         strategy = md.get_strategy()
@@ -220,17 +224,21 @@ class Model:
         x = md.values.map_structure(lambda v: _as_input(v, device), x)  # a dict or tuple of inputs, each
         ctx = md.get_replica_context()
         if ctx is not None and ctx.strategy is self.distribute_strategy:
-            return self._forward(net, x, *args, **kwargs)
+            return self._forward(net, x, *args, training=training, **kwargs)
         modes = [m.training for m in net.values]
         net.train(training)
         try:
-            return self._forward(net, x, *args, **kwargs)
+            return self._forward(net, x, *args, training=training, **kwargs)
         finally:
             for m, mode in zip(net.values, modes):
                 m.train(mode)
 
     def summary(self, print_fn: Any = print) -> None:
-        """Prints the top-level layers with their parameter counts, and the totals."""
+        """Prints the top-level layers with their parameter counts, and the totals (a Keras model's
+        own summary for a Keras model)."""
+        if self._keras:
+            self.module.summary(print_fn=lambda line, *args, **kwargs: print_fn(line))
+            return
         rows = [(name, type(child).__name__, sum(p.numel() for p in child.parameters()))
                 for name, child in self.module.named_children()]
         total = sum(p.numel() for p in self.module.parameters())
@@ -266,6 +274,10 @@ class Model:
         """
         if loss is None:
             raise ValueError("compile(loss=None): give a loss, e.g. loss=\"sparse_categorical_crossentropy\".")
+        if self._keras:  # Keras's names and objects, as Keras means them (keras_adapter.py)
+            optimizer = keras_adapter.optimizer(optimizer, self._net.replicas)
+        else:
+            keras_adapter.refuse_keras_optimizer(optimizer, self.module)
         if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
             raise ValueError(f"compile(steps_per_execution={steps_per_execution!r}): give an integer >= 1.")
         if precision not in (None, "fp32", "bf16", "fp16"):
@@ -279,18 +291,23 @@ class Model:
             raise ValueError("compile(precision=\"fp16\") needs CUDA devices (fp16 with loss scaling); on CPU use "
                              "precision=\"bf16\".")
         use_jit = jit.resolve(jit_compile)
+        if use_jit and self._keras:
+            raise ValueError("compile(jit_compile=True) with a Keras model: not supported (untested with Keras's "
+                             "layers on the replica threads). Use jit_compile=False or \"auto\" (eager, Keras 3's "
+                             "default on torch).")
         strategy = self.distribute_strategy
         with strategy.scope():
             recipe = optimizers.get(optimizer)  # (set on the model once built: a refused instance changes nothing)
             self._mopt = strategy.mirror_optimizer(lambda params: recipe.build(params), self._net)
             self.optimizer = recipe
-            self._loss = losses.get(loss)
+            self._loss = keras_adapter.loss(loss) if self._keras else losses.get(loss)
             if getattr(self._loss, "reduction", None) == "none":
                 raise ValueError(f"compile(loss={loss!r}): reduction='none' leaves one loss per example, but fit "
                                  "needs one number to minimise. Use reduction='sum_over_batch_size' (the mean, "
                                  "Keras's default) or 'sum'.")
             loss_name = getattr(self._loss, "name", None)
-            self._metrics = [metrics_lib.get(m, loss_name=loss_name) for m in (metrics or [])]
+            self._metrics = [keras_adapter.metric(m, loss_name) if self._keras else metrics_lib.get(m, loss_name=loss_name)
+                             for m in (metrics or [])]
             self._loss_tracker = metrics_lib.Mean(name="loss")
         self._steps_per_execution = steps_per_execution
         self._precision = None if precision == "fp32" else precision
@@ -319,16 +336,20 @@ class Model:
         return torch.autocast(device_type=device.type, dtype=dtype)
 
     # ---- one replica's steps (replica context) ----------------------------------------------------
-    def _forward(self, net: Any, x: Any, *args: Any, **kwargs: Any) -> Tensor:
+    def _forward(self, net: Any, x: Any, *args: Any, training: bool = False, **kwargs: Any) -> Tensor:
         """The module on what the data yields, in fit, evaluate, predict and model(x) alike: only
-        floating-point inputs change, to the module's dtype."""
+        floating-point inputs change, to the module's dtype. A Keras model also gets `training`, as
+        Keras's trainer passes it (True in fit's train steps only)."""
         dtype = _module_dtype(net)
         device = next((p.device for p in net.parameters()), torch.device("cpu"))
         with self._autocast(device):
-            out = net(_cast_inputs(x, dtype), *args, **kwargs)
+            if self._keras:
+                out = keras_adapter.call_model(net, _cast_inputs(x, dtype), training, *args, **kwargs)
+            else:
+                out = net(_cast_inputs(x, dtype), *args, **kwargs)
         return out.float() if isinstance(out, Tensor) and out.dtype in (torch.bfloat16, torch.float16) else out
 
-    def _step_loss(self, ctx: Any, net: nn.Module, x: Any, y: Any, sw: Any, count: int
+    def _step_loss(self, ctx: Any, net: nn.Module, x: Any, y: Any, sw: Any, count: int, training: bool = False
                    ) -> tuple[Tensor | None, Tensor | None, Any]:
         """This replica's share of the step's loss (the shares of all replicas add up to the loss of
         the global batch, reduced as the loss object says, as Keras reduces it on one device), its
@@ -341,7 +362,7 @@ class Model:
         y, sw = _cast_inputs(_as_labels(y), dtype), _cast_inputs(sw, dtype)
         logits = per_example = None
         if rows or self._sync_bn:
-            logits = self._forward(net, x)
+            logits = self._forward(net, x, training=training)
             per_example = self._loss.per_example(y, logits)
             sw = _weights_like(sw, per_example)
             if sw is not None:
@@ -378,12 +399,15 @@ class Model:
         opt = self._mopt
         own = self._net.module  # this replica's copy (on a multi-worker strategy, the process's one)
         scaler = self._scalers[[m is own for m in self._net.replicas].index(True)] if self._scalers else None
+        loss_scale = getattr(self.optimizer, "loss_scale_factor", None)
         for (x, y, sw), count in zip(batches, global_counts):
             # An empty part (a short last batch) still joins the gradient all-reduce.
-            share, logits, sw = self._step_loss(ctx, net, x, y, sw, count)
+            share, logits, sw = self._step_loss(ctx, net, x, y, sw, count, training=True)
             regularization = self._regularization(net)
             # Every replica adds its 1 / replicas of the penalty, an empty part too: the gradients are summed.
             loss = regularization / ctx.num_replicas_in_sync + (share if share is not None else 0.0)
+            if loss_scale is not None and isinstance(loss, Tensor):  # a Keras optimizer's, which apply() undoes
+                loss = loss * loss_scale
             if isinstance(loss, Tensor) and loss.requires_grad:
                 (scaler.scale(loss) if scaler else loss).backward()
             elif scaler is not None:  # an empty part: its scaler must still hold the scale that step() unscales by
@@ -404,10 +428,12 @@ class Model:
             opt.optimizer.zero_grad(set_to_none=True)
             opt.finish_step(weight=_rows(x), commit=update)  # (an empty part did not update BatchNorm's statistics)
 
-    @staticmethod
-    def _regularization(net: nn.Module) -> Tensor | float:
-        """A module's `regularization_loss()`, if it has one (each replica's gradient takes its share
-        of it, 1 / replicas, as TF does; the reported loss includes all of it, as Keras's does)."""
+    def _regularization(self, net: nn.Module) -> Tensor | float:
+        """A module's `regularization_loss()`, if it has one, or a Keras model's `losses` (each replica's
+        gradient takes its share of it, 1 / replicas, as TF does; the reported loss includes all of it,
+        as Keras's does)."""
+        if self._keras:
+            return keras_adapter.regularization(net)
         fn = getattr(net, "regularization_loss", None)
         return fn() if callable(fn) else 0.0
 
@@ -752,11 +778,21 @@ class Model:
 
         Args:
           path: the file to write (a directory is refused: a checkpoint is one file). Replaced only once the
-            new file is complete, so a crash leaves the old one. `Model.load(path)` rebuilds the model.
-            Under a multi-worker strategy only the chief writes it (TF's should_checkpoint; the workers'
-            copies are bitwise equal); the others return without writing.
+            new file is complete, so a crash leaves the old one. `Model.load(path)` rebuilds the model. For
+            a Keras model, a path ending in ".keras" is a Keras archive (replica 0's model, which every
+            replica equals) that keras.models.load_model reads. Under a multi-worker strategy only the
+            chief writes it (TF's should_checkpoint; the workers' copies are bitwise equal); the others
+            return without writing.
         """
+        keras_archive = str(path).endswith(".keras")
+        if keras_archive and not self._keras:  # refused on every worker alike, before the chief-only gate
+            raise ValueError(f"Model.save({str(path)!r}): \".keras\" is Keras's archive, for Keras models; this "
+                             f"model is the torch module {type(self.module).__name__}. Save to a .safetensors "
+                             "path (Model.load reads it back).")
         if not self._writes_checkpoints("save", path):
+            return
+        if keras_archive:
+            keras_adapter.save_keras(self.module, path)
             return
         tensors, meta = self._state_tensors(with_optimizer=True)
         checkpoint.save_checkpoint(path, tensors, meta)
@@ -809,8 +845,11 @@ class Model:
 
         Returns:
           The Model, under the current strategy's scope (one replica outside any). Every tensor's name,
-          shape and dtype is checked first: a file that does not fit is a CheckpointError naming it.
+          shape and dtype is checked first: a file that does not fit is a CheckpointError naming it. A
+          ".keras" archive (Keras 3, torch backend) is read by keras.models.load_model, uncompiled.
         """
+        if str(path).endswith(".keras"):
+            return cls(keras_adapter.load_keras(path))
         tensors, meta = checkpoint.load_checkpoint(path, where="Model.load")
         origin = checkpoint_checks.Origin(f"Model.load({str(path)!r})")
         if meta.get("format") != _FORMAT:

@@ -1,0 +1,32 @@
+"""benchmarks/keras_fit.py runs end to end on tiny settings (issue 23), so it does not rot between the
+sessions that measure with it. Only that it finishes and prints its rows and ratios is checked."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("keras") is None:
+    pytest.skip("keras is not installed (pip install mirrored[keras])", allow_module_level=True)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_keras_fit_benchmark_prints_every_row_and_both_ratios():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "keras_fit.py"), "--batch", "4", "--steps", "1",
+                           "--rounds", "1", "--width", "2", "--image-size", "8"], cwd=REPO, capture_output=True,
+                          text=True, timeout=240, env={**os.environ, "KERAS_BACKEND": "torch"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for label in ("Keras's own fit, 1 device", "mr.Model(keras), 1 replica", "mr.Model(keras), 2 replicas",
+                  "mr.Model(torch), 2 replicas"):
+        assert re.search(rf"^  {re.escape(label)}\s+[0-9.]+\s+\(", proc.stdout, re.M), out
+    assert re.search(r"^ratio mr.Model\(keras\) 1 replica / Keras's own fit: [0-9.]+", proc.stdout, re.M), out
+    assert re.search(r"^ratio mr.Model\(keras\) / mr.Model\(torch\), 2 replicas: [0-9.]+", proc.stdout, re.M), out
