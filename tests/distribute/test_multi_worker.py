@@ -121,7 +121,7 @@ def test_replica_ids_and_devices(two_workers):
         assert r["num_replicas_in_sync"] == 2 and r["worker_devices"] == ["cpu:0"]
         assert r["replica_id_in_sync_group"] == rank and r["ctx_num_replicas_in_sync"] == 2
         assert r["repr"] == f"MultiWorkerMirroredStrategy(rank={rank}, world_size=2, device='cpu:0', backend='gloo')"
-        assert r["cluster_resolver"] == ["worker", rank]
+        assert r["cluster_resolver"] == ["worker", rank, "environment", rank, 2]  # RANK set by hand, not torchrun
 
 
 def test_all_reduce_and_reduce(two_workers):
@@ -339,7 +339,7 @@ def test_single_worker_without_environment(monkeypatch):
     s = md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
     assert not dist.is_initialized()
     assert s.num_replicas_in_sync == 1 and s.extended.worker_devices == ("cpu:0",)
-    assert tuple(s.cluster_resolver) == (None, 0)
+    assert (s.cluster_resolver.task_type, s.cluster_resolver.task_id, s.cluster_resolver.kind) == (None, 0, "single")
     assert repr(s) == "MultiWorkerMirroredStrategy(rank=0, world_size=1, device='cpu:0', backend=None)"
     assert s.run(lambda: md.get_replica_context().replica_id_in_sync_group) == 0
     assert s.reduce("sum", torch.tensor(2.0)).item() == 2.0
@@ -368,20 +368,18 @@ def test_single_worker_without_environment(monkeypatch):
     s.check_in_sync([mnet, opt])
 
 
-def test_default_device_is_cuda_local_rank_or_cpu(monkeypatch):
+def test_default_devices_are_every_gpu_or_one_cpu(monkeypatch):
+    """A single worker takes every GPU of its machine (TF's MWMS does), else one CPU."""
     for key in LAUNCH_ENV:
         monkeypatch.delenv(key, raising=False)
-    want = "cuda:0" if torch.cuda.is_available() else "cpu:0"
-    assert md.MultiWorkerMirroredStrategy().extended.worker_devices == (want,)
+    want = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count())) or ("cpu:0",)
+    assert md.MultiWorkerMirroredStrategy().extended.worker_devices == want
 
 
 def test_constructor_validates_before_joining(monkeypatch):
     """Every misuse is refused before any rendezvous starts (so a bad launch fails at once)."""
     for key in LAUNCH_ENV:
         monkeypatch.delenv(key, raising=False)
-    with pytest.raises(ValueError, match=r"devices=\['cpu:0', 'cpu:1'\]\): a worker process drives one device.*"
-                                         r"torchrun --nproc_per_node=2"):
-        md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
     with pytest.raises(ValueError, match="timeout_s=0"):
         md.MultiWorkerMirroredStrategy(timeout_s=0)
     with pytest.raises(TypeError, match="communication_options=42"):
@@ -405,32 +403,20 @@ def test_constructor_validates_before_joining(monkeypatch):
     assert not dist.is_initialized()
 
 
-def test_tf_config_of_several_tasks_without_rank_is_refused(monkeypatch):
-    """Regression (review): with TF_CONFIG but no RANK, worker 1 of a 2-worker cluster trained alone
-    as rank 0, the chief. Now it is refused, with the torchrun launch that joins the workers."""
+def test_tf_config_of_one_task_is_a_single_worker(monkeypatch):
+    """One task is one worker, as in TF (no rendezvous); several are joined (test_multi_worker_launch.py)."""
     for key in LAUNCH_ENV:
         monkeypatch.delenv(key, raising=False)
-    two = {"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 1}}
-    monkeypatch.setenv("TF_CONFIG", json.dumps(two))
-    with pytest.raises(ValueError, match=r"TF_CONFIG describes a cluster of several tasks \(worker: 2; this task: "
-                                         r"worker 1\), but RANK is not set.*torchrun.*RANK=1 WORLD_SIZE=2 "
-                                         r"MASTER_ADDR=host0 MASTER_PORT=2222"):
-        md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
-    with_chief = {"cluster": {"chief": ["boss:5000"], "worker": ["host0:2222"]}, "task": {"type": "worker", "index": 0}}
-    monkeypatch.setenv("TF_CONFIG", json.dumps(with_chief))  # TF numbers the chief first
-    with pytest.raises(ValueError, match="RANK=1 WORLD_SIZE=2 MASTER_ADDR=boss MASTER_PORT=5000"):
-        md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["host0:2222"]},
+                                                "task": {"type": "worker", "index": 0}}))
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+    assert s.num_replicas_in_sync == 1 and s.cluster_resolver.task_type is None and not dist.is_initialized()
     for malformed, words in [("{cluster: ", "is not valid JSON"), ('{"cluster": {"worker": "host0:2222"}}',
                                                                   "is not TF's layout")]:
         monkeypatch.setenv("TF_CONFIG", malformed)
         with pytest.raises(ValueError, match=f"TF_CONFIG={re.escape(repr(malformed))} {words}"):
             md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
     assert not dist.is_initialized()
-    # One task is one worker, as in TF.
-    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["host0:2222"]},
-                                                "task": {"type": "worker", "index": 0}}))
-    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
-    assert s.num_replicas_in_sync == 1 and tuple(s.cluster_resolver) == (None, 0) and not dist.is_initialized()
 
 
 def test_communication_options(monkeypatch):
@@ -498,6 +484,8 @@ def test_a_gpu_worker_creates_a_device_aware_group_with_a_longer_watchdog(monkey
     monkeypatch.setattr(mw, "resolve_devices", lambda devices, where: tuple(devices))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
     monkeypatch.setattr(mw.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(mw, "_rendezvous_store", lambda resolver, timeout: "store")
+    monkeypatch.setattr(mw.CollectiveAllReduce, "all_gather_row", lambda self, row, what, dtype=None: [list(row)] * 2)
     monkeypatch.setattr(mw.dist, "is_initialized", lambda: False)
     for key, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT="29500").items():
@@ -506,6 +494,7 @@ def test_a_gpu_worker_creates_a_device_aware_group_with_a_longer_watchdog(monkey
     backend, kw = calls[1]
     assert backend == "cpu:gloo,cuda:nccl"
     assert kw["timeout"].total_seconds() == 5 + mw._WATCHDOG_GRACE_S and kw["device_id"] == torch.device("cuda:0")
+    assert kw["store"] == "store"
     ops = s.extended.cross_device_ops
     assert ops._wire == torch.device("cuda:0") and ops._carried(torch.ones(1))  # gloo takes the CPU tensor
 
@@ -587,7 +576,9 @@ def _rank() -> int:
 
 def scenario_collectives(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
     res: dict = {"num_replicas_in_sync": s.num_replicas_in_sync, "worker_devices": list(s.extended.worker_devices),
-                 "repr": repr(s), "cluster_resolver": list(s.cluster_resolver),
+                 "repr": repr(s), "cluster_resolver": [s.cluster_resolver.task_type, s.cluster_resolver.task_id,
+                                                           s.cluster_resolver.kind, s.cluster_resolver.rank,
+                                                           s.cluster_resolver.num_workers],
                  "replica_id_in_sync_group": s.run(_rank),
                  "ctx_num_replicas_in_sync": s.run(lambda: md.get_replica_context().num_replicas_in_sync)}
 
