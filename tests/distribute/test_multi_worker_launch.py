@@ -339,6 +339,32 @@ def test_torchrun_c10d_rendezvous_restart_resumes(tmp_path):
     check_resumed(tmp_path, done)
 
 
+@pytest.mark.slow
+def test_torchrun_static_two_node_form_restart_resumes(tmp_path):
+    """The guide's two-machine form (--nnodes 2 --node_rank i --master_addr --master_port), both
+    "machines" on 127.0.0.1, with --max-restarts 1: it hung before (the static rendezvous's store
+    outlives the attempt as the c10d one does); now it resumes as the one-machine form does."""
+    exe = Path(sys.executable).with_name("torchrun")
+    env = {**clean_env(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    port = free_port()
+    nodes = []
+    try:
+        for node_rank in range(2):
+            with open(tmp_path / f"node{node_rank}.log", "w") as log:
+                nodes.append(subprocess.Popen(
+                    [str(exe), "--nnodes", "2", "--node_rank", str(node_rank), "--nproc_per_node", "1", "--master_addr",
+                     "127.0.0.1", "--master_port", str(port), "--max-restarts", "1", __file__, "fit_killed",
+                     str(tmp_path)], env=env, stdout=log, stderr=subprocess.STDOUT))
+        codes = [p.wait(timeout=LAUNCH_DEADLINE_S * 2) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    output = "\n".join((tmp_path / f"node{i}.log").read_text()[-3000:] for i in range(2))
+    check_resumed(tmp_path, subprocess.CompletedProcess([], max(codes), output, ""))
+
+
 # ---- the worker side ---------------------------------------------------------------------------------------
 OUT_DIR = Path(".")
 
