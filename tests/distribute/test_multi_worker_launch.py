@@ -27,6 +27,7 @@ from mirrored.distribute import cluster_resolver as cr
 
 LAUNCH_DEADLINE_S = 150.0  # a launch's workers are killed after this, whatever they are doing
 COLLECTIVE_TIMEOUT_S = 60.0
+HANG_TIMEOUT_S = 2.0  # the strategy's timeout where a worker hangs on purpose
 N_EXAMPLES, GLOBAL_BATCH, EPOCHS = 22, 8, 2  # global batches 8, 8, 6: over 4 replicas 2/2/2/2 and 2/2/2/0
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
                "GROUP_RANK", "ROLE_RANK", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE")
@@ -186,9 +187,9 @@ def clean_env() -> dict[str, str]:
             if k not in LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
 
 
-def launch(scenario: str, out_dir: Path, envs: list[dict[str, str]]) -> list[int]:
-    """Runs `scenario` in one process per environment; returns their exit codes. Every worker is dead
-    when this returns."""
+def launch(scenario: str, out_dir: Path, envs: list[dict[str, str]], wait_for: list[int] | None = None) -> list[int]:
+    """Runs `scenario` in one process per environment; returns their exit codes (None: killed while
+    still running after the workers in `wait_for` had finished). Every worker is dead when this returns."""
     procs: list[subprocess.Popen] = []
     try:
         for i, extra in enumerate(envs):
@@ -197,12 +198,12 @@ def launch(scenario: str, out_dir: Path, envs: list[dict[str, str]]) -> list[int
                 procs.append(subprocess.Popen([sys.executable, __file__, scenario, str(out_dir)], env=env,
                                               stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + LAUNCH_DEADLINE_S
-        for i, p in enumerate(procs):
+        for i in range(len(procs)) if wait_for is None else wait_for:
             try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                procs[i].wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pytest.fail(f"{scenario}: worker {i} still ran after {LAUNCH_DEADLINE_S:g} s\n{logs(out_dir, len(envs))}")
-        return [p.returncode for p in procs]
+        return [p.poll() for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -300,6 +301,22 @@ def test_two_workers_of_two_replicas_equal_four_replicas(tmp_path):
             assert r["history"][key] == pytest.approx(values, rel=1e-5, abs=1e-5), key
     assert_bitwise(params_of(tmp_path, "w1"), params_of(tmp_path, "w0"), "worker 1 against worker 0")
     assert_bitwise(params_of(tmp_path, "w1", "fit"), params_of(tmp_path, "w0", "fit"), "worker 1 against worker 0")
+
+
+@pytest.mark.parametrize("fault", ["hangs", "exits"])
+def test_a_worker_of_two_replicas_that_hangs_or_dies_is_named(tmp_path, fault):
+    """With 2 replicas per worker the cross-worker collective runs inside the local meeting: when
+    rank 1 hangs (or exits), rank 0's step still fails within timeout_s (2 s; at once for an exit)
+    with CollectiveTimeoutError naming rank 1, on rank 0's replicas."""
+    port = free_port()
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "FAULT": fault} for r in range(2)]
+    assert launch("fault_2x2", tmp_path, envs, wait_for=[0])[0] == 0, logs(tmp_path, 2)
+    r = results(tmp_path, ["w0"])[0]
+    assert r["error_type"] == "CollectiveTimeoutError", r
+    assert r["error"].startswith("replica "), r["error"]  # which of rank 0's replicas issued the collective
+    assert "rank 0 of 2: all_reduce(SUM)" in r["error"] and "Rank(s) 1 did not reach" in r["error"], r["error"]
+    assert r["elapsed_s"] < HANG_TIMEOUT_S + 10
 
 
 def torchrun(out_dir: Path, scenario: str, *flags: str) -> subprocess.CompletedProcess:
@@ -415,7 +432,24 @@ def scenario_fit_killed(name: str) -> dict:
     return {"attempt": attempt}
 
 
-SCENARIOS = {"custom_loop": scenario_custom_loop, "two_by_two": scenario_two_by_two, "fit_killed": scenario_fit_killed}
+def scenario_fault_2x2(name: str) -> dict:
+    """Rank 1 hangs (sleeps past the test's deadline) or exits before the second all_reduce."""
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"], timeout_s=HANG_TIMEOUT_S)
+    step = lambda: md.get_replica_context().all_reduce("sum", torch.ones(2))  # noqa: E731
+    s.run(step)
+    if s.cluster_resolver.rank == 1:
+        if os.environ["FAULT"] == "hangs":
+            time.sleep(LAUNCH_DEADLINE_S)
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        s.run(step)
+        return {"error_type": None}
+    except Exception as e:  # noqa: BLE001 - the test checks which
+        return {"error_type": type(e).__name__, "error": str(e), "elapsed_s": time.monotonic() - started}
+
+
+SCENARIOS = {"fault_2x2": scenario_fault_2x2, "custom_loop": scenario_custom_loop, "two_by_two": scenario_two_by_two, "fit_killed": scenario_fit_killed}
 
 
 def _worker_main(scenario: str, out_dir: str) -> None:
