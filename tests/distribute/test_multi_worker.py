@@ -368,6 +368,34 @@ def test_single_worker_without_environment(monkeypatch):
     s.check_in_sync([mnet, opt])
 
 
+def test_a_single_worker_of_two_devices_is_mirrored_strategy(monkeypatch):
+    """Issue 24: without a launch, devices=["cpu:0", "cpu:1"] is one worker of two replica threads,
+    which trains bitwise as MirroredStrategy on the same devices (and no process group is made)."""
+    for key in LAUNCH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+    assert s.num_replicas_in_sync == 2 and not dist.is_initialized()
+    assert type(s.extended.cross_device_ops) is type(md.MirroredStrategy(["cpu:0", "cpu:1"]).extended.cross_device_ops)
+    results = []
+    for strategy in (s, md.MirroredStrategy(devices=["cpu:0", "cpu:1"])):
+        torch.manual_seed(0)
+        with strategy.scope():
+            mnet = strategy.mirror(mlp())
+            opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
+
+        def step(x, y, n):
+            (F.cross_entropy(mnet(x), y, reduction="sum") / n).backward()
+            opt.step()
+            opt.zero_grad()
+
+        for x, y in global_batches():
+            strategy.run(step, args=(*next(iter(strategy.experimental_distribute_dataset([(x, y)]))), len(x)))
+        assert strategy.reduce("sum", strategy.run(lambda: torch.ones(1))).item() == 2.0
+        results.append([p.detach().clone() for p in strategy.experimental_local_results(mnet)[1].parameters()])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 def test_default_devices_are_every_gpu_or_one_cpu(monkeypatch):
     """A single worker takes every GPU of its machine (TF's MWMS does), else one CPU."""
     for key in LAUNCH_ENV:

@@ -197,7 +197,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                                                 backend or "gloo", resolver.restart_count)
         ops: CrossDeviceOps = self._collectives
         if len(local) > 1:  # threads within the worker, as MirroredStrategy's, then across the workers
-            ops = HierarchicalAllReduce(default_for(local), self._collectives, len(local))
+            ops = default_for(local)
+            if resolver.num_workers > 1:
+                ops = HierarchicalAllReduce(ops, self._collectives, len(local))
         super().__init__(local, ops, timeout_s)
         if self._world_size > 1:
             counts = [row[0] for row in self._collectives.all_gather_row([len(local)], "MultiWorkerMirroredStrategy "
