@@ -568,6 +568,16 @@ def test_an_nccl_timeout_raised_by_the_wait_names_the_rank(monkeypatch):
         ops.all_sum_([torch.ones(2)], "all_reduce (gradients)")
 
 
+def test_a_restarted_jobs_errors_name_the_attempt(monkeypatch):
+    """Issue 24: after torchrun restarted the workers, a failed collective says which attempt failed."""
+    from mirrored.distribute import multi_worker as mw
+
+    fake_collectives(monkeypatch, RuntimeError("Timed out waiting 2000ms for recv operation to complete"))
+    ops = mw.CollectiveAllReduce(1, 2, torch.device("cpu"), timeout_s=3.0, attempt=2)
+    with pytest.raises(md.CollectiveTimeoutError, match=r"^rank 1 of 2 \(restart attempt 2\): all_reduce \(gradients\)"):
+        ops.all_sum_([torch.ones(2)], "all_reduce (gradients)")
+
+
 @pytest.mark.cuda
 def test_an_nccl_group_of_one_reduces_cpu_and_gpu_values(tmp_path):  # pragma: no cover - GPU machines only
     """On a real NCCL group (one worker, one GPU): CPU values, GPU values, gather and broadcast come
