@@ -79,3 +79,11 @@ def test_gpu_check_runs_in_cpu_smoke_mode():
                     "fit on 2 replicas", "checkpoint -> cpu", "profiler", "nccl"):
         assert re.search(rf"^{re.escape(section)}\s+(PASS|SKIP)\s+[0-9.]+\s+\S", proc.stdout, re.M), proc.stdout
     assert "9 of 9 sections without failure" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_multi_worker_benchmark_prints_every_contestant():
+    """(~60 s: it starts 5 worker processes.)"""
+    out = _run("multi_worker.py", "--depth", "8", "--steps", "1", "--rounds", "1", "--batch", "8")
+    for name in ("2 workers x 1", "1 worker x 2", "DDP"):
+        assert re.search(rf"^{re.escape(name)}\s+[0-9.]+\s+[0-9.]+$", out, re.M), out
