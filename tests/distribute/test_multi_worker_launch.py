@@ -171,6 +171,9 @@ def fit(strategy, epochs: int = EPOCHS, callbacks: list | None = None) -> tuple[
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     data = mr.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=3).batch(GLOBAL_BATCH)
     history = model.fit(data, epochs=epochs, verbose=0, callbacks=callbacks or []).history
+    if callbacks is None:  # (not in the restart test: every worker would evaluate and predict again)
+        history["evaluate"] = model.evaluate(data, return_dict=True, verbose=0)
+        history["predict"] = model.predict(x, batch_size=GLOBAL_BATCH).tolist()
     return history, [p.detach().clone() for p in model.module.parameters()]
 
 
@@ -279,7 +282,7 @@ def test_hand_launched_workers_train_as_mirrored_strategy(tmp_path, launcher):
 def test_two_workers_of_two_replicas_equal_four_replicas(tmp_path):
     """MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"]) on 2 workers is 4 replicas with global
     ids 0..3: a custom loop and Model.fit end as MirroredStrategy on 4 CPU replicas, on the same global
-    batches (8, 8, 6: the last split 2/2/2/0)."""
+    batches (8, 8, 6: the last split 2/2/2/0); evaluate and predict too."""
     port = free_port()
     envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(port)} for r in range(2)]
@@ -297,8 +300,12 @@ def test_two_workers_of_two_replicas_equal_four_replicas(tmp_path):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for got, want in zip(params_of(tmp_path, name, "fit"), want_fit):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        predicted, want_predicted = r["history"].pop("predict"), want_history["predict"]
+        torch.testing.assert_close(torch.tensor(predicted), torch.tensor(want_predicted), rtol=1e-5, atol=1e-5)
+        assert len(predicted) == N_EXAMPLES  # every worker's rows, in order
         for key, values in want_history.items():
-            assert r["history"][key] == pytest.approx(values, rel=1e-5, abs=1e-5), key
+            if key != "predict":
+                assert r["history"][key] == pytest.approx(values, rel=1e-5, abs=1e-5), key
     assert_bitwise(params_of(tmp_path, "w1"), params_of(tmp_path, "w0"), "worker 1 against worker 0")
     assert_bitwise(params_of(tmp_path, "w1", "fit"), params_of(tmp_path, "w0", "fit"), "worker 1 against worker 0")
 
