@@ -116,6 +116,33 @@ def test_malformed_launches_name_the_variable(env, words):
         cr.resolve(env)
 
 
+def test_default_devices_split_the_machines_gpus(monkeypatch):
+    """Without devices=, a worker takes its share of its machine's GPUs: all of them for one process
+    per machine, cuda:LOCAL_RANK for one per GPU, an even split in between; a SLURM task bound to its
+    GPUs takes those it sees. (GPUs are faked: only the choice is checked.)"""
+    from mirrored.distribute import multi_worker as mw
+
+    gpus = [f"cuda:{i}" for i in range(8)]
+    monkeypatch.setattr(mw, "visible_gpus", lambda: list(gpus))
+    torchrun = {"WORLD_SIZE": "16", "MASTER_ADDR": "h", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "x"}
+
+    def chosen(**env: str) -> tuple[str, ...]:
+        return mw._local_devices(None, cr.resolve({k: str(v) for k, v in env.items()}))
+
+    assert chosen(**torchrun, RANK=11, LOCAL_RANK=3, LOCAL_WORLD_SIZE=8) == ("cuda:3",)
+    assert chosen(**torchrun, RANK=3, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2) == ("cuda:4", "cuda:5", "cuda:6", "cuda:7")
+    assert chosen(**{**torchrun, "WORLD_SIZE": "2"}, RANK=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1) == tuple(gpus)
+    assert chosen(TF_CONFIG=json.dumps({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker",
+                                                                                          "index": 1}})) == tuple(gpus)
+    assert chosen(RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, MASTER_ADDR="h", MASTER_PORT=1) == ("cuda:1",)  # by hand
+    assert chosen() == tuple(gpus)  # a single worker: every GPU, as TF's
+    with pytest.raises(ValueError, match=r"local rank 9 of 16 process\(es\) on this machine, but it shows 8 GPU"):
+        chosen(**torchrun, RANK=9, LOCAL_RANK=9, LOCAL_WORLD_SIZE=16)
+    gpus[:] = ["cuda:0"]  # srun --gpus-per-task=1: each of the node's 4 tasks sees its own GPU as cuda:0
+    assert chosen(SLURM_PROCID=6, SLURM_NTASKS=8, SLURM_LOCALID=2, SLURM_STEP_ID=0, SLURM_JOB_ID=1,
+                  SLURM_JOB_NODELIST="n[1-2]", SLURM_STEP_TASKS_PER_NODE="4(x2)", SLURM_NODEID=1) == ("cuda:0",)
+
+
 def re_escape(text: str) -> str:
     import re
 
