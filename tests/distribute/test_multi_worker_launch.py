@@ -366,7 +366,9 @@ def check_resumed(out_dir: Path, done: subprocess.CompletedProcess) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     assert (out_dir / "killed").exists(), "no worker was killed: the test did not test a restart"
     res = results(out_dir, ["rank0", "rank1"])
-    assert [r["attempt"] for r in res] == [1, 1], res  # the restarted attempt finished
+    # The restarted attempt finished. (An agent that restarts its workers because another machine re-joined
+    # does not count a restart in torch 2.13: on two machines the counts may differ.)
+    assert max(r["attempt"] for r in res) >= 1, res
     _, want = fit(md.MirroredStrategy(devices=["cpu:0", "cpu:1"]), epochs=3)
     for name in ("rank0", "rank1"):
         assert_bitwise(params_of(out_dir, name, "fit"), want, f"{name} after the restart against an uninterrupted run")
@@ -376,8 +378,8 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_resumes(tmp_path):
     """Issue 24: `torchrun --standalone --nproc_per_node 2 --max-restarts 1` with BackupAndRestore;
     worker 1 dies by SIGKILL in epoch 2. Before, the restarted workers could not join ("Gloo
     connectFullMesh failed ... Connection refused": torchrun's shared store kept the dead workers'
-    addresses, pytorch#135712); now each attempt meets under its own prefix, and the job ends bitwise
-    equal to an uninterrupted run, with no environment variable to set."""
+    addresses, pytorch#135712); now each attempt meets in a store its rank 0 serves, and the job ends
+    bitwise equal to an uninterrupted run, with no environment variable to set."""
     done = torchrun(tmp_path, "fit_killed", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1")
     check_resumed(tmp_path, done)
 
@@ -395,24 +397,36 @@ def test_torchrun_static_two_node_form_restart_resumes(tmp_path):
     """The guide's two-machine form (--nnodes 2 --node_rank i --master_addr --master_port), both
     "machines" on 127.0.0.1, with --max-restarts 1: it hung before (the static rendezvous's store
     outlives the attempt as the c10d one does); now it resumes as the one-machine form does."""
+    nodes_ran(tmp_path, ["--nnodes", "2", "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port",
+                         str(free_port()), "--max-restarts", "1"], [["--node_rank", "0"], ["--node_rank", "1"]])
+
+
+@pytest.mark.slow
+def test_torchrun_c10d_two_node_form_restart_resumes(tmp_path):
+    """Two "machines" on 127.0.0.1 with the c10d rendezvous: the agent of the machine whose worker
+    did not die restarts its worker without counting a restart, so the attempts' numbers differ
+    across machines; the workers still meet (rank 0 serves each attempt's store) and resume."""
+    nodes_ran(tmp_path, ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                         f"127.0.0.1:{free_port()}", "--rdzv-id", "issue24", "--max-restarts", "2"], [[], []])
+
+
+def nodes_ran(tmp_path: Path, common: list[str], per_node: list[list[str]]) -> None:
+    """Starts one torchrun per "machine" (all on this one) and checks the resumed run."""
     exe = Path(sys.executable).with_name("torchrun")
     env = {**clean_env(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    port = free_port()
     nodes = []
     try:
-        for node_rank in range(2):
+        for node_rank, flags in enumerate(per_node):
             with open(tmp_path / f"node{node_rank}.log", "w") as log:
-                nodes.append(subprocess.Popen(
-                    [str(exe), "--nnodes", "2", "--node_rank", str(node_rank), "--nproc_per_node", "1", "--master_addr",
-                     "127.0.0.1", "--master_port", str(port), "--max-restarts", "1", __file__, "fit_killed",
-                     str(tmp_path)], env=env, stdout=log, stderr=subprocess.STDOUT))
+                nodes.append(subprocess.Popen([str(exe), *common, *flags, __file__, "fit_killed", str(tmp_path)],
+                                              env=env, stdout=log, stderr=subprocess.STDOUT))
         codes = [p.wait(timeout=LAUNCH_DEADLINE_S * 2) for p in nodes]
     finally:
         for p in nodes:
             if p.poll() is None:
                 p.kill()
             p.wait()
-    output = "\n".join((tmp_path / f"node{i}.log").read_text()[-3000:] for i in range(2))
+    output = "\n".join((tmp_path / f"node{i}.log").read_text()[-3000:] for i in range(len(per_node)))
     check_resumed(tmp_path, subprocess.CompletedProcess([], max(codes), output, ""))
 
 

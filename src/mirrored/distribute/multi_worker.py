@@ -5,8 +5,8 @@ Worker processes, each driving one or more local devices: started by torchrun (`
 TF_CONFIG per task, or by SLURM's srun. cluster_resolver.py reads the launch (and nothing else in the
 package reads its variables); without one the strategy is a single worker, as TF's is without
 TF_CONFIG. `num_replicas_in_sync` is workers x local replicas, `replica_id_in_sync_group` runs
-rank x local replicas + the local index. The workers' process group meets in a store with a prefix
-per torchrun restart attempt, so `torchrun --max-restarts` brings restarted workers together.
+rank x local replicas + the local index. Under torchrun the workers' process group meets in a store
+that rank 0 serves anew every attempt, so `torchrun --max-restarts` brings restarted workers together.
 
 `CollectiveAllReduce` (defined in _collectives.py, re-exported here) does the talking: the gradient
 all-reduce of a mirrored optimizer (flat buckets, one collective each), `ReplicaContext.all_reduce`,
@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,9 @@ from mirrored.distribute.values import Mirrored, ReduceOp
 logger = logging.getLogger(__name__)
 
 _IMPLEMENTATIONS = ("AUTO", "RING", "NCCL")  # tf.distribute.experimental.CommunicationImplementation
+_STORE_KEY = "mirrored/store_port"  # in torchrun's agent store: where this attempt's rank 0 serves the workers' store
+_STORE_CONNECT_S = 2.0  # a port rank 0 serves answers at once; a dead attempt's refuses within this
+_STORE_POLL_S = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,16 +117,37 @@ def _local_devices(devices: Sequence[str | torch.device] | str | torch.device | 
     return tuple(gpus[local_rank * share:(local_rank + 1) * share])
 
 
-def _rendezvous_store(resolver: cluster_resolver.ClusterResolver, timeout: datetime.timedelta) -> dist.Store:
-    """The store the workers' process group meets in, with a prefix per restart attempt. torchrun's
-    agent keeps its store across restarts of the workers, and torch's env:// rendezvous writes the same
-    keys in it every attempt, so restarted workers read the dead ones' addresses and fail to connect
-    ("Gloo connectFullMesh failed ... Connection refused", pytorch/pytorch#135712); keys of their own
-    attempt keep them apart, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE."""
-    store = dist.TCPStore(resolver.master_addr, resolver.master_port, resolver.num_workers,
-                          is_master=not resolver.uses_agent_store and resolver.rank == 0, timeout=timeout,
-                          multi_tenant=not resolver.uses_agent_store)
-    return dist.PrefixStore(f"mirrored/attempt{resolver.restart_count}", store)
+def _rendezvous_store(resolver: cluster_resolver.ClusterResolver, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The store the workers' process group meets in: a new one every attempt, served by rank 0.
+
+    torchrun's agent keeps its store across restarts of the workers, and torch's env:// rendezvous
+    writes the same keys in it every attempt, so restarted workers read the dead ones' addresses and
+    fail to connect ("Gloo connectFullMesh failed ... Connection refused", pytorch/pytorch#135712),
+    or wait for keys written under another attempt's number (an agent that restarts its workers
+    because another machine re-joined does not count a restart). So rank 0 serves a store of its own
+    on a free port and leaves its port in the agent's store; the others take the port they find
+    there and connect, and a port left by a dead attempt refuses them until rank 0 replaces it."""
+    addr, port, world = resolver.master_addr, resolver.master_port, resolver.num_workers
+    if not resolver.uses_agent_store:  # rank 0 hosts the store at MASTER_PORT: new with every attempt
+        return dist.TCPStore(addr, port, world, is_master=resolver.rank == 0, timeout=timeout, multi_tenant=True)
+    agent = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    if resolver.rank == 0:
+        own = dist.TCPStore(addr, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        agent.set(_STORE_KEY, str(own.port))
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        agent.wait([_STORE_KEY])
+        own_port = int(agent.get(_STORE_KEY))
+        try:
+            store = dist.TCPStore(addr, own_port, world, is_master=False,
+                                  timeout=datetime.timedelta(seconds=_STORE_CONNECT_S))
+            store.set_timeout(timeout)
+            return store
+        except (RuntimeError, OSError):  # a dead attempt's port: rank 0 of this one has not replaced it yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(_STORE_POLL_S)
 
 
 def _backend_for(device: Device, implementation: str) -> str:
@@ -148,7 +173,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     on every worker), else the worker's share of its machine's GPUs (every GPU for one process per
     machine, cuda:LOCAL_RANK under `torchrun --nproc_per_node=<GPUs>`), else one CPU. The default
     process group is created from the launch ("cpu:gloo,cuda:nccl" for GPUs, gloo for CPUs,
-    `timeout_s` for its collectives) in a store of its own per torchrun restart attempt, or an
+    `timeout_s` for its collectives) in a store rank 0 serves anew every attempt, or an
     existing one is used (its own timeout then applies to gloo and to NCCL's watchdog; our waits on
     NCCL still time out after `timeout_s`).
 
@@ -185,12 +210,14 @@ class MultiWorkerMirroredStrategy(Strategy):
                                  f"reduce tensors on this worker's device {local[0]}. Pass devices=[\"cuda:N\"], or "
                                  "create the group with backend=\"gloo\".")
         elif resolver.num_workers > 1:
-            self._join(resolver, local[0], backend, timeout_s)
+            store_at = self._join(resolver, local[0], backend, timeout_s)
         else:
             backend = None
         self._resolver = resolver
         self._rank, self._world_size, self._backend = resolver.rank, resolver.num_workers, backend
         store = (resolver.master_addr, resolver.master_port) if resolver.master_addr and resolver.master_port else None
+        if not joined and resolver.num_workers > 1:
+            store = store_at  # (rank 0's own store under torchrun: the agent's outlives the attempt)
         wire = torch_device(local[0]) if backend is not None and "nccl" in backend else torch.device("cpu")
         self._collectives = CollectiveAllReduce(resolver.rank, resolver.num_workers, wire, timeout_s,
                                                 options.bytes_per_pack or _DEFAULT_BYTES_PER_PACK, store,
@@ -210,8 +237,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                                  "drive as many devices: pass the same number in devices=[...] on each, or give "
                                  "every machine the same GPUs.")
 
-    def _join(self, resolver: cluster_resolver.ClusterResolver, device: Device, backend: str, timeout_s: float) -> None:
-        """Creates the default process group of the launch, in a store of this restart attempt."""
+    def _join(self, resolver: cluster_resolver.ClusterResolver, device: Device, backend: str,
+              timeout_s: float) -> tuple[str, int]:
+        """Creates the default process group of the launch in a store of this attempt; its address."""
         if device.startswith("cuda"):
             torch.cuda.set_device(torch_device(device))  # NCCL binds the group to the current device
         nccl = "nccl" in backend
@@ -221,6 +249,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             store = _rendezvous_store(resolver, group_timeout)
             dist.init_process_group(backend, store=store, rank=resolver.rank, world_size=resolver.num_workers,
                                     timeout=group_timeout, device_id=torch_device(device) if nccl else None)
+            return resolver.master_addr, getattr(store, "port", resolver.master_port)
         except (RuntimeError, ValueError) as e:  # a worker that never starts, a wrong address, a port in use
             raise RuntimeError(
                 f"MultiWorkerMirroredStrategy: rank {resolver.rank} of {resolver.num_workers} could not join the other "
