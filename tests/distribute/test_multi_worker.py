@@ -315,6 +315,8 @@ def test_store_gone_under_torchrun_names_rank_0s_machine(monkeypatch):
     message = multi_worker._store_gone("host0", 29500)
     assert message.startswith("Rank 0's machine is likely what is missing: the rendezvous store at host0:29500, "
                               "which torchrun's agent"), message
+    # Issue 24: the store the strategy made is rank 0's own (a new one every attempt), even under torchrun.
+    assert multi_worker._store_gone("host0", 41000, agent_store=False).startswith("Rank 0 is likely the missing")
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
     assert multi_worker._store_gone("host0", 29500).startswith("Rank 0 is likely the missing worker")
 

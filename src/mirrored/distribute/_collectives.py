@@ -72,10 +72,11 @@ class CollectiveAllReduce(CrossDeviceOps):
 
     def __init__(self, rank: int, world_size: int, wire_device: torch.device, timeout_s: float,
                  bytes_per_pack: int = _DEFAULT_BYTES_PER_PACK, store: tuple[str, int] | None = None,
-                 backend: str = "gloo", attempt: int = 0):
+                 backend: str = "gloo", attempt: int = 0, agent_store: bool | None = None):
         super().__init__(bytes_per_pack)
         self.rank = rank
         self.attempt = attempt  # torchrun's restart count: a restarted job's errors say which attempt failed
+        self._agent_store = agent_store  # whether `store` is torchrun's agent's (None: as the environment says)
         self.world_size = world_size
         self._wire = wire_device  # where small exchanged tensors (sizes, checksums) live: NCCL needs the GPU
         self._timeout_s = timeout_s
@@ -258,7 +259,7 @@ class CollectiveAllReduce(CrossDeviceOps):
                 reported |= {r for r in range(self.world_size) if r not in reported and store.check([f"{prefix}{r}"])}
                 time.sleep(0.05)
         except (RuntimeError, OSError):  # DistStoreError / DistNetworkError are RuntimeErrors
-            return _store_gone(addr, port)
+            return _store_gone(addr, port, self._agent_store)
         missing = [r for r in range(self.world_size) if r not in reported]
         if missing:
             return (f"Rank(s) {', '.join(map(str, missing))} did not reach a collective within {grace_s:g} s of this "
@@ -267,11 +268,11 @@ class CollectiveAllReduce(CrossDeviceOps):
                 "TORCH_DISTRIBUTED_DEBUG=DETAIL to compare them). ")
 
 
-def _store_gone(addr: str, port: int) -> str:
+def _store_gone(addr: str, port: int, agent_store: bool | None = None) -> str:
     """What a survivor can tell when the rendezvous store no longer answers: its host is gone, and
     that host is rank 0 (torch.distributed's env:// rendezvous), or under torchrun the agent of rank
     0's machine, which outlives a crashed worker but not a lost machine."""
-    if cluster_resolver.uses_agent_store():
+    if cluster_resolver.uses_agent_store() if agent_store is None else agent_store:
         return (f"Rank 0's machine is likely what is missing: the rendezvous store at {addr}:{port}, which "
                 "torchrun's agent there hosts, does not answer (the machine or its torchrun exited, or the "
                 "network to it failed). ")

@@ -221,7 +221,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         wire = torch_device(local[0]) if backend is not None and "nccl" in backend else torch.device("cpu")
         self._collectives = CollectiveAllReduce(resolver.rank, resolver.num_workers, wire, timeout_s,
                                                 options.bytes_per_pack or _DEFAULT_BYTES_PER_PACK, store,
-                                                backend or "gloo", resolver.restart_count)
+                                                backend or "gloo", resolver.restart_count,
+                                                agent_store=None if joined else False)  # (ours: rank 0 serves it)
         ops: CrossDeviceOps = self._collectives
         if len(local) > 1:  # threads within the worker, as MirroredStrategy's, then across the workers
             ops = default_for(local)
