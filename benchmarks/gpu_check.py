@@ -446,13 +446,17 @@ def nccl_paths(sizes: Sizes) -> tuple[str, str]:
         return "FAIL", "NcclAllReduce across a GPU and the CPU was accepted"
     except ValueError as e:
         messages.append(str(e))
-    try:  # the device a second worker process (LOCAL_RANK=1) would take
-        device = multi_worker._local_device(None, 1)
+    try:  # the devices a second worker process (LOCAL_RANK=1 of 2 on this machine) would take
+        from mirrored.distribute import cluster_resolver
+
+        second = cluster_resolver.resolve({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+        device = multi_worker._local_devices(None, second)
         if _gpus() == 1:
             return "FAIL", f"a second worker was given {device} on a one-GPU machine"
     except ValueError as e:
         messages.append(str(e))
-    wanted = ["nccl", "local_rank=1"] if _gpus() == 1 else ["nccl"]
+    wanted = ["nccl", "local rank 1"] if _gpus() == 1 else ["nccl"]
     ok = all(any(w in m.lower() for m in messages) for w in wanted)
     return ("PASS" if ok else "FAIL"), " | ".join(m.split(". ")[0] for m in messages)
 

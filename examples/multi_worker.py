@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
 
     strategy = mr.MultiWorkerMirroredStrategy()
-    chief = strategy.cluster_resolver.task_id == 0  # this worker prints (and would write checkpoints)
+    chief = strategy.cluster_resolver.is_chief  # this worker prints (and would write checkpoints)
     global_batch = args.batch_size_per_replica * strategy.num_replicas_in_sync
     train = strategy.experimental_distribute_dataset(digits("train", global_batch, train=True))
     test = strategy.experimental_distribute_dataset(digits("test", global_batch, train=False))

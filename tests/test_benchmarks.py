@@ -86,3 +86,11 @@ def test_replica_random_benchmark_prints_its_three_comparisons():  # issue 26
     for label in ("1. strategy.run(noop)", "2. resnet_cifar(20)", "2b. the same forward", "3. MLP with 3 x Dropout"):
         assert label in out, out
     assert re.search(r"True / False: [0-9.]+$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_multi_worker_benchmark_prints_every_contestant():
+    """(~60 s: it starts 5 worker processes.)"""
+    out = _run("multi_worker.py", "--depth", "8", "--steps", "1", "--rounds", "1", "--batch", "8")
+    for name in ("2 workers x 1", "1 worker x 2", "DDP"):
+        assert re.search(rf"^{re.escape(name)}\s+[0-9.]+\s+[0-9.]+$", out, re.M), out

@@ -256,7 +256,7 @@ class Profiler(Callback):
         rec = self._rec = _Recorder()
         self._epoch = self._batch = None
         resolver = getattr(strategy, "cluster_resolver", None)  # multi-worker: this process's rank
-        self._worker = getattr(resolver, "task_id", None) or 0
+        self._worker = getattr(resolver, "rank", None) or 0  # (task_id repeats under TF_CONFIG: chief 0, worker 0)
         devices = tuple(strategy.extended.worker_devices) if strategy is not None else ()
         if strategy is not None:
             rec.replicas = strategy.num_replicas_in_sync

@@ -121,7 +121,7 @@ def test_replica_ids_and_devices(two_workers):
         assert r["num_replicas_in_sync"] == 2 and r["worker_devices"] == ["cpu:0"]
         assert r["replica_id_in_sync_group"] == rank and r["ctx_num_replicas_in_sync"] == 2
         assert r["repr"] == f"MultiWorkerMirroredStrategy(rank={rank}, world_size=2, device='cpu:0', backend='gloo')"
-        assert r["cluster_resolver"] == ["worker", rank]
+        assert r["cluster_resolver"] == ["worker", rank, "environment", rank, 2]  # RANK set by hand, not torchrun
 
 
 def test_all_reduce_and_reduce(two_workers):
@@ -315,6 +315,8 @@ def test_store_gone_under_torchrun_names_rank_0s_machine(monkeypatch):
     message = multi_worker._store_gone("host0", 29500)
     assert message.startswith("Rank 0's machine is likely what is missing: the rendezvous store at host0:29500, "
                               "which torchrun's agent"), message
+    # Issue 24: the store the strategy made is rank 0's own (a new one every attempt), even under torchrun.
+    assert multi_worker._store_gone("host0", 41000, agent_store=False).startswith("Rank 0 is likely the missing")
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
     assert multi_worker._store_gone("host0", 29500).startswith("Rank 0 is likely the missing worker")
 
@@ -339,7 +341,7 @@ def test_single_worker_without_environment(monkeypatch):
     s = md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
     assert not dist.is_initialized()
     assert s.num_replicas_in_sync == 1 and s.extended.worker_devices == ("cpu:0",)
-    assert tuple(s.cluster_resolver) == (None, 0)
+    assert (s.cluster_resolver.task_type, s.cluster_resolver.task_id, s.cluster_resolver.kind) == (None, 0, "single")
     assert repr(s) == "MultiWorkerMirroredStrategy(rank=0, world_size=1, device='cpu:0', backend=None)"
     assert s.run(lambda: md.get_replica_context().replica_id_in_sync_group) == 0
     assert s.reduce("sum", torch.tensor(2.0)).item() == 2.0
@@ -368,20 +370,46 @@ def test_single_worker_without_environment(monkeypatch):
     s.check_in_sync([mnet, opt])
 
 
-def test_default_device_is_cuda_local_rank_or_cpu(monkeypatch):
+def test_a_single_worker_of_two_devices_is_mirrored_strategy(monkeypatch):
+    """Issue 24: without a launch, devices=["cpu:0", "cpu:1"] is one worker of two replica threads,
+    which trains bitwise as MirroredStrategy on the same devices (and no process group is made)."""
     for key in LAUNCH_ENV:
         monkeypatch.delenv(key, raising=False)
-    want = "cuda:0" if torch.cuda.is_available() else "cpu:0"
-    assert md.MultiWorkerMirroredStrategy().extended.worker_devices == (want,)
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
+    assert s.num_replicas_in_sync == 2 and not dist.is_initialized()
+    assert type(s.extended.cross_device_ops) is type(md.MirroredStrategy(["cpu:0", "cpu:1"]).extended.cross_device_ops)
+    results = []
+    for strategy in (s, md.MirroredStrategy(devices=["cpu:0", "cpu:1"])):
+        torch.manual_seed(0)
+        with strategy.scope():
+            mnet = strategy.mirror(mlp())
+            opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
+
+        def step(x, y, n):
+            (F.cross_entropy(mnet(x), y, reduction="sum") / n).backward()
+            opt.step()
+            opt.zero_grad()
+
+        for x, y in global_batches():
+            strategy.run(step, args=(*next(iter(strategy.experimental_distribute_dataset([(x, y)]))), len(x)))
+        assert strategy.reduce("sum", strategy.run(lambda: torch.ones(1))).item() == 2.0
+        results.append([p.detach().clone() for p in strategy.experimental_local_results(mnet)[1].parameters()])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+def test_default_devices_are_every_gpu_or_one_cpu(monkeypatch):
+    """A single worker takes every GPU of its machine (TF's MWMS does), else one CPU."""
+    for key in LAUNCH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    want = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count())) or ("cpu:0",)
+    assert md.MultiWorkerMirroredStrategy().extended.worker_devices == want
 
 
 def test_constructor_validates_before_joining(monkeypatch):
     """Every misuse is refused before any rendezvous starts (so a bad launch fails at once)."""
     for key in LAUNCH_ENV:
         monkeypatch.delenv(key, raising=False)
-    with pytest.raises(ValueError, match=r"devices=\['cpu:0', 'cpu:1'\]\): a worker process drives one device.*"
-                                         r"torchrun --nproc_per_node=2"):
-        md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])
     with pytest.raises(ValueError, match="timeout_s=0"):
         md.MultiWorkerMirroredStrategy(timeout_s=0)
     with pytest.raises(TypeError, match="communication_options=42"):
@@ -405,32 +433,20 @@ def test_constructor_validates_before_joining(monkeypatch):
     assert not dist.is_initialized()
 
 
-def test_tf_config_of_several_tasks_without_rank_is_refused(monkeypatch):
-    """Regression (review): with TF_CONFIG but no RANK, worker 1 of a 2-worker cluster trained alone
-    as rank 0, the chief. Now it is refused, with the torchrun launch that joins the workers."""
+def test_tf_config_of_one_task_is_a_single_worker(monkeypatch):
+    """One task is one worker, as in TF (no rendezvous); several are joined (test_multi_worker_launch.py)."""
     for key in LAUNCH_ENV:
         monkeypatch.delenv(key, raising=False)
-    two = {"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 1}}
-    monkeypatch.setenv("TF_CONFIG", json.dumps(two))
-    with pytest.raises(ValueError, match=r"TF_CONFIG describes a cluster of several tasks \(worker: 2; this task: "
-                                         r"worker 1\), but RANK is not set.*torchrun.*RANK=1 WORLD_SIZE=2 "
-                                         r"MASTER_ADDR=host0 MASTER_PORT=2222"):
-        md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
-    with_chief = {"cluster": {"chief": ["boss:5000"], "worker": ["host0:2222"]}, "task": {"type": "worker", "index": 0}}
-    monkeypatch.setenv("TF_CONFIG", json.dumps(with_chief))  # TF numbers the chief first
-    with pytest.raises(ValueError, match="RANK=1 WORLD_SIZE=2 MASTER_ADDR=boss MASTER_PORT=5000"):
-        md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["host0:2222"]},
+                                                "task": {"type": "worker", "index": 0}}))
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
+    assert s.num_replicas_in_sync == 1 and s.cluster_resolver.task_type is None and not dist.is_initialized()
     for malformed, words in [("{cluster: ", "is not valid JSON"), ('{"cluster": {"worker": "host0:2222"}}',
                                                                   "is not TF's layout")]:
         monkeypatch.setenv("TF_CONFIG", malformed)
         with pytest.raises(ValueError, match=f"TF_CONFIG={re.escape(repr(malformed))} {words}"):
             md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
     assert not dist.is_initialized()
-    # One task is one worker, as in TF.
-    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["host0:2222"]},
-                                                "task": {"type": "worker", "index": 0}}))
-    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0"])
-    assert s.num_replicas_in_sync == 1 and tuple(s.cluster_resolver) == (None, 0) and not dist.is_initialized()
 
 
 def test_communication_options(monkeypatch):
@@ -498,6 +514,8 @@ def test_a_gpu_worker_creates_a_device_aware_group_with_a_longer_watchdog(monkey
     monkeypatch.setattr(mw, "resolve_devices", lambda devices, where: tuple(devices))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
     monkeypatch.setattr(mw.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(mw, "_rendezvous_store", lambda resolver, timeout: "store")
+    monkeypatch.setattr(mw.CollectiveAllReduce, "all_gather_row", lambda self, row, what, dtype=None: [list(row)] * 2)
     monkeypatch.setattr(mw.dist, "is_initialized", lambda: False)
     for key, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT="29500").items():
@@ -506,6 +524,7 @@ def test_a_gpu_worker_creates_a_device_aware_group_with_a_longer_watchdog(monkey
     backend, kw = calls[1]
     assert backend == "cpu:gloo,cuda:nccl"
     assert kw["timeout"].total_seconds() == 5 + mw._WATCHDOG_GRACE_S and kw["device_id"] == torch.device("cuda:0")
+    assert kw["store"] == "store"
     ops = s.extended.cross_device_ops
     assert ops._wire == torch.device("cuda:0") and ops._carried(torch.ones(1))  # gloo takes the CPU tensor
 
@@ -551,6 +570,16 @@ def test_an_nccl_timeout_raised_by_the_wait_names_the_rank(monkeypatch):
         ops.all_sum_([torch.ones(2)], "all_reduce (gradients)")
 
 
+def test_a_restarted_jobs_errors_name_the_attempt(monkeypatch):
+    """Issue 24: after torchrun restarted the workers, a failed collective says which attempt failed."""
+    from mirrored.distribute import multi_worker as mw
+
+    fake_collectives(monkeypatch, RuntimeError("Timed out waiting 2000ms for recv operation to complete"))
+    ops = mw.CollectiveAllReduce(1, 2, torch.device("cpu"), timeout_s=3.0, attempt=2)
+    with pytest.raises(md.CollectiveTimeoutError, match=r"^rank 1 of 2 \(restart attempt 2\): all_reduce \(gradients\)"):
+        ops.all_sum_([torch.ones(2)], "all_reduce (gradients)")
+
+
 @pytest.mark.cuda
 def test_an_nccl_group_of_one_reduces_cpu_and_gpu_values(tmp_path):  # pragma: no cover - GPU machines only
     """On a real NCCL group (one worker, one GPU): CPU values, GPU values, gather and broadcast come
@@ -587,7 +616,9 @@ def _rank() -> int:
 
 def scenario_collectives(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
     res: dict = {"num_replicas_in_sync": s.num_replicas_in_sync, "worker_devices": list(s.extended.worker_devices),
-                 "repr": repr(s), "cluster_resolver": list(s.cluster_resolver),
+                 "repr": repr(s), "cluster_resolver": [s.cluster_resolver.task_type, s.cluster_resolver.task_id,
+                                                           s.cluster_resolver.kind, s.cluster_resolver.rank,
+                                                           s.cluster_resolver.num_workers],
                  "replica_id_in_sync_group": s.run(_rank),
                  "ctx_num_replicas_in_sync": s.run(lambda: md.get_replica_context().num_replicas_in_sync)}
 

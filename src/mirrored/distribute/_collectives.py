@@ -6,14 +6,14 @@ gather and in-sync check. Small exchanged values (sizes, checksums) travel on th
 device, and a tensor on a device the group has no backend for goes through a copy there and back.
 A collective that fails or times out raises an error naming this rank, the op and, when the
 rendezvous store can tell, the ranks that did not arrive. multi_worker.py builds it and re-exports
-it (mr.CollectiveAllReduce). Uses cross_device_ops.py, buckets.py, replicas.py (its errors),
+it (mr.CollectiveAllReduce). HierarchicalAllReduce puts it behind the local ops of a worker that
+holds several replicas (threads): local sum first, then one collective per bucket across workers. Uses cross_device_ops.py, buckets.py, replicas.py (its errors),
 values.py and torch.distributed.
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mirrored.distribute import buckets
-from mirrored.distribute.cross_device_ops import CrossDeviceOps, as_reduce_op, mean_of_sum
+from mirrored.distribute import buckets, cluster_resolver
+from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, as_reduce_op, check_same_shapes,
+                                                mean_of_sum)
 from mirrored.distribute.replicas import CollectiveTimeoutError
-from mirrored.distribute.values import ReduceOp
+from mirrored.distribute.values import Mirrored, ReduceOp
 
 _DEFAULT_BYTES_PER_PACK = 25 * 2**20  # DDP's bucket_cap_mb default
 _PROBE_S = 2.0  # after a collective fails, how long to wait for the other ranks to report theirs
@@ -71,9 +72,11 @@ class CollectiveAllReduce(CrossDeviceOps):
 
     def __init__(self, rank: int, world_size: int, wire_device: torch.device, timeout_s: float,
                  bytes_per_pack: int = _DEFAULT_BYTES_PER_PACK, store: tuple[str, int] | None = None,
-                 backend: str = "gloo"):
+                 backend: str = "gloo", attempt: int = 0, agent_store: bool | None = None):
         super().__init__(bytes_per_pack)
         self.rank = rank
+        self.attempt = attempt  # torchrun's restart count: a restarted job's errors say which attempt failed
+        self._agent_store = agent_store  # whether `store` is torchrun's agent's (None: as the environment says)
         self.world_size = world_size
         self._wire = wire_device  # where small exchanged tensors (sizes, checksums) live: NCCL needs the GPU
         self._timeout_s = timeout_s
@@ -221,7 +224,8 @@ class CollectiveAllReduce(CrossDeviceOps):
             raise failure from e
 
     def _failure(self, what: str, error: RuntimeError, elapsed_s: float) -> BaseException:
-        where = f"rank {self.rank} of {self.world_size}: {what} (collective #{self._calls} of this worker)"
+        attempt = f" (restart attempt {self.attempt})" if self.attempt else ""
+        where = f"rank {self.rank} of {self.world_size}{attempt}: {what} (collective #{self._calls} of this worker)"
         text = str(error).strip()
         lowered = text.lower()
         timed_out = "timed out" in lowered or "timeout" in lowered
@@ -245,7 +249,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         addr, port = self._store
         grace_s = min(_PROBE_S, self._timeout_s)
         # torchrun's agent store outlives restarts of the workers: keep each attempt's keys apart.
-        prefix = f"mirrored/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        prefix = f"mirrored/failed/{self.attempt}/"
         try:
             store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=grace_s))
             store.set(f"{prefix}{self.rank}", what)
@@ -255,7 +259,7 @@ class CollectiveAllReduce(CrossDeviceOps):
                 reported |= {r for r in range(self.world_size) if r not in reported and store.check([f"{prefix}{r}"])}
                 time.sleep(0.05)
         except (RuntimeError, OSError):  # DistStoreError / DistNetworkError are RuntimeErrors
-            return _store_gone(addr, port)
+            return _store_gone(addr, port, self._agent_store)
         missing = [r for r in range(self.world_size) if r not in reported]
         if missing:
             return (f"Rank(s) {', '.join(map(str, missing))} did not reach a collective within {grace_s:g} s of this "
@@ -264,13 +268,85 @@ class CollectiveAllReduce(CrossDeviceOps):
                 "TORCH_DISTRIBUTED_DEBUG=DETAIL to compare them). ")
 
 
-def _store_gone(addr: str, port: int) -> str:
+def _store_gone(addr: str, port: int, agent_store: bool | None = None) -> str:
     """What a survivor can tell when the rendezvous store no longer answers: its host is gone, and
     that host is rank 0 (torch.distributed's env:// rendezvous), or under torchrun the agent of rank
     0's machine, which outlives a crashed worker but not a lost machine."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+    if cluster_resolver.uses_agent_store() if agent_store is None else agent_store:
         return (f"Rank 0's machine is likely what is missing: the rendezvous store at {addr}:{port}, which "
                 "torchrun's agent there hosts, does not answer (the machine or its torchrun exited, or the "
                 "network to it failed). ")
     return (f"Rank 0 is likely the missing worker: it hosts the rendezvous store at {addr}:{port}, which does "
             "not answer (rank 0 exited or crashed; see its log). ")
+
+
+class HierarchicalAllReduce(CrossDeviceOps):
+    """Several replicas per worker: the local replicas (threads) sum with `local` (as
+    MirroredStrategy's ops), then the local sum crosses the workers with `workers` (one collective
+    per bucket, issued once per worker by the last replica to arrive), and every local replica gets
+    the total. TF's MultiWorkerMirroredStrategy reduces the same way: within a worker, then across."""
+
+    def __init__(self, local: CrossDeviceOps, workers: CollectiveAllReduce, local_replicas: int):
+        super().__init__(workers.bytes_per_pack)
+        self.local = local
+        self.workers = workers
+        self._replicas = local_replicas * workers.world_size  # every replica of every worker: MEAN divides by it
+
+    def __repr__(self) -> str:
+        return f"HierarchicalAllReduce(local={self.local!r}, workers={self.workers!r})"
+
+    def check_devices(self, devices: Sequence[str]) -> None:
+        self.local.check_devices(devices)
+
+    def all_reduce(self, rendezvous: Any, replica_id: int, reduce_op: ReduceOp, inputs: list[Tensor],
+                   outputs: list[Tensor] | None = None, agree: Any = None,
+                   agreed: Callable[[list[Any]], bool] | None = None, what: str = "all_reduce",
+                   check_workers: bool | None = None) -> Any:
+        """CrossDeviceOps.all_reduce, across the workers too. check_workers (default: where `agree` is
+        given, i.e. the caller asked the local replicas to compare shapes) compares the shapes across
+        the workers as well, at the cost of a round trip."""
+        outputs = inputs if outputs is None else outputs
+        check = agree is not None if check_workers is None else check_workers
+
+        def combine(everyone: list[tuple[list[Tensor], list[Tensor], Any]]) -> Any:
+            tokens = [e[2] for e in everyone]
+            if not (agreed(tokens) if agreed is not None else all(t == tokens[0] for t in tokens[1:])):
+                return Disagreement(tokens)
+            check_same_shapes([e[0] for e in everyone])
+            self._reduce_across([e[0] for e in everyone], [e[1] for e in everyone], reduce_op, what, check)
+            return None
+
+        disagreement = rendezvous.exchange(replica_id, (inputs, outputs, agree), what, combine)
+        return outputs if disagreement is None else disagreement
+
+    def _reduce_across(self, inputs: list[list[Tensor]], outputs: list[list[Tensor]], reduce_op: ReduceOp,
+                       what: str, check_workers: bool) -> None:
+        self.local._reduce_into(inputs, outputs, ReduceOp.SUM)  # every local replica's outputs: the local sum
+        totals = outputs[0]
+        if check_workers:
+            self.workers._check_same_shapes(totals, what)
+        if totals:
+            self.workers.all_sum_(totals, what)
+        for outs in outputs[1:]:
+            for out, total in zip(outs, totals):
+                out.copy_(total)
+        if reduce_op is ReduceOp.MEAN:  # floats only: the strategy sums integers and divides into float64
+            for outs in outputs:
+                for out in outs:
+                    out.div_(self._replicas)
+
+    def _reduce_into(self, inputs: list[list[Tensor]], outputs: list[list[Tensor]], reduce_op: ReduceOp) -> None:
+        self._reduce_across(inputs, outputs, reduce_op, "all_reduce", check_workers=False)
+
+    def _all_sum(self, per_replica: list[list[Tensor]]) -> list[list[Tensor]]:
+        summed = self.local._all_sum(per_replica)
+        self.workers.all_sum_(summed[0], "batch_reduce")
+        return [summed[0]] + [[t.to(x.device, copy=True) for t, x in zip(summed[0], lst)] for lst in summed[1:]]
+
+    def batch_reduce(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
+        """Reduces each value over every replica of every worker; returns Mirrored values."""
+        op = as_reduce_op(reduce_op, "HierarchicalAllReduce.batch_reduce")
+        summed = super().batch_reduce(ReduceOp.SUM, value_destination_pairs)
+        if op is ReduceOp.SUM:
+            return summed
+        return [Mirrored([mean_of_sum(t, self._replicas) for t in m.values]) for m in summed]

@@ -1,12 +1,12 @@
 """MultiWorkerMirroredStrategy: synchronous training over worker processes, on torch.distributed.
 
-One process per device, each holding one replica, started by torchrun (`torchrun --nproc_per_node=N
-train.py`, or `--nnodes=M --node_rank=i --master_addr=...` across machines): `num_replicas_in_sync`
-is the world size and `replica_id_in_sync_group` the process's rank. torchrun's environment (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) is read here and nowhere else in the package;
-without it the strategy is a single worker, as TF's is without TF_CONFIG. TF_CONFIG itself is not
-used to join workers: one naming several tasks, without RANK, is refused with the torchrun launch
-that would join them, rather than letting every task train alone as rank 0.
+Worker processes, each driving one or more local devices: started by torchrun (`torchrun
+--nproc_per_node=N train.py`, or `--nnodes=M --node_rank=i --master_addr=...` across machines), by a
+TF_CONFIG per task, or by SLURM's srun. cluster_resolver.py reads the launch (and nothing else in the
+package reads its variables); without one the strategy is a single worker, as TF's is without
+TF_CONFIG. `num_replicas_in_sync` is workers x local replicas, `replica_id_in_sync_group` runs
+rank x local replicas + the local index. Under torchrun the workers' process group meets in a store
+that rank 0 serves anew every attempt, so `torchrun --max-restarts` brings restarted workers together.
 
 `CollectiveAllReduce` (defined in _collectives.py, re-exported here) does the talking: the gradient
 all-reduce of a mirrored optimizer (flat buckets, one collective each), `ReplicaContext.all_reduce`,
@@ -27,23 +27,23 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import logging
 import math
-import os
+import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mirrored.distribute import buckets, context
+from mirrored.distribute import buckets, cluster_resolver, context, replicas
 # (_store_gone is not used here: tests import it from this module, where it was defined before the split.)
 from mirrored.distribute._collectives import (_DEFAULT_BYTES_PER_PACK, _WATCHDOG_GRACE_S, CollectiveAllReduce,
-                                              _device_types_of, _shape_digest, _store_gone, _value_digest)
+                                              HierarchicalAllReduce, _device_types_of, _shape_digest, _store_gone,
+                                              _value_digest)
 from mirrored.distribute.context import ReplicaContext
-from mirrored.distribute.cross_device_ops import as_reduce_op, mean_of_sum
+from mirrored.distribute.cross_device_ops import CrossDeviceOps, Disagreement, as_reduce_op, default_for, mean_of_sum
 from mirrored.distribute.devices import Device, resolve_devices, torch_device, visible_gpus
 from mirrored.distribute.modules import named_copies
 from mirrored.distribute.strategy import (DEFAULT_TIMEOUT_S, OutOfSyncError, Strategy, _as_tensor,
@@ -53,6 +53,9 @@ from mirrored.distribute.values import Mirrored, ReduceOp
 logger = logging.getLogger(__name__)
 
 _IMPLEMENTATIONS = ("AUTO", "RING", "NCCL")  # tf.distribute.experimental.CommunicationImplementation
+_STORE_KEY = "mirrored/store_port"  # in torchrun's agent store: where this attempt's rank 0 serves the workers' store
+_STORE_CONNECT_S = 2.0  # a port rank 0 serves answers at once; a dead attempt's refuses within this
+_STORE_POLL_S = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,111 +90,64 @@ def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
-class _Launch(NamedTuple):
-    """What torchrun (or the user) put in the environment of this worker process."""
-
-    rank: int | None
-    world_size: int | None
-    local_rank: int | None
-    master_addr: str | None
-    master_port: int | None
-
-
-def _int_env(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"MultiWorkerMirroredStrategy: environment variable {name}={value!r} is not an integer. "
-                         "torchrun sets it; when launching workers yourself, give it a number.") from None
-
-
-def _read_launch() -> _Launch:
-    return _Launch(_int_env("RANK"), _int_env("WORLD_SIZE"), _int_env("LOCAL_RANK"),
-                   os.environ.get("MASTER_ADDR"), _int_env("MASTER_PORT"))
-
-
-def _check_launch(launch: _Launch) -> None:
-    """Raises where RANK is set but the rest of a rendezvous (WORLD_SIZE, MASTER_ADDR/PORT) is not."""
-    missing = [k for k, v in (("WORLD_SIZE", launch.world_size), ("MASTER_ADDR", launch.master_addr),
-                              ("MASTER_PORT", launch.master_port)) if v is None]
-    if missing:
-        raise ValueError(
-            f"MultiWorkerMirroredStrategy: RANK={launch.rank} is set but {', '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not. Launch with torchrun (torchrun --nproc_per_node=N "
-            "script.py sets them all), set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself, or unset "
-            "RANK to train as a single worker.")
-    if not (launch.world_size >= 1 and 0 <= launch.rank < launch.world_size):
-        raise ValueError(f"MultiWorkerMirroredStrategy: RANK={launch.rank} is outside [0, WORLD_SIZE="
-                         f"{launch.world_size}). Ranks run 0..WORLD_SIZE-1, one per worker process.")
-
-
-def _check_tf_config(text: str | None) -> None:
-    """Raises where TF_CONFIG (TF's cluster description) names more than one task, or is malformed:
-    without torchrun's RANK this process would otherwise train alone as rank 0, the chief, however
-    many workers TF_CONFIG lists. A TF_CONFIG of one task (or none) is a single worker, as in TF."""
-    if text is None or not text.strip():
-        return
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"MultiWorkerMirroredStrategy: TF_CONFIG={text!r} is not valid JSON ({e}). Fix it, "
-                         "e.g. '{\"cluster\": {\"worker\": [\"host0:port\"]}, \"task\": {\"type\": "
-                         "\"worker\", \"index\": 0}}', or unset it.") from None
-    cluster = config.get("cluster", {}) if isinstance(config, dict) else None
-    task = config.get("task", {}) if isinstance(config, dict) else None
-    if (not isinstance(cluster, dict) or not isinstance(task, dict)
-            or not all(isinstance(a, list) and all(isinstance(x, str) for x in a) for a in cluster.values())):
-        raise ValueError(f"MultiWorkerMirroredStrategy: TF_CONFIG={text!r} is not TF's layout, "
-                         "{\"cluster\": {\"worker\": [\"host:port\", ...]}, \"task\": {\"type\": \"worker\", "
-                         "\"index\": i}}. Fix it or unset it.")
-    if sum(len(addresses) for addresses in cluster.values()) <= 1:
-        return
-    # TF numbers the chief (if any) first, then the workers: that order gives torchrun's ranks.
-    workers = [("chief", i, a) for i, a in enumerate(cluster.get("chief", []))]
-    workers += [("worker", i, a) for i, a in enumerate(cluster.get("worker", []))]
-    me = (task.get("type"), task.get("index"))
-    rank = next((r for r, (kind, i, _) in enumerate(workers) if (kind, i) == me), None)
-    tasks = ", ".join(f"{kind}: {len(addresses)}" for kind, addresses in cluster.items())
-    if rank is None or not workers:
-        how = "launch each worker with torchrun"
-    else:
-        host, _, port = workers[0][2].rpartition(":")
-        how = (f"for this task that is `torchrun --nnodes={len(workers)} --node_rank={rank} --nproc_per_node=1 "
-               f"--master_addr={host or workers[0][2]} --master_port={port or 29500} script.py`, or "
-               f"RANK={rank} WORLD_SIZE={len(workers)} MASTER_ADDR={host or workers[0][2]} "
-               f"MASTER_PORT={port or 29500} with LOCAL_RANK=0")
-    raise ValueError(
-        f"MultiWorkerMirroredStrategy: TF_CONFIG describes a cluster of several tasks ({tasks}; this task: "
-        f"{me[0]} {me[1]}), but RANK is not set. mirrored joins workers launched by torchrun, which sets RANK, "
-        "WORLD_SIZE, MASTER_ADDR and MASTER_PORT; it does not read TF_CONFIG. Translate: rank = the task's "
-        "position among chief then workers (its index when there is no chief), world size = the number of "
-        f"workers, master = the chief's (or worker 0's) address; {how}. Unset TF_CONFIG to train as a "
-        "single worker.")
-
-
-def _local_device(devices: Sequence[str | torch.device] | str | torch.device | None, local_rank: int) -> Device:
-    """cuda:LOCAL_RANK when GPUs are visible, else cpu:0; an explicit single device wins."""
+def _local_devices(devices: Sequence[str | torch.device] | str | torch.device | None,
+                   resolver: cluster_resolver.ClusterResolver) -> tuple[Device, ...]:
+    """The devices of this worker's replicas: those given; else its share of the machine's GPUs (all of
+    them for one process per machine, cuda:LOCAL_RANK for one process per GPU), else one CPU."""
     if devices is not None:
-        resolved = resolve_devices(devices, where="MultiWorkerMirroredStrategy")
-        if len(resolved) != 1:
-            raise ValueError(
-                f"MultiWorkerMirroredStrategy(devices={list(resolved)}): a worker process drives one device. "
-                f"For {len(resolved)} devices run one process per device, "
-                f"`torchrun --nproc_per_node={len(resolved)} script.py` (each takes cuda:LOCAL_RANK), or pass "
-                "a single device.")
-        return resolved[0]
+        return resolve_devices(devices, where="MultiWorkerMirroredStrategy")
     gpus = visible_gpus()
     if not gpus:
-        return "cpu:0"
-    if not 0 <= local_rank < len(gpus):
+        return ("cpu:0",)
+    per_machine, local_rank = resolver.local_world_size, resolver.local_rank
+    if per_machine is None:  # a single worker takes every GPU (as TF); RANK set by hand: one GPU each
+        per_machine = 1 if resolver.num_workers == 1 else len(gpus)
+    if per_machine > len(gpus) and resolver.kind == "slurm" and len(gpus) >= 1:
+        return tuple(gpus)  # srun --gpus-per-task (or --gpu-bind) showed each task only its own GPUs
+    if not 0 <= local_rank < per_machine <= len(gpus):
         raise ValueError(
-            f"MultiWorkerMirroredStrategy: LOCAL_RANK={local_rank} but this machine shows {len(gpus)} GPU(s) "
-            f"({', '.join(gpus)}). Start at most one process per GPU (torchrun --nproc_per_node={len(gpus)}), "
-            "check CUDA_VISIBLE_DEVICES, or pass devices=[\"cpu:0\"].")
-    return gpus[local_rank]
+            f"MultiWorkerMirroredStrategy: local rank {local_rank} of {per_machine} process(es) on this machine, but it "
+            f"shows {len(gpus)} GPU(s) ({', '.join(gpus)}). Start at most one process per GPU (torchrun "
+            f"--nproc_per_node={len(gpus)}), check CUDA_VISIBLE_DEVICES, or pass devices=[...].")
+    share = len(gpus) // per_machine
+    if share * per_machine != len(gpus) and local_rank == 0:
+        logger.warning("MultiWorkerMirroredStrategy: %d GPUs for %d processes on this machine: each takes %d, and "
+                       "%d stay idle. Start a number of processes that divides the GPUs.", len(gpus), per_machine,
+                       share, len(gpus) - share * per_machine)
+    return tuple(gpus[local_rank * share:(local_rank + 1) * share])
+
+
+def _rendezvous_store(resolver: cluster_resolver.ClusterResolver, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The store the workers' process group meets in: a new one every attempt, served by rank 0.
+
+    torchrun's agent keeps its store across restarts of the workers, and torch's env:// rendezvous
+    writes the same keys in it every attempt, so restarted workers read the dead ones' addresses and
+    fail to connect ("Gloo connectFullMesh failed ... Connection refused", pytorch/pytorch#135712),
+    or wait for keys written under another attempt's number (an agent that restarts its workers
+    because another machine re-joined does not count a restart). So rank 0 serves a store of its own
+    on a free port and leaves its port in the agent's store; the others take the port they find
+    there and connect, and a port left by a dead attempt refuses them until rank 0 replaces it."""
+    addr, port, world = resolver.master_addr, resolver.master_port, resolver.num_workers
+    if not resolver.uses_agent_store:  # rank 0 hosts the store at MASTER_PORT: new with every attempt
+        return dist.TCPStore(addr, port, world, is_master=resolver.rank == 0, timeout=timeout, multi_tenant=True)
+    agent = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    if resolver.rank == 0:
+        own = dist.TCPStore(addr, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        agent.set(_STORE_KEY, str(own.port))
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        agent.wait([_STORE_KEY])
+        own_port = int(agent.get(_STORE_KEY))
+        try:
+            store = dist.TCPStore(addr, own_port, world, is_master=False,
+                                  timeout=datetime.timedelta(seconds=_STORE_CONNECT_S))
+            store.set_timeout(timeout)
+            return store
+        except (RuntimeError, OSError):  # a dead attempt's port: rank 0 of this one has not replaced it yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(_STORE_POLL_S)
 
 
 def _backend_for(device: Device, implementation: str) -> str:
@@ -207,28 +163,26 @@ def _backend_for(device: Device, implementation: str) -> str:
 
 
 def launched_as_worker() -> bool:
-    """Whether this process was started as one of several workers (torchrun's RANK with WORLD_SIZE > 1),
+    """Whether this process was started as one of several workers (torchrun, TF_CONFIG or SLURM's srun),
     so a program such as `mirrored train` should build a MultiWorkerMirroredStrategy rather than train
-    alone. Reads the environment only; nothing is joined."""
-    launch = _read_launch()
-    return launch.rank is not None and (launch.world_size or 1) > 1
-
-
-class ClusterResolver(NamedTuple):
-    """What `strategy.cluster_resolver` tells (the fields of TF's that training scripts read)."""
-
-    task_type: str | None  # "worker" in a multi-worker run, None for a single worker (as TF without TF_CONFIG)
-    task_id: int  # the rank: 0 is the chief, which logs and writes checkpoints
+    alone. Reads the environment only (cluster_resolver.resolve); nothing is joined."""
+    return cluster_resolver.resolve().num_workers > 1
 
 
 class MultiWorkerMirroredStrategy(Strategy):
-    """Synchronous training on one device per worker process (tf.distribute.MultiWorkerMirroredStrategy).
+    """Synchronous training over worker processes, each driving one or more local devices
+    (tf.distribute.MultiWorkerMirroredStrategy).
 
-    Launch one process per device with torchrun; each takes cuda:LOCAL_RANK, or cpu:0 without GPUs
-    (`devices=[one device]` chooses). The default process group is created from torchrun's
-    environment ("cpu:gloo,cuda:nccl" for GPUs, gloo for CPUs, `timeout_s` for its collectives), or an
+    The workers come from the launch (cluster_resolver.py: torchrun, TF_CONFIG or SLURM); without one
+    this is a single worker. Each worker runs its local replicas as MirroredStrategy does (threads)
+    and all-reduces across the workers after the local sum: `num_replicas_in_sync` is workers x local
+    replicas, and worker r's replicas are r*L .. r*L+L-1. Devices: `devices=[...]` (the same number
+    on every worker), else the worker's share of its machine's GPUs (every GPU for one process per
+    machine, cuda:LOCAL_RANK under `torchrun --nproc_per_node=<GPUs>`), else one CPU. The default
+    process group is created from the launch ("cpu:gloo,cuda:nccl" for GPUs, gloo for CPUs,
+    `timeout_s` for its collectives) in a store rank 0 serves anew every attempt, or an
     existing one is used (its own timeout then applies to gloo and to NCCL's watchdog; our waits on
-    NCCL still time out after `timeout_s`). Without RANK in the environment this is a single worker.
+    NCCL still time out after `timeout_s`).
 
     Contract, as DDP's: every worker runs the same program on the same model. `mirror(module)`
     broadcasts rank 0's parameters and buffers, so the workers start identical whatever their seeds;
@@ -249,89 +203,111 @@ class MultiWorkerMirroredStrategy(Strategy):
         if not _positive(timeout_s):
             raise ValueError(f"MultiWorkerMirroredStrategy(timeout_s={timeout_s!r}): give a positive number of "
                              "seconds.")
-        launch = _read_launch()
         joined = dist.is_available() and dist.is_initialized()
         if joined:
-            rank, world = dist.get_rank(), dist.get_world_size()
-        elif launch.rank is not None:
-            _check_launch(launch)
-            rank, world = launch.rank, launch.world_size
+            resolver = cluster_resolver.from_process_group(dist.get_rank(), dist.get_world_size())
         else:
-            _check_tf_config(os.environ.get("TF_CONFIG"))  # RANK set: torchrun's launch wins over it
-            rank, world = 0, 1
-        local_rank = launch.local_rank if launch.local_rank is not None else rank % max(1, len(visible_gpus()))
-        device = _local_device(devices, local_rank)
-        backend = _backend_for(device, options.implementation)
+            resolver = cluster_resolver.resolve()  # validates the launch before any rendezvous starts
+        local = _local_devices(devices, resolver)
+        backend = _backend_for(local[0], options.implementation)
         if joined:
             backend = str(dist.get_backend())
-            if "cpu" not in _device_types_of(backend) and not device.startswith("cuda"):
+            if "cpu" not in _device_types_of(backend) and not local[0].startswith("cuda"):
                 raise ValueError(f"MultiWorkerMirroredStrategy: the existing process group uses NCCL, which cannot "
-                                 f"reduce tensors on this worker's device {device}. Pass devices=[\"cuda:N\"], or "
+                                 f"reduce tensors on this worker's device {local[0]}. Pass devices=[\"cuda:N\"], or "
                                  "create the group with backend=\"gloo\".")
-        elif launch.rank is not None:
-            if device.startswith("cuda"):
-                torch.cuda.set_device(torch_device(device))  # NCCL binds the group to the current device
-            nccl = "nccl" in backend
-            group_timeout_s = timeout_s + (_WATCHDOG_GRACE_S if nccl else 0)  # see CollectiveAllReduce
-            try:
-                dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                        timeout=datetime.timedelta(seconds=group_timeout_s),
-                                        device_id=torch_device(device) if nccl else None)
-            except RuntimeError as e:  # the rendezvous: a worker that never starts, a wrong address
-                raise RuntimeError(
-                    f"MultiWorkerMirroredStrategy: rank {rank} of {world} could not join the other workers at "
-                    f"{launch.master_addr}:{launch.master_port} (backend {backend}, timeout_s={timeout_s:g}): {e} "
-                    "Check that every worker started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, "
-                    "and that rank 0's machine is reachable.") from e
+        elif resolver.num_workers > 1:
+            store_at = self._join(resolver, local[0], backend, timeout_s)
         else:
             backend = None
-        self._rank, self._world_size, self._backend = rank, world, backend
-        store = (launch.master_addr, launch.master_port) if launch.master_addr and launch.master_port else None
-        wire = torch_device(device) if backend is not None and "nccl" in backend else torch.device("cpu")
-        self._collectives = CollectiveAllReduce(rank, world, wire, timeout_s,
+        self._resolver = resolver
+        self._rank, self._world_size, self._backend = resolver.rank, resolver.num_workers, backend
+        store = (resolver.master_addr, resolver.master_port) if resolver.master_addr and resolver.master_port else None
+        if not joined and resolver.num_workers > 1:
+            store = store_at  # (rank 0's own store under torchrun: the agent's outlives the attempt)
+        wire = torch_device(local[0]) if backend is not None and "nccl" in backend else torch.device("cpu")
+        self._collectives = CollectiveAllReduce(resolver.rank, resolver.num_workers, wire, timeout_s,
                                                 options.bytes_per_pack or _DEFAULT_BYTES_PER_PACK, store,
-                                                backend or "gloo")
-        super().__init__((device,), self._collectives, timeout_s)
+                                                backend or "gloo", resolver.restart_count,
+                                                agent_store=None if joined else False)  # (ours: rank 0 serves it)
+        ops: CrossDeviceOps = self._collectives
+        if len(local) > 1:  # threads within the worker, as MirroredStrategy's, then across the workers
+            ops = default_for(local)
+            if resolver.num_workers > 1:
+                ops = HierarchicalAllReduce(ops, self._collectives, len(local))
+        super().__init__(local, ops, timeout_s)
+        if self._world_size > 1:
+            counts = [row[0] for row in self._collectives.all_gather_row([len(local)], "MultiWorkerMirroredStrategy "
+                                                                                         "(replicas per worker)")]
+            if len(set(counts)) > 1:
+                raise ValueError(f"MultiWorkerMirroredStrategy: the workers hold different numbers of replicas "
+                                 f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(counts))}). Every worker must "
+                                 "drive as many devices: pass the same number in devices=[...] on each, or give "
+                                 "every machine the same GPUs.")
+
+    def _join(self, resolver: cluster_resolver.ClusterResolver, device: Device, backend: str,
+              timeout_s: float) -> tuple[str, int]:
+        """Creates the default process group of the launch in a store of this attempt; its address."""
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch_device(device))  # NCCL binds the group to the current device
+        nccl = "nccl" in backend
+        group_timeout = datetime.timedelta(seconds=timeout_s + (_WATCHDOG_GRACE_S if nccl else 0))  # see _collectives
+        attempt = f", restart attempt {resolver.restart_count}" if resolver.restart_count else ""
+        try:
+            store = _rendezvous_store(resolver, group_timeout)
+            dist.init_process_group(backend, store=store, rank=resolver.rank, world_size=resolver.num_workers,
+                                    timeout=group_timeout, device_id=torch_device(device) if nccl else None)
+            return resolver.master_addr, getattr(store, "port", resolver.master_port)
+        except (RuntimeError, ValueError) as e:  # a worker that never starts, a wrong address, a port in use
+            raise RuntimeError(
+                f"MultiWorkerMirroredStrategy: rank {resolver.rank} of {resolver.num_workers} could not join the other "
+                f"workers at {resolver.master_addr}:{resolver.master_port} (launched by {resolver.kind}{attempt}; "
+                f"backend {backend}, timeout_s={timeout_s:g}): {e} Check that every worker started, with the same "
+                "address, port and number of workers, and that rank 0's machine is reachable.") from e
 
     def _log_created(self) -> None:
         # Only the chief logs INFO, or N workers would repeat every line (nanoGPT's master_process).
         logger.log(logging.INFO if self._rank == 0 else logging.DEBUG,
-                   "MultiWorkerMirroredStrategy: rank %d of %d on %s, backend %s, timeout %g s, buckets of %d bytes",
-                   self._rank, self._world_size, self._devices[0], self._backend or "none (single worker)",
-                   self._timeout_s, self._collectives.bytes_per_pack)
+                   "MultiWorkerMirroredStrategy: rank %d of %d (%s) on %s, backend %s, timeout %g s, buckets of %d "
+                   "bytes", self._rank, self._world_size, self._resolver.kind, ", ".join(self._devices),
+                   self._backend or "none (single worker)", self._timeout_s, self._collectives.bytes_per_pack)
 
     def __repr__(self) -> str:
-        return (f"MultiWorkerMirroredStrategy(rank={self._rank}, world_size={self._world_size}, "
-                f"device={self._devices[0]!r}, backend={self._backend!r})")
+        where = f"device={self._devices[0]!r}" if len(self._devices) == 1 else f"devices={list(self._devices)}"
+        return (f"MultiWorkerMirroredStrategy(rank={self._rank}, world_size={self._world_size}, {where}, "
+                f"backend={self._backend!r})")
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """The world size: one replica per worker process."""
-        return self._world_size
+        """Every replica of every worker: workers x local replicas."""
+        return self._world_size * len(self._devices)
 
     @property
-    def cluster_resolver(self) -> ClusterResolver:
-        """task_type and task_id (= rank) of this worker, as TF's strategy.cluster_resolver gives them."""
-        return ClusterResolver("worker" if self._backend else None, self._rank)
+    def cluster_resolver(self) -> cluster_resolver.ClusterResolver:
+        """How this worker was launched (kind: torchrun, tf_config, slurm...) and its place: task_type,
+        task_id, rank, num_workers, is_chief, cluster_spec(), as TF's strategy.cluster_resolver."""
+        return self._resolver
 
-    # ---- extension points (Strategy's): one replica per process, over torch.distributed ----------------
+    # ---- extension points (Strategy's): local replicas, then across the workers over torch.distributed ---
     @property
     def num_workers(self) -> int:
-        """The world size (torchrun's WORLD_SIZE)."""
+        """The number of worker processes (torchrun's WORLD_SIZE)."""
         return self._world_size
 
     @property
     def first_replica_id(self) -> int:
-        """This worker's rank: its one replica's replica_id_in_sync_group."""
-        return self._rank  # one replica per worker: replica_id_in_sync_group == rank
+        """replica_id_in_sync_group of this worker's first replica: rank x local replicas."""
+        return self._rank * len(self._devices)
 
     def has_peers(self, ctx: ReplicaContext) -> bool:
-        """Whether other workers exist to reduce with (world size above 1)."""
-        return self._world_size > 1
+        """Whether other replicas exist to reduce with: other workers, or local replicas in this step."""
+        return self._world_size > 1 or ctx._step is not None
 
     def all_reduce_tensors(self, ctx: ReplicaContext, op: ReduceOp, leaves: list[Tensor],
                            check_shapes: bool = True) -> list[Tensor]:
-        """Strategy.all_reduce_tensors across the worker processes, through torch.distributed."""
+        """Strategy.all_reduce_tensors across every replica of every worker."""
+        if len(self._devices) > 1:  # the local meeting's last replica crosses the workers (HierarchicalAllReduce)
+            return super().all_reduce_tensors(ctx, op, leaves, check_shapes)
         return self._collectives.all_reduce(op, leaves, "ReplicaContext.all_reduce", check_shapes=check_shapes)
 
     def sum_over_workers(self, count: int) -> int:
@@ -357,26 +333,37 @@ class MultiWorkerMirroredStrategy(Strategy):
         return shared.tolist()
 
     def all_reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
-                             grads: list[Tensor | None]) -> list[Tensor | None]:
-        """SUM-all-reduces this worker's gradients over the workers in persistent buckets. Every parameter
-        that requires grad travels (zeros where this worker has no gradient), plus a count per parameter
-        of the workers that had one, so the bucket layout is the same on every rank without a separate
-        exchange, and a gradient that is None on every worker stays None."""
+                             grads: list[Tensor | None], copies: Any = None) -> list[Tensor | None]:
+        """SUM-all-reduces this replica's gradients over every replica in persistent buckets. Every
+        parameter that requires grad travels (zeros where this replica has no gradient), plus a count per
+        parameter of the replicas that had one, so the bucket layout is the same on every rank without a
+        separate exchange, and a gradient that is None on every replica stays None."""
         if ctx is None or self._world_size == 1:
-            return grads
+            return super().all_reduce_gradients(ctx, cache, params, grads, copies)
+        local = len(self._devices) > 1
+        if local and ctx._step.error is not None:
+            raise replicas._Released("all_reduce (gradients)")
         idx = [i for i, p in enumerate(params) if p.requires_grad]
-        device = params[idx[0]].device if idx else torch_device(self._devices[0])
+        device = params[idx[0]].device if idx else torch_device(self._devices[ctx._replica_id])
         had = torch.tensor([float(grads[i] is not None) for i in idx], device=device)
         sent = [grads[i] if grads[i] is not None else torch.zeros_like(params[i]) for i in idx] + [had]
-        sig = ("workers", buckets.signature(sent))  # one signature: every parameter that requires grad
+        sig = ("workers", ctx._replica_id, buckets.signature(sent))  # every parameter that requires grad
         cached = cache.get(sig)
         if cached is None:
             plan = buckets.plan(sent, self._collectives.bytes_per_pack)
-            cached = cache[sig] = [plan, [b.new_buffer() for b in plan]]
+            cached = cache.setdefault(sig, [plan, [b.new_buffer() for b in plan]])
         plan, flats = cached
         for b, flat in zip(plan, flats):
             b.pack(sent, out=flat)
-        self._collectives.all_sum_(flats, "all_reduce (gradients)")
+        if local:
+            reduced = self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, ReduceOp.SUM, flats, agree=copies,
+                                                        what="all_reduce (gradients)", check_workers=False)
+            if isinstance(reduced, Disagreement):  # the local module copies differ (CopyWatch's signatures)
+                from mirrored.distribute._copy_watch import CopiesDiffer
+
+                raise CopiesDiffer(list(reduced.tokens))
+        else:
+            self._collectives.all_sum_(flats, "all_reduce (gradients)")
         views: list[Tensor | None] = [None] * len(sent)
         for b, flat in zip(plan, flats):
             b.unpack(flat, views)
@@ -387,7 +374,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     # ---- cross-replica context ------------------------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:
-        """Combines this worker's value (a run result or any tensor) with the other workers' (TF's reduce).
+        """Combines this worker's values (a run result or any tensor) with the other workers' (TF's reduce).
         axis=None: SUM / MEAN of the values; with axis: over those axes too, MEAN dividing by the global
         count of elements, so workers with uneven parts weigh correctly. A value to read, outside autograd."""
         context.require_cross_replica("strategy.reduce")
@@ -397,40 +384,47 @@ class MultiWorkerMirroredStrategy(Strategy):
     def _reduce_over_workers(self, op: ReduceOp, value: Any, axis: int | Sequence[int] | None) -> Any:
         if self._world_size == 1:
             return super().reduce(op, value, axis)
-        local = self._local_value(value, "strategy.reduce")
+        parts = self._local_values(value, "strategy.reduce")
         if axis is not None:
             axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
-            total = local.sum(dim=axes)
+            total = _local_sum([p.sum(dim=axes) for p in parts])
             if op is ReduceOp.SUM:
                 return self._collectives.all_reduce(ReduceOp.SUM, [total], "strategy.reduce")[0]
-            count = torch.tensor(math.prod(local.shape[a] for a in axes), device=total.device)
+            count = torch.tensor(sum(math.prod(p.shape[a] for a in axes) for p in parts), device=total.device)
             total, count = self._collectives.all_reduce(ReduceOp.SUM, [total, count], "strategy.reduce")
             return mean_of_sum(total, count)
         if op is ReduceOp.MEAN and (isinstance(value, Mirrored) or _is_mirrored_variable(value)):
-            return local.detach().clone()  # identical on every replica: no rounding, as in TF
-        return self._collectives.all_reduce(op, [local], "strategy.reduce")[0]
+            return parts[0].detach().clone()  # identical on every replica: no rounding, as in TF
+        if len(parts) == 1:
+            return self._collectives.all_reduce(op, parts, "strategy.reduce")[0]
+        total = self._collectives.all_reduce(ReduceOp.SUM, [_local_sum(parts)], "strategy.reduce")[0]
+        return mean_of_sum(total, self.num_replicas_in_sync) if op is ReduceOp.MEAN else total
 
     def gather(self, value: Any, axis: int) -> Any:
-        """Concatenates the workers' values along `axis` in rank order; their sizes along it may differ."""
+        """Concatenates every replica's values along `axis` in replica order; their sizes along it may differ."""
         context.require_cross_replica("strategy.gather")
         if self._world_size == 1:
             return super().gather(value, axis)
-        local = self._local_value(value, "strategy.gather")
-        if local.dim() == 0:
+        parts = self._local_values(value, "strategy.gather")
+        if any(p.dim() == 0 for p in parts):
             raise ValueError("strategy.gather: the per-replica values are scalars (rank 0), which have no axis to "
                              "concatenate along. Gather tensors of rank >= 1, e.g. v.reshape(1).")
+        local = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts], dim=axis)
         return self._collectives.gather(local, axis, "strategy.gather")
 
-    def _local_value(self, value: Any, where: str) -> Tensor:
+    def _local_values(self, value: Any, where: str) -> list[Tensor]:
         parts = self.experimental_local_results(value)
-        if len(parts) != 1:
-            raise ValueError(f"{where}: got {len(parts)} values for this worker, which has one replica. Pass what "
-                             "strategy.run returned, or this worker's own tensor.")
-        return _as_tensor(parts[0], None)
+        if len(parts) != len(self._devices):
+            raise ValueError(f"{where}: got {len(parts)} values for this worker, which has {len(self._devices)} "
+                             "replica(s). Pass what strategy.run returned, or this worker's own tensor.")
+        return [_as_tensor(p, None) for p in parts]
 
     def check_in_sync(self, obj: Any) -> None:
-        """Compares checksums of every tensor across the workers; raises OutOfSyncError (on every rank)
-        naming the first tensor that differs, the ranks, and their largest difference from rank 0."""
+        """Compares this worker's copies bitwise, then checksums of every tensor across the workers; raises
+        OutOfSyncError (on every rank) naming the first tensor that differs, the ranks, and their largest
+        difference from rank 0."""
+        if len(self._devices) > 1:
+            super().check_in_sync(obj)
         named = [(name, copies[0]) for name, copies in named_copies(obj)]
         if self._world_size == 1:
             return
@@ -461,12 +455,11 @@ class MultiWorkerMirroredStrategy(Strategy):
                                  f"{detail}; the copies must be bitwise identical after every step.")
 
     def mirror(self, module: torch.nn.Module) -> Any:
-        """This worker's copy of `module`, overwritten with rank 0's parameters and buffers, so that every
-        worker starts from the same weights whatever its seed (DDP broadcasts at construction too)."""
-        mirrored = super().mirror(module)
-        if self._world_size > 1:
-            net = mirrored.replicas[0]
-            tensors = list(net.parameters()) + list(net.buffers())
+        """This worker's copies of `module`, with rank 0's parameters and buffers, so that every worker
+        starts from the same weights whatever its seed (DDP broadcasts at construction too): they are
+        broadcast into `module` before it is copied to the local replicas."""
+        if self._world_size > 1 and isinstance(module, torch.nn.Module):
+            tensors = list(module.parameters()) + list(module.buffers())
             rows = self._collectives.all_gather_row([len(tensors), _shape_digest(tensors)], "mirror (structure)")
             differ = [r for r, row in enumerate(rows) if row != rows[0]]
             if differ:
@@ -475,4 +468,12 @@ class MultiWorkerMirroredStrategy(Strategy):
                                  f"({', '.join(f'rank {r}: {row[0]} tensors' for r, row in enumerate(rows))}). "
                                  "Every worker must build the same model.")
             self._collectives.broadcast_(tensors, "mirror (broadcast of rank 0's parameters and buffers)")
-        return mirrored
+        return super().mirror(module)
+
+
+def _local_sum(parts: list[Tensor]) -> Tensor:
+    """The sum of a worker's replicas' values, on the first one's device (a new tensor)."""
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p.to(total.device)
+    return total
