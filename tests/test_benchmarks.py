@@ -42,7 +42,9 @@ def test_input_pipeline_benchmark_prints_every_row():
 def test_fit_throughput_benchmark_prints_every_row_and_the_scaling_curve():
     out = _run("fit_throughput.py", "--batches", "8", "--images", "16", "--rounds", "1", "--scaling", "1,2")
     assert re.search(r"load average before [0-9.]+ [0-9.]+ [0-9.]+, after", out), out
-    for label in ("limit: 1 replica's work alone x 2", "2 independent processes x 1 thread",
+    assert re.search(r"^  memory format: fit's convolutions ran channels_last \(compile\(memory_format='auto'\)\); "
+                     r"every row runs channels_last$", out, re.M), out  # (issue 29)
+    for label in ("1 replica's step alone x 2", "2 independent processes at once",
                   "mirrored fit, 2 CPU replicas", "DDP (gloo), 2 processes x 1 thread", "plain PyTorch, 1 process"):
         assert re.search(rf"^  {re.escape(label)}.*\s[0-9.]+ \([0-9]+-[0-9]+\)\s+[0-9.]+\s+[0-9.]+$", out, re.M), out
     assert re.search(r"^  mirrored fit, 2 CPU replicas.*\s1\.000\s+[0-9.]+$", out, re.M), out  # fit / fit

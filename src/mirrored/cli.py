@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows", nargs="+", choices=["limit", "independent", "fit", "DDP", "plain"],
                        default=None, help="the rows to run (default: all; fit always runs)")
     bench.add_argument("--scaling", default=None, help="replica counts for fit's scaling curve, e.g. 1,2,4")
+    bench.add_argument("--memory-format", choices=["auto", "channels_last", "preserve"], default="auto",
+                       help="fit's compile(memory_format=); the other rows run the format fit ran")
     return parser
 
 
@@ -407,9 +409,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     print(_bench.machine())
     print("model: resnet_cifar(depth=20), 32x32 inputs, SGD(momentum=0.9), batches in memory; targets: fit >= 0.95 "
-          "x limit, >= 1.0 x DDP")
+          "x the independent processes at once, >= 1.0 x DDP")
     for batch in args.batches:
-        _bench.compare(batch, args.replicas, args.images, args.rounds, rows=args.rows or _bench.ROWS)
+        _bench.compare(batch, args.replicas, args.images, args.rounds, rows=args.rows or _bench.ROWS,
+                       memory_format=args.memory_format)
     if scaling:
         _bench.scaling(args.batches[0], scaling, args.images, args.rounds)
     print(f"\n{time.perf_counter() - start:.0f} s; benchmarks/fit_throughput.py runs more images and rounds")

@@ -240,6 +240,7 @@ class Profiler(Callback):
         self._epoch: int | None = None
         self._batch: int | None = None
         self._worker = 0
+        self.memory_format: str | None = None  # what the model's convolutions ran in (fit), for the summary
 
     # ---- recording ---------------------------------------------------------------------------------
     def start(self, optimizer: Any = None, strategy: Any = None) -> Profiler:
@@ -343,6 +344,7 @@ class Profiler(Callback):
         """Starts a record of this fit(): times the model's strategy.run and its optimizer's all-reduce."""
         self.start(optimizer=_mirrored_optimizer(self.model),
                    strategy=getattr(self.model, "distribute_strategy", None))
+        self.memory_format = getattr(self.model, "memory_format", None)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         """Notes the epoch for the steps' trace args; input wait restarts here, so validation and
@@ -410,6 +412,7 @@ class Profiler(Callback):
             "phases": self.breakdown(),
             "bottleneck": self.bottleneck(),
             "scaling": self.scaling(),
+            "memory_format": self.memory_format,
         }
 
     def breakdown(self) -> dict[str, Any]:
@@ -468,6 +471,8 @@ class Profiler(Callback):
             head += f", {s['images']} images, {s['images_per_s']:.1f} images/s"
         if s["input_fraction"] is not None:
             head += f"; {100 * s['input_fraction']:.1f}% of the time waiting for input"
+        if s["memory_format"] is not None:
+            head += f"; convolutions in {s['memory_format']} memory"
         rows = [("input wait", s["input_wait_s"]), ("step", s["step_s"])]
         for r, stats in s["compute_s"].items():
             rows.append((f"replica {r} compute", stats))

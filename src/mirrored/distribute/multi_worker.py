@@ -438,10 +438,10 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise OutOfSyncError(f"{name}: rank 0 and rank(s) {', '.join(map(str, differ))} hold different values"
                                  f"{detail}; the copies must be bitwise identical after every step.")
 
-    def mirror(self, module: torch.nn.Module) -> Any:
+    def mirror(self, module: torch.nn.Module, memory_format: str = "auto") -> Any:
         """This worker's copy of `module`, overwritten with rank 0's parameters and buffers, so that every
         worker starts from the same weights whatever its seed (DDP broadcasts at construction too)."""
-        mirrored = super().mirror(module)
+        mirrored = super().mirror(module, memory_format)
         if self._world_size > 1:
             net = mirrored.replicas[0]
             tensors = list(net.parameters()) + list(net.buffers())

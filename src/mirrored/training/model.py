@@ -159,12 +159,8 @@ class Model:
             raise RuntimeError("mr.Model(...) was created inside strategy.run; create it in `with strategy.scope():`.")
         self.name = name or type(module).__name__
         self.distribute_strategy = strategy
-        if all(d.startswith("cuda") for d in strategy.extended.worker_devices) and any(
-                isinstance(m, nn.Conv2d) for m in module.modules()):
-            # cuDNN's convolutions run fastest on NHWC memory; NHWC batches from datasets then need no copy.
-            module = module.to(memory_format=torch.channels_last)
-        with strategy.scope():
-            self._net = strategy.mirror(module)
+        with strategy.scope():  # (convolutions in channels_last memory: compile(memory_format=) changes it)
+            self._net = strategy.mirror(module, memory_format="auto")
         self._sync_bn = has_sync_batchnorm(module)
         self.optimizer: optimizers.Optimizer | None = None
         self._mopt: Any = None
@@ -202,6 +198,12 @@ class Model:
     def jit_compile(self) -> bool:
         """Whether the replicas' steps run compiled (Keras's model.jit_compile); False after a fallback."""
         return self._jit is not None and self._jit.active
+
+    @property
+    def memory_format(self) -> str:
+        """The memory format the module's convolutions run in ("channels_last", "channels_last_3d", or
+        "as given"), as compile(memory_format=...) chose it."""
+        return self._net.memory_format
 
     @property
     def metrics(self) -> list[Any]:
@@ -245,7 +247,8 @@ class Model:
 
     # ---- compile -----------------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Sequence[Any] | None = None,
-                steps_per_execution: int = 1, precision: str | None = None, jit_compile: bool | str = "auto") -> None:
+                steps_per_execution: int = 1, precision: str | None = None, jit_compile: bool | str = "auto",
+                memory_format: str = "auto") -> None:
         """Chooses the optimizer, loss and metrics. Strings mean Keras names; losses take logits.
 
         Args:
@@ -263,6 +266,11 @@ class Model:
           jit_compile: True compiles each replica's forward and backward with torch.compile (training/jit.py:
             what is compiled, the tolerance against eager, the fallback); "auto", Keras 3's default on
             torch, and False run eager.
+          memory_format: where the module's 2-D / 3-D convolution weights live in memory (ours; Keras has no
+            such knob): "auto" channels_last(_3d) for float32/16 weights on CPU and CUDA, whose kernels are
+            fastest so (1.4-1.6x on a CPU); "channels_last" always; "preserve" the module's own format, as
+            given. Results equal the NCHW path's up to float reassociation; checkpoints hold the standard
+            layout either way. `model.memory_format` says which ran.
         """
         if loss is None:
             raise ValueError("compile(loss=None): give a loss, e.g. loss=\"sparse_categorical_crossentropy\".")
@@ -280,6 +288,8 @@ class Model:
                              "precision=\"bf16\".")
         use_jit = jit.resolve(jit_compile)
         strategy = self.distribute_strategy
+        # Before the optimizer is built: its gradient buckets follow the weights' layout.
+        self._net.set_memory_format(memory_format)
         with strategy.scope():
             recipe = optimizers.get(optimizer)  # (set on the model once built: a refused instance changes nothing)
             self._mopt = strategy.mirror_optimizer(lambda params: recipe.build(params), self._net)
@@ -305,7 +315,7 @@ class Model:
             "loss": _config_or_repr(loss, self._loss, losses.serialize),
             "metrics": [_config_or_repr(m, compiled, metrics_lib.serialize)
                         for m, compiled in zip(metrics or [], self._metrics)],
-            "precision": precision, "jit_compile": use_jit}
+            "precision": precision, "jit_compile": use_jit, "memory_format": memory_format}
         self._compiled = True
 
     def _require_compiled(self, what: str) -> None:
@@ -325,7 +335,15 @@ class Model:
         dtype = _module_dtype(net)
         device = next((p.device for p in net.parameters()), torch.device("cpu"))
         with self._autocast(device):
-            out = net(_cast_inputs(x, dtype), *args, **kwargs)
+            try:
+                out = net(_cast_inputs(x, dtype), *args, **kwargs)
+            except RuntimeError as e:
+                if "view size is not compatible" not in str(e) or self.memory_format == "as given":
+                    raise
+                raise RuntimeError(
+                    f"{e}\nThe module's convolutions run in {self.memory_format} memory (compile(memory_format="
+                    "\"auto\")), and a .view() after one needs row-major memory: use .reshape() or "
+                    "torch.flatten() there, or compile(..., memory_format=\"preserve\").") from e
         return out.float() if isinstance(out, Tensor) and out.dtype in (torch.bfloat16, torch.float16) else out
 
     def _step_loss(self, ctx: Any, net: nn.Module, x: Any, y: Any, sw: Any, count: int
@@ -525,7 +543,7 @@ class Model:
         if val is not None:
             _check_ends(val, validation_steps, "fit(validation_data)", "validation_steps")
         epoch_iterator = epochs_lib.EpochIterator(
-            strategy.experimental_distribute_dataset(dataset), steps_per_epoch=steps_per_epoch,
+            strategy.experimental_distribute_dataset(dataset, self._input_options()), steps_per_epoch=steps_per_epoch,
             steps_per_execution=self._steps_per_execution, initial_epoch=initial_epoch,
             learning_rate=self._settable_learning_rate)
         verbose = 1 if verbose == "auto" else verbose
@@ -585,6 +603,10 @@ class Model:
                 break
         return epoch_logs
 
+    def _input_options(self) -> md.InputOptions:
+        """Batches copied to a replica's device (a GPU) are written there in the convolutions' layout."""
+        return md.InputOptions(memory_format="preserve" if self.memory_format == "as given" else "channels_last")
+
     def _settable_learning_rate(self) -> float | None:
         """The optimizer's rate, which a resumed fit sets back; None with a schedule, which sets it itself."""
         return None if self.optimizer._schedule is not None else self.optimizer.learning_rate
@@ -596,7 +618,8 @@ class Model:
         self.reset_metrics()
         if cbs is not None:
             cbs.on_test_begin()
-        batches = epochs_lib.EpochIterator(strategy.experimental_distribute_dataset(dataset), steps_per_epoch=steps,
+        batches = epochs_lib.EpochIterator(strategy.experimental_distribute_dataset(dataset, self._input_options()),
+                                           steps_per_epoch=steps,
                                            steps_per_execution=self._steps_per_execution)
         i = -1
         for i, (_, group) in enumerate(batches.steps()):
@@ -672,7 +695,7 @@ class Model:
         outputs = []
         self._predict_like = None
         cbs.on_predict_begin()
-        for i, batch in enumerate(strategy.experimental_distribute_dataset(dataset)):
+        for i, batch in enumerate(strategy.experimental_distribute_dataset(dataset, self._input_options())):
             if steps is not None and i >= steps:
                 break
             cbs.on_predict_batch_begin(i)
@@ -849,7 +872,8 @@ class Model:
                           "compile=False and compile(...) again to have them.", UserWarning, stacklevel=3)
         self.compile(optimizer=_optimizer_from_config(cfg["optimizer"], path),
                      loss=losses.deserialize(loss) if isinstance(loss, dict) else loss, metrics=metrics,
-                     precision=cfg.get("precision"), jit_compile=cfg.get("jit_compile", False))
+                     precision=cfg.get("precision"), jit_compile=cfg.get("jit_compile", False),
+                     memory_format=cfg.get("memory_format", "auto"))
 
     def __repr__(self) -> str:
         return f"Model({self.name}, replicas={self.distribute_strategy.num_replicas_in_sync})"
