@@ -77,7 +77,8 @@ def test_gpu_check_runs_in_cpu_smoke_mode():
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu-smoke"], cwd=REPO,
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
-    for section in ("environment", "cuda tests", "resnet50 fit vs plain", "fp16 loss scaling", "sync batchnorm",
+    for section in ("environment", "cuda tests", "resnet50 fit vs plain", "resnet50 channels_last vs nchw",
+                    "fp16 loss scaling", "sync batchnorm",
                     "fit on 2 replicas", "checkpoint -> cpu", "profiler", "nccl"):
         assert re.search(rf"^{re.escape(section)}\s+(PASS|SKIP)\s+[0-9.]+\s+\S", proc.stdout, re.M), proc.stdout
-    assert "9 of 9 sections without failure" in proc.stdout, proc.stdout
+    assert "10 of 10 sections without failure" in proc.stdout, proc.stdout
