@@ -324,6 +324,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         return lr * 0.5 * (1 + math.cos(math.pi * epoch / args.epochs))
 
     profiler = mr.profiler.Profiler(str(out)) if args.command == "profile" else None
+    if profiler is not None:  # the limit its scaling efficiency compares with, timed now, on this machine
+        profiler.alone_step_s = _alone_step_s(model_name, num_classes, train_ds.batch(max(per_replica)), devices[0],
+                                              n, args.precision)
+        print(f"one replica's step alone: {profiler.alone_step_s * 1e3:.1f} ms (its batch of {max(per_replica)}, "
+              f"on {devices[0]}; the limit the profiler's scaling efficiency compares with)")
     callbacks = [*([profiler] if profiler else []), mr.callbacks.LearningRateScheduler(cosine),
                  mr.callbacks.CSVLogger(str(out / "log.csv"), append=resuming),
                  mr.callbacks.BackupAndRestore(str(backup)),
@@ -351,6 +356,35 @@ def cmd_train(args: argparse.Namespace) -> int:
         profiler.print_summary()
         print(f"wrote {out / 'trace.json'} (open in chrome://tracing or ui.perfetto.dev) and {out / 'timeline.png'}")
     return 0
+
+
+def _alone_step_s(model_name: str, num_classes: int, batches: Any, device: str, replicas: int,
+                  precision: str) -> float:
+    """One replica's training step timed alone (mr.profiler.time_alone): a fresh copy of the model in fit's
+    memory format, its per-replica batch, SGD, on `device` with a CPU replica's share of the cores."""
+    import torch
+    import torch.nn.functional as F
+
+    import mirrored as mr
+    from mirrored._cpus import usable_cores
+
+    x, y = next(iter(batches))
+    target = torch.device("cpu" if device.startswith("cpu") else device)
+    net = mr.models.get(model_name, num_classes=num_classes).to(target, memory_format=torch.channels_last)
+    x, y = x.to(target), y.to(target).long()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        with torch.autocast(target.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16,
+                            enabled=precision in ("bf16", "fp16")):
+            loss = F.cross_entropy(net(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    threads = max(1, usable_cores() // replicas) if target.type == "cpu" else None
+    return mr.profiler.time_alone(step, repeats=3, warmup=1, num_threads=threads,
+                                  device=device if target.type == "cuda" else None)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:

@@ -241,6 +241,9 @@ class Profiler(Callback):
         self._batch: int | None = None
         self._worker = 0
         self.memory_format: str | None = None  # what the model's convolutions ran in (fit), for the summary
+        #: One replica's step timed alone (seconds, e.g. time_alone in the same command): summary()'s
+        #: scaling compares with it; None: this run's own compute stands in (an upper bound).
+        self.alone_step_s: float | None = None
 
     # ---- recording ---------------------------------------------------------------------------------
     def start(self, optimizer: Any = None, strategy: Any = None) -> Profiler:
@@ -411,7 +414,7 @@ class Profiler(Callback):
             "input_fraction": input_total / wall if wall > 0 else None,
             "phases": self.breakdown(),
             "bottleneck": self.bottleneck(),
-            "scaling": self.scaling(),
+            "scaling": self.scaling(self.alone_step_s),
             "memory_format": self.memory_format,
         }
 

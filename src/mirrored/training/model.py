@@ -542,8 +542,9 @@ class Model:
         _check_ends(dataset, steps_per_epoch, "fit", "steps_per_epoch")
         if val is not None:
             _check_ends(val, validation_steps, "fit(validation_data)", "validation_steps")
+        source = _prefetched(dataset)
         epoch_iterator = epochs_lib.EpochIterator(
-            strategy.experimental_distribute_dataset(dataset, self._input_options()), steps_per_epoch=steps_per_epoch,
+            strategy.experimental_distribute_dataset(source, self._input_options()), steps_per_epoch=steps_per_epoch,
             steps_per_execution=self._steps_per_execution, initial_epoch=initial_epoch,
             learning_rate=self._settable_learning_rate)
         verbose = 1 if verbose == "auto" else verbose
@@ -914,6 +915,17 @@ def _optimizer_from_config(cfg: dict[str, Any], path: str) -> optimizers.Optimiz
 def _rows(x: Any) -> int:
     leaf = md.values.flatten(x)[0]
     return len(leaf)
+
+
+def _prefetched(dataset: Any) -> Any:
+    """fit's input with a batch made ahead on a thread while the replicas train (issue 27): an
+    mr.data.Dataset without a prefetch anywhere gets .prefetch(1), which yields the same batches in the
+    same order; other iterables (lists, DataLoaders with their own workers) are read as they are."""
+    from mirrored.data import Dataset
+
+    if isinstance(dataset, Dataset) and "prefetch" not in dataset.get_state()["pipeline"]:
+        return dataset.prefetch(1)
+    return dataset
 
 
 def _check_ends(dataset: Any, steps: int | None, where: str, steps_arg: str) -> None:
