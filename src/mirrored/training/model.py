@@ -177,6 +177,7 @@ class Model:
         self._predict_like: tuple[torch.Size, torch.dtype] | None = None  # an output row's shape and dtype
         self._scalers: list[Any] = []
         self._jit: jit.ReplicaCompiler | None = None  # compile(jit_compile=True)'s, on the replicas' copies
+        self._auto_jit: jit.AutoCompile | None = None  # compile(jit_compile="auto")'s decision, made in fit
 
     # ---- structure -------------------------------------------------------------------------------
     @property
@@ -264,8 +265,9 @@ class Model:
           precision: None or "fp32"; "bf16" (autocast, CPU or CUDA); "fp16" (autocast with a loss scale per
             replica, CUDA only).
           jit_compile: True compiles each replica's forward and backward with torch.compile (training/jit.py:
-            what is compiled, the tolerance against eager, the fallback); "auto", Keras 3's default on
-            torch, and False run eager.
+            what is compiled, the tolerance against eager, the fallback); False runs eager; "auto" (Keras
+            3's default) starts eager and compiles after fit's first steps where the steps left pay back
+            the compile time (logged at INFO).
           memory_format: where the module's 2-D / 3-D convolution weights live in memory (ours; Keras has no
             such knob): "auto" channels_last(_3d) for float32/16 weights on CPU and CUDA, whose kernels are
             fastest so (1.4-1.6x on a CPU); "channels_last" always; "preserve" the module's own format, as
@@ -308,6 +310,11 @@ class Model:
         if self._jit is not None:
             self._jit.remove()
         self._jit = jit.ReplicaCompiler(self._net.replicas, devices) if use_jit else None
+        # "auto": fit times its first steps and compiles where that pays back within the run. Eager with
+        # SyncBatchNorm (which cannot be compiled) and across workers, where each would time and decide on
+        # its own and one compiling for minutes would keep the others waiting in the all-reduce.
+        self._auto_jit = (jit.AutoCompile(devices) if jit_compile == "auto" and not self._sync_bn
+                          and strategy.num_workers == 1 else None)
         # Names and configs rebuild exactly; an object without a config is recorded by its repr, so that load()
         # can say what to pass.
         self._compile_config = {
@@ -585,6 +592,10 @@ class Model:
                 if batch_logs:  # (a read of every metric across replicas, while they wait; else once per epoch)
                     logs = self._logs()
                 cbs.on_train_batch_end(step + len(group) - 1, {**logs, "num_examples": sum(n for _, n in group)})
+                if self._auto_jit is not None and self._auto_jit.after_step(
+                        len(group), _steps_left(epoch_iterator.num_batches, epochs - epoch - 1, step + len(group))):
+                    self._jit = jit.ReplicaCompiler(self._net.replicas, self.distribute_strategy.extended.worker_devices,
+                                                    where='Model.fit(jit_compile="auto")')
                 if self.stop_training:
                     break
             if epoch_iterator.step == 0 and epoch_iterator.num_batches != 0:  # (a resumed epoch may be done)
@@ -915,6 +926,11 @@ def _optimizer_from_config(cfg: dict[str, Any], path: str) -> optimizers.Optimiz
 def _rows(x: Any) -> int:
     leaf = md.values.flatten(x)[0]
     return len(leaf)
+
+
+def _steps_left(per_epoch: int | None, epochs_after: int, done: int) -> int | None:
+    """Batches fit has left: the rest of this epoch and the epochs after it (None: unknown length)."""
+    return None if per_epoch is None else max(per_epoch - done, 0) + epochs_after * per_epoch
 
 
 def _prefetched(dataset: Any) -> Any:
