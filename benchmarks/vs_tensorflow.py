@@ -12,8 +12,8 @@ script says so and prints our rows alone (exit status 0).
 Rows, each round in turn, medians and ranges:
   fit   images/s of Keras-style fit on 2 CPU replicas: ours (mr.Model, ResNet-20 on NCHW batches, 2
         replica threads x 1 intra-op thread; its convolutions in channels_last memory, fit's default
-        since issue 29, and "mirrored, NCHW" with compile(memory_format="preserve")) against Keras 3 on TF with tf.distribute.MirroredStrategy over
-        2 logical CPU devices (the same ResNet-20 built in Keras, NHWC, TF's default threads), same
+        since issue 29, and "mirrored, NCHW" with compile(memory_format="preserve")) against Keras 3
+        on TF with tf.distribute.MirroredStrategy over 2 logical CPU devices (the same ResNet-20 built in Keras, NHWC, TF's default threads), same
         synthetic 32x32 batches in memory, SGD(momentum=0.9), at each global batch
   run   microseconds per strategy.run of a no-op on 2 replicas: ours, and TF's inside a tf.function
         (graph) and eagerly

@@ -3,9 +3,10 @@ processes, DDP and a plain PyTorch loop, measured side by side in one run.
 
 `mirrored bench` prints the quick table and benchmarks/fit_throughput.py the full one; both call
 `compare` (one global batch) and `scaling` (1, 2, 4... replicas). Every row trains the same model
-(the small CIFAR ResNet, ResNet-20, on NCHW batches; its convolutions in the memory format
-fit's compile(memory_format=) runs, "auto": channels_last, in every row alike) with SGD(momentum=0.9) on the same synthetic
-32x32 batches already in memory, so the input pipeline is not what is timed. The rows:
+(the small CIFAR ResNet, ResNet-20, on NCHW batches; its convolutions in the memory format fit's
+compile(memory_format=) runs, "auto": channels_last, in every row alike) with SGD(momentum=0.9) on
+the same synthetic 32x32 batches already in memory, so the input pipeline is not what is timed. The
+rows:
 
   alone x N    one replica's step alone (its per-replica batch, one intra-op thread, a plain loop),
                times N: what N cores give if running N at once costs nothing (issue 15's limit)

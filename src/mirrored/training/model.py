@@ -594,7 +594,7 @@ class Model:
                 cbs.on_train_batch_end(step + len(group) - 1, {**logs, "num_examples": sum(n for _, n in group)})
                 if self._auto_jit is not None and self._auto_jit.after_step(
                         len(group), _steps_left(epoch_iterator.num_batches, epochs - epoch - 1, step + len(group))):
-                    self._jit = jit.ReplicaCompiler(self._net.replicas, self.distribute_strategy.extended.worker_devices,
+                    self._jit = jit.ReplicaCompiler(self._net.replicas, strategy.extended.worker_devices,
                                                     where='Model.fit(jit_compile="auto")')
                 if self.stop_training:
                     break
