@@ -39,6 +39,8 @@ def main() -> None:
                         "(at the first of --batches)")
     parser.add_argument("--rows", nargs="+", choices=_bench.ROWS, default=list(_bench.ROWS),
                         help="the rows to run (fit always runs)")
+    parser.add_argument("--memory-format", choices=["auto", "channels_last", "preserve"], default="auto",
+                        help="fit's compile(memory_format=); the other rows run the format fit ran")
     parser.add_argument("--quick", action="store_true", help="512 images, one round (what `mirrored bench` runs)")
     args = parser.parse_args()
     if args.quick:
@@ -49,7 +51,8 @@ def main() -> None:
     print(_bench.machine())
     print("model: resnet_cifar(depth=20), 32x32 inputs, SGD(momentum=0.9), batches in memory")
     for batch in args.batches:
-        _bench.compare(batch, args.replicas, args.images, args.rounds, args.steps_per_execution, rows=args.rows)
+        _bench.compare(batch, args.replicas, args.images, args.rounds, args.steps_per_execution, rows=args.rows,
+                       memory_format=args.memory_format)
     if args.scaling:
         _bench.scaling(args.batches[0], args.scaling, args.images, args.rounds)
 

@@ -13,6 +13,8 @@ fails or raises does not stop the others) and skipped once the time budget (--bu
   resnet50 fit      ResNet-50, 224x224, bf16 autocast, channels_last, synthetic batches on the GPU:
                     Model.fit on MirroredStrategy() against a plain PyTorch loop on the same batches,
                     alternating rounds, ratio of median images/s (target >= 0.98)
+  resnet50 formats  the same fit on NCHW batches with compile(memory_format="auto") (channels_last) against
+                    "preserve" (NCHW): ratio of median images/s (issue 29, target >= 1.0)
   fp16              Model.fit with precision="fp16" (loss scaling) against a plain torch.amp loop
   sync batchnorm    SyncBatchNorm over a GPU replica and a CPU replica (two GPUs where there are)
                     against one BatchNorm on the whole batch
@@ -186,7 +188,7 @@ def resnet50_fit_vs_plain(sizes: Sizes, smoke: bool) -> tuple[str, str]:
 
     plain = copy.deepcopy(start_net).to(device)
     if device.type == "cuda":
-        plain = plain.to(memory_format=torch.channels_last)  # what mr.Model does on CUDA
+        plain = plain.to(memory_format=torch.channels_last)  # what mr.Model does (memory_format="auto")
     opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
 
     def plain_run(steps: int) -> float:
@@ -233,6 +235,54 @@ def resnet50_fit_vs_plain(sizes: Sizes, smoke: bool) -> tuple[str, str]:
     if smoke:
         return "PASS", detail + " (smoke: ratio not judged)"
     return ("PASS" if ratio >= 0.98 else "FAIL"), detail + " (target >= 0.98)"
+
+
+def resnet50_memory_formats(sizes: Sizes, smoke: bool) -> tuple[str, str]:
+    """Issue 29: Model.fit of ResNet-50 on NCHW batches, bf16, with compile(memory_format="auto") (the
+    convolutions in channels_last) against memory_format="preserve" (NCHW), alternating rounds, ratio of
+    median images/s; both from the same weights, and their first-step losses within bf16 tolerance."""
+    import mirrored as mr
+
+    device = torch.device(sizes.device)
+    classes = 1000 if not smoke else 10
+    batches = [(x.contiguous(), y) for x, y in _resnet_batches(sizes, classes, count=4)]  # plain NCHW memory
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    start_net = mr.models.resnet50(num_classes=classes, data_format="channels_first")
+    models, ran = {}, {}
+    strategy = mr.MirroredStrategy() if not smoke else mr.MirroredStrategy(devices=[sizes.device])
+    for fmt in ("auto", "preserve"):
+        with strategy.scope():
+            models[fmt] = mr.Model(copy.deepcopy(start_net))
+            models[fmt].compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                                loss="sparse_categorical_crossentropy", precision=sizes.precision, memory_format=fmt)
+        ran[fmt] = models[fmt].memory_format
+    first = {fmt: models[fmt].evaluate([batches[0]], verbose=0) for fmt in models}
+
+    def fit_run(fmt: str, steps: int) -> float:
+        data = [batches[i % len(batches)] for i in range(steps)]
+        _sync(device)
+        started = time.perf_counter()
+        models[fmt].fit(data, epochs=1, verbose=0)
+        _sync(device)
+        return steps * sizes.resnet_batch / (time.perf_counter() - started)
+
+    for fmt in models if not smoke else ():  # (the smoke run checks the path, not the speed)
+        fit_run(fmt, sizes.resnet_warmup)
+    speeds: dict[str, list[float]] = {fmt: [] for fmt in models}
+    for _ in range(sizes.resnet_rounds):
+        for fmt in models:
+            speeds[fmt].append(fit_run(fmt, sizes.resnet_steps))
+    cl, nchw = statistics.median(speeds["auto"]), statistics.median(speeds["preserve"])
+    gap = abs(first["auto"] - first["preserve"]) / max(abs(first["preserve"]), 1e-12)
+    detail = (f"{sizes.precision or 'fp32'}, batch {sizes.resnet_batch} at {sizes.resnet_size}px: auto ran "
+              f"{ran['auto']} {cl:.0f} img/s, preserve ran {ran['preserve']} (NCHW) {nchw:.0f} img/s, "
+              f"channels_last/NCHW {cl / nchw:.3f}; first loss gap {gap:.1e}")
+    if ran != {"auto": "channels_last", "preserve": "as given"} or not gap < 2e-2:  # (bf16: ~3 significant digits)
+        return "FAIL", detail + " (expected auto -> channels_last, preserve -> as given, losses within 2%)"
+    if smoke:
+        return "PASS", detail + " (smoke: ratio not judged)"
+    return ("PASS" if cl / nchw >= 1.0 else "FAIL"), detail + " (target >= 1.0)"
 
 
 def fp16_loss_scaling(sizes: Sizes) -> tuple[str, str]:
@@ -478,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             check.run("cuda tests", 60, lambda: cuda_tests(min(args.tests_timeout_s, check.left_s() - 150)))
         check.run("resnet50 fit vs plain", 0 if smoke else 90, lambda: resnet50_fit_vs_plain(sizes, smoke))
+        check.run("resnet50 channels_last vs nchw", 0 if smoke else 90, lambda: resnet50_memory_formats(sizes, smoke))
         check.run("fp16 loss scaling", 10, lambda: fp16_loss_scaling(sizes))
         check.run("sync batchnorm", 10, lambda: sync_batchnorm(sizes))
         check.run("fit on 2 replicas", 10, lambda: fit_on_two_replicas(sizes))

@@ -10,9 +10,10 @@ input_pipeline.py). Without --tf-python, or where that interpreter cannot import
 script says so and prints our rows alone (exit status 0).
 
 Rows, each round in turn, medians and ranges:
-  fit   images/s of Keras-style fit on 2 CPU replicas: ours (mr.Model, ResNet-20, NCHW, 2 replica
-        threads x 1 intra-op thread) against Keras 3 on TF with tf.distribute.MirroredStrategy over
-        2 logical CPU devices (the same ResNet-20 built in Keras, NHWC, TF's default threads), same
+  fit   images/s of Keras-style fit on 2 CPU replicas: ours (mr.Model, ResNet-20 on NCHW batches, 2
+        replica threads x 1 intra-op thread; its convolutions in channels_last memory, fit's default
+        since issue 29, and "mirrored, NCHW" with compile(memory_format="preserve")) against Keras 3
+        on TF with tf.distribute.MirroredStrategy over 2 logical CPU devices (the same ResNet-20 built in Keras, NHWC, TF's default threads), same
         synthetic 32x32 batches in memory, SGD(momentum=0.9), at each global batch
   run   microseconds per strategy.run of a no-op on 2 replicas: ours, and TF's inside a tf.function
         (graph) and eagerly
@@ -187,6 +188,8 @@ def main() -> None:
         for batch in args.batches:
             data = _bench.make_data(args.images, batch)
             rows[f"fit, global batch {batch}|mirrored"] = lambda data=data: _bench.fit_loop(data, 2)
+            rows[f"fit, global batch {batch}|mirrored, NCHW"] = lambda data=data: _bench.fit_loop(
+                data, 2, memory_format="preserve")
             if tf is not None:
                 rows[f"fit, global batch {batch}|TF 2.21 Keras"] = lambda batch=batch: tf.ask(
                     f"fit {batch} {args.images}")
@@ -202,6 +205,8 @@ def main() -> None:
     finally:
         if tf is not None:
             tf.close()
+    print(f"mirrored's fit ran its convolutions in {_bench.fit_memory_format()} memory (compile(memory_format="
+          "\"auto\")); \"mirrored, NCHW\" in NCHW (\"preserve\")")
     print(f"2 CPU replicas; {args.images} images per fit, {args.calls} calls per run row, {args.rounds} rounds; "
           f"load average before {before}, after {_bench.load()}")
     print_table(samples)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 
@@ -187,6 +188,9 @@ def test_profile_writes_a_timeline(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "all-reduce" in result.stdout and "images/s" in result.stdout
     assert (tmp_path / "trace.json").is_file() and (tmp_path / "timeline.png").is_file()
+    # Issue 27: the limit is one replica's step timed alone in the same command, not the run's own compute.
+    assert re.search(r"^one replica's step alone: [0-9.]+ ms", result.stdout, re.M), result.stdout
+    assert re.search(r"scaling efficiency [0-9]+% of the limit .* timed alone; measured", result.stdout), result.stdout
 
 
 def test_train_and_profile_keep_their_own_defaults():

@@ -23,14 +23,15 @@ def test_bench_defaults_are_the_quick_table_at_batches_64_and_256(calls, capsys)
                                                              ("compare", (256, 2, 512, 1))]
     assert all(kwargs["rows"] == _bench.ROWS for _, _, kwargs in calls)
     out = capsys.readouterr().out
-    assert out.startswith("machine: ") and "fit >= 0.95 x limit" in out
+    assert out.startswith("machine: ") and "fit >= 0.95 x the independent processes at once" in out
+    assert all(kwargs["memory_format"] == "auto" for _, _, kwargs in calls)  # (issue 29: fit's default)
 
 
 def test_bench_flags_reach_the_rows_and_the_scaling_curve(calls):
     argv = ["bench", "--batches", "32", "--replicas", "4", "--images", "128", "--rounds", "2", "--rows", "limit",
-            "DDP", "--scaling", "1,2,4"]
+            "DDP", "--scaling", "1,2,4", "--memory-format", "preserve"]
     assert cli.main(argv) == 0
-    assert calls == [("compare", (32, 4, 128, 2), {"rows": ["limit", "DDP"]}),
+    assert calls == [("compare", (32, 4, 128, 2), {"rows": ["limit", "DDP"], "memory_format": "preserve"}),
                      ("scaling", (32, [1, 2, 4], 128, 2), {})]
 
 

@@ -3,13 +3,15 @@ processes, DDP and a plain PyTorch loop, measured side by side in one run.
 
 `mirrored bench` prints the quick table and benchmarks/fit_throughput.py the full one; both call
 `compare` (one global batch) and `scaling` (1, 2, 4... replicas). Every row trains the same model
-(the small CIFAR ResNet, ResNet-20, on NCHW batches) with SGD(momentum=0.9) on the same synthetic
-32x32 batches already in memory, so the input pipeline is not what is timed. The rows:
+(the small CIFAR ResNet, ResNet-20, on NCHW batches; its convolutions in the memory format fit's
+compile(memory_format=) runs, "auto": channels_last, in every row alike) with SGD(momentum=0.9) on
+the same synthetic 32x32 batches already in memory, so the input pipeline is not what is timed. The
+rows:
 
-  limit        one replica's work alone (its per-replica batch, one intra-op thread, a plain loop),
+  alone x N    one replica's step alone (its per-replica batch, one intra-op thread, a plain loop),
                times N: what N cores give if running N at once costs nothing (issue 15's limit)
-  independent  N processes x 1 thread, each training on its per-replica batch at once, never
-               communicating: what N busy cores really give on this machine
+  independent  N independent processes at once, 1 thread each, each training on its per-replica
+               batch, never communicating: what N busy cores really give here (issue 27's limit)
   fit          mr.Model.fit on N logical CPU replicas (threads, 1 intra-op thread each)
   DDP          torch DistributedDataParallel, gloo, N processes x 1 thread
   plain        one process, one plain loop at the global batch, intra-op threads on every core
@@ -56,9 +58,11 @@ def make_data(n: int, batch: int, seed: int = 0) -> Batches:
     return [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
 
 
-def make_net() -> torch.nn.Module:
+def make_net(channels_last: bool = False) -> torch.nn.Module:
+    """ResNet-20 on NCHW batches; channels_last=True stores its convolutions as fit's default does."""
     torch.manual_seed(0)
-    return mr.models.resnet_cifar(depth=20, num_classes=10, data_format="channels_first")
+    net = mr.models.resnet_cifar(depth=20, num_classes=10, data_format="channels_first")
+    return net.to(memory_format=torch.channels_last) if channels_last else net
 
 
 def _train(net: torch.nn.Module, batches: Batches) -> None:
@@ -84,10 +88,10 @@ def _images(batches: Batches) -> int:
     return sum(len(x) for x, _ in batches)
 
 
-def plain_loop(batches: Batches, threads: int) -> float:
+def plain_loop(batches: Batches, threads: int, channels_last: bool = False) -> float:
     """Images/s of a hand-written loop in this process with `threads` intra-op threads."""
     with _threads(threads):
-        net = make_net()
+        net = make_net(channels_last)
         _train(net, batches[:WARMUP_STEPS])
         start = time.perf_counter()
         _train(net, batches)
@@ -95,22 +99,36 @@ def plain_loop(batches: Batches, threads: int) -> float:
     return _images(batches) / seconds
 
 
-def limit(per_replica_batches: Batches, replicas: int) -> float:
+def limit(per_replica_batches: Batches, replicas: int, channels_last: bool = False) -> float:
     """One replica's work timed alone (its batches, one thread), times the replica count."""
-    return replicas * plain_loop(per_replica_batches, 1)
+    return replicas * plain_loop(per_replica_batches, 1, channels_last)
 
 
-def fit_loop(batches: Batches, replicas: int, steps_per_execution: int = 1) -> float:
-    """Images/s of Model.fit on `replicas` logical CPU replicas over the same batches."""
+def fit_model(replicas: int, steps_per_execution: int = 1, memory_format: str = "auto",
+              metrics: Sequence[str] = ()) -> mr.Model:
+    """The compiled mr.Model the fit row trains, on `replicas` logical CPU replicas."""
     strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
     with strategy.scope():
         model = mr.Model(make_net())
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.01, momentum=0.9),
-                      loss="sparse_categorical_crossentropy", steps_per_execution=steps_per_execution)
+                      loss="sparse_categorical_crossentropy", metrics=list(metrics),
+                      steps_per_execution=steps_per_execution, memory_format=memory_format)
+    return model
+
+
+def fit_loop(batches: Batches, replicas: int, steps_per_execution: int = 1, memory_format: str = "auto",
+             metrics: Sequence[str] = ()) -> float:
+    """Images/s of Model.fit on `replicas` logical CPU replicas over the same batches."""
+    model = fit_model(replicas, steps_per_execution, memory_format, metrics)
     model.fit(batches[:WARMUP_STEPS], epochs=1, verbose=0)  # starts the replica threads, sizes buffers
     start = time.perf_counter()
     model.fit(batches, epochs=1, verbose=0)
     return _images(batches) / (time.perf_counter() - start)
+
+
+def fit_memory_format(memory_format: str = "auto") -> str:
+    """The memory format fit's convolutions run in under compile(memory_format=...) (model.memory_format)."""
+    return fit_model(1, memory_format=memory_format).memory_format
 
 
 # ---- process rows -------------------------------------------------------------------------------
@@ -121,12 +139,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def processes(kind: str, replicas: int, per_replica: int, images: int) -> float:
+def processes(kind: str, replicas: int, per_replica: int, images: int, channels_last: bool = False) -> float:
     """Images/s of `replicas` worker processes of `kind` ("ddp" or "independent"): the images all of
     them trained on, over the slowest one's time from their common start."""
     port = _free_port()
     argv = [sys.executable, "-m", "mirrored._bench", "--worker", kind, "--world", str(replicas), "--port", str(port),
-            "--per-replica", str(per_replica), "--images", str(images)]
+            "--per-replica", str(per_replica), "--images", str(images)] + (["--channels-last"] if channels_last else [])
     procs = [subprocess.Popen(argv + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(replicas)]
     results = []
@@ -144,7 +162,8 @@ def processes(kind: str, replicas: int, per_replica: int, images: int) -> float:
     return sum(r["images"] for r in results) / max(r["seconds"] for r in results)
 
 
-def worker(kind: str, rank: int, world: int, port: int, per_replica: int, images: int) -> None:
+def worker(kind: str, rank: int, world: int, port: int, per_replica: int, images: int,
+           channels_last: bool = False) -> None:
     """One process of a process row: its share of the images, one intra-op thread; prints its JSON."""
     import torch.distributed as dist
 
@@ -152,7 +171,7 @@ def worker(kind: str, rank: int, world: int, port: int, per_replica: int, images
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         batches = make_data(images // world, per_replica, seed=1 + rank)
-        net = make_net()
+        net = make_net(channels_last)
         if kind == "ddp":
             net = torch.nn.parallel.DistributedDataParallel(net)
         _train(net, batches[:WARMUP_STEPS])
@@ -184,21 +203,25 @@ def _cell(values: list[float]) -> str:
 
 
 def compare(batch: int, replicas: int, images: int, rounds: int, steps_per_execution: int = 1,
-            rows: Sequence[str] = ROWS, print_fn: Callable[[str], None] = print) -> dict[str, float]:
-    """Every row at one global batch, in turn, `rounds` times; prints the table, returns the medians."""
+            rows: Sequence[str] = ROWS, print_fn: Callable[[str], None] = print,
+            memory_format: str = "auto") -> dict[str, float]:
+    """Every row at one global batch, in turn, `rounds` times; prints the table, returns the medians.
+    The rows other than fit store their convolutions in the memory format fit runs in."""
     per_replica = -(-batch // replicas)
     data = make_data(images, batch)
     alone = make_data(images // replicas, per_replica)
+    ran = fit_memory_format(memory_format)
+    cl = ran != "as given"
     runs: dict[str, Callable[[], float]] = {
-        "limit": lambda: limit(alone, replicas),
-        "independent": lambda: processes("independent", replicas, per_replica, images),
-        "fit": lambda: fit_loop(data, replicas, steps_per_execution),
-        "DDP": lambda: processes("ddp", replicas, per_replica, images),
-        "plain": lambda: plain_loop(data, usable_cores()),
+        "limit": lambda: limit(alone, replicas, cl),
+        "independent": lambda: processes("independent", replicas, per_replica, images, cl),
+        "fit": lambda: fit_loop(data, replicas, steps_per_execution, memory_format),
+        "DDP": lambda: processes("ddp", replicas, per_replica, images, cl),
+        "plain": lambda: plain_loop(data, usable_cores(), cl),
     }
     labels = {
-        "limit": f"limit: 1 replica's work alone x {replicas}",
-        "independent": f"{replicas} independent processes x 1 thread",
+        "limit": f"1 replica's step alone x {replicas}",
+        "independent": f"{replicas} independent processes at once",
         "fit": f"mirrored fit, {replicas} CPU replicas",
         "DDP": f"DDP (gloo), {replicas} processes x 1 thread",
         "plain": f"plain PyTorch, 1 process, {usable_cores()} threads",
@@ -212,6 +235,8 @@ def compare(batch: int, replicas: int, images: int, rounds: int, steps_per_execu
     med = {name: statistics.median(v) for name, v in samples.items()}
     print_fn(f"\nglobal batch {batch} ({per_replica} per replica), {images} images per run, {rounds} round(s); "
              f"load average before {before}, after {load()}")
+    print_fn(f"  memory format: fit's convolutions ran {ran} (compile(memory_format={memory_format!r})); every row "
+             f"runs {'channels_last' if cl else 'NCHW (as given)'}")
     print_fn(f"  {'':<42}{'images/s (range)':>22}{'fit / row':>11}{'row / limit':>13}")
     for name in chosen:
         ratio_limit = f"{med[name] / med['limit']:>13.3f}" if "limit" in med else f"{'-':>13}"
@@ -242,10 +267,11 @@ def scaling(batch: int, counts: Sequence[int], images: int, rounds: int,
 def _worker_main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one worker process of the fit table (internal)")
     parser.add_argument("--worker", choices=["ddp", "independent"], required=True)
+    parser.add_argument("--channels-last", action="store_true")
     for flag in ("--rank", "--world", "--port", "--per-replica", "--images"):
         parser.add_argument(flag, type=int, required=True)
     args = parser.parse_args(argv)
-    worker(args.worker, args.rank, args.world, args.port, args.per_replica, args.images)
+    worker(args.worker, args.rank, args.world, args.port, args.per_replica, args.images, args.channels_last)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows", nargs="+", choices=["limit", "independent", "fit", "DDP", "plain"],
                        default=None, help="the rows to run (default: all; fit always runs)")
     bench.add_argument("--scaling", default=None, help="replica counts for fit's scaling curve, e.g. 1,2,4")
+    bench.add_argument("--memory-format", choices=["auto", "channels_last", "preserve"], default="auto",
+                       help="fit's compile(memory_format=); the other rows run the format fit ran")
     return parser
 
 
@@ -356,6 +358,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         return lr * 0.5 * (1 + math.cos(math.pi * epoch / args.epochs))
 
     profiler = mr.profiler.Profiler(str(out)) if args.command == "profile" and chief else None
+    if profiler is not None:  # the limit its scaling efficiency compares with, timed now, on this machine
+        profiler.alone_step_s = _alone_step_s(model_name, num_classes, train_ds.batch(max(per_replica)), devices[0],
+                                              len(strategy.extended.worker_devices), args.precision)
+        print(f"one replica's step alone: {profiler.alone_step_s * 1e3:.1f} ms (its batch of {max(per_replica)}, "
+              f"on {devices[0]}; the limit the profiler's scaling efficiency compares with)")
     callbacks = [*([profiler] if profiler else []), mr.callbacks.LearningRateScheduler(cosine),
                  mr.callbacks.CSVLogger(str(out / "log.csv"), append=resuming),
                  mr.callbacks.BackupAndRestore(str(backup)),
@@ -386,6 +393,35 @@ def cmd_train(args: argparse.Namespace) -> int:
         profiler.print_summary()
         print(f"wrote {out / 'trace.json'} (open in chrome://tracing or ui.perfetto.dev) and {out / 'timeline.png'}")
     return 0
+
+
+def _alone_step_s(model_name: str, num_classes: int, batches: Any, device: str, replicas: int,
+                  precision: str) -> float:
+    """One replica's training step timed alone (mr.profiler.time_alone): a fresh copy of the model in fit's
+    memory format, its per-replica batch, SGD, on `device` with a CPU replica's share of the cores."""
+    import torch
+    import torch.nn.functional as F
+
+    import mirrored as mr
+    from mirrored._cpus import usable_cores
+
+    x, y = next(iter(batches))
+    target = torch.device("cpu" if device.startswith("cpu") else device)
+    net = mr.models.get(model_name, num_classes=num_classes).to(target, memory_format=torch.channels_last)
+    x, y = x.to(target), y.to(target).long()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        with torch.autocast(target.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16,
+                            enabled=precision in ("bf16", "fp16")):
+            loss = F.cross_entropy(net(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    threads = max(1, usable_cores() // replicas) if target.type == "cpu" else None
+    return mr.profiler.time_alone(step, repeats=3, warmup=1, num_threads=threads,
+                                  device=device if target.type == "cuda" else None)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -444,9 +480,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     print(_bench.machine())
     print("model: resnet_cifar(depth=20), 32x32 inputs, SGD(momentum=0.9), batches in memory; targets: fit >= 0.95 "
-          "x limit, >= 1.0 x DDP")
+          "x the independent processes at once, >= 1.0 x DDP")
     for batch in args.batches:
-        _bench.compare(batch, args.replicas, args.images, args.rounds, rows=args.rows or _bench.ROWS)
+        _bench.compare(batch, args.replicas, args.images, args.rounds, rows=args.rows or _bench.ROWS,
+                       memory_format=args.memory_format)
     if scaling:
         _bench.scaling(args.batches[0], scaling, args.images, args.rounds)
     print(f"\n{time.perf_counter() - start:.0f} s; benchmarks/fit_throughput.py runs more images and rounds")

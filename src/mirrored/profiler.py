@@ -240,6 +240,10 @@ class Profiler(Callback):
         self._epoch: int | None = None
         self._batch: int | None = None
         self._worker = 0
+        self.memory_format: str | None = None  # what the model's convolutions ran in (fit), for the summary
+        #: One replica's step timed alone (seconds, e.g. time_alone in the same command): summary()'s
+        #: scaling compares with it; None: this run's own compute stands in (an upper bound).
+        self.alone_step_s: float | None = None
 
     # ---- recording ---------------------------------------------------------------------------------
     def start(self, optimizer: Any = None, strategy: Any = None) -> Profiler:
@@ -343,6 +347,7 @@ class Profiler(Callback):
         """Starts a record of this fit(): times the model's strategy.run and its optimizer's all-reduce."""
         self.start(optimizer=_mirrored_optimizer(self.model),
                    strategy=getattr(self.model, "distribute_strategy", None))
+        self.memory_format = getattr(self.model, "memory_format", None)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         """Notes the epoch for the steps' trace args; input wait restarts here, so validation and
@@ -409,7 +414,8 @@ class Profiler(Callback):
             "input_fraction": input_total / wall if wall > 0 else None,
             "phases": self.breakdown(),
             "bottleneck": self.bottleneck(),
-            "scaling": self.scaling(),
+            "scaling": self.scaling(self.alone_step_s),
+            "memory_format": self.memory_format,
         }
 
     def breakdown(self) -> dict[str, Any]:
@@ -468,6 +474,8 @@ class Profiler(Callback):
             head += f", {s['images']} images, {s['images_per_s']:.1f} images/s"
         if s["input_fraction"] is not None:
             head += f"; {100 * s['input_fraction']:.1f}% of the time waiting for input"
+        if s["memory_format"] is not None:
+            head += f"; convolutions in {s['memory_format']} memory"
         rows = [("input wait", s["input_wait_s"]), ("step", s["step_s"])]
         for r, stats in s["compute_s"].items():
             rows.append((f"replica {r} compute", stats))

@@ -20,7 +20,7 @@ import contextlib
 import copy
 import inspect
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,7 +93,7 @@ class _Shared:
     gradient_reduction="mean" needs it), the no_sync() blocks open, and the watch over the whole
     copies (where there are several)."""
 
-    __slots__ = ("examples", "no_sync_all", "no_sync", "grad_sync", "watch")
+    __slots__ = ("examples", "no_sync_all", "no_sync", "grad_sync", "watch", "layout")
 
     def __init__(self, copies: list[nn.Module], devices: tuple[str, ...]):
         self.examples: list[Tensor] | None = None  # per replica: [examples, forward calls], int64 on the CPU
@@ -106,6 +106,7 @@ class _Shared:
         # The optimizer that all-reduces this module's gradients when backward ends ("mean", as DDP), if
         # any: told of each forward and of zero_grad (MirroredOptimizer.before_forward / grads_cleared).
         self.grad_sync: Any = None
+        self.layout = _Layout()
 
     def count_examples(self) -> None:
         if self.examples is None:
@@ -163,7 +164,7 @@ class MirroredModule:
     # Moves to another device: a strategy's copies stay on its devices.
     REFUSED = frozenset({"to_empty", "ipu", "xpu", "mtia"})
 
-    def __init__(self, strategy: Strategy, module: nn.Module):
+    def __init__(self, strategy: Strategy, module: nn.Module, memory_format: str = "auto"):
         if not isinstance(module, nn.Module):
             raise TypeError(f"strategy.mirror(module={type(module).__name__}): expected a torch.nn.Module.")
         if isinstance(module, MirroredModule):
@@ -175,13 +176,18 @@ class MirroredModule:
                 f"strategy.mirror: {type(module).__name__} has parameters that are not initialised yet ({', '.join(lazy[:4])}"
                 f"{', ...' if len(lazy) > 4 else ''}: a Lazy module such as LazyLinear). Run it once on a sample batch "
                 "before mirroring it (module(x[:1]) initialises them), or give the layer its input size (nn.Linear).")
+        _check_memory_format(memory_format, "strategy.mirror")
         devices = strategy.extended.worker_devices
         first = module.to(torch_device(devices[0]))
+        # Converted before the copies are made: each copy is then made once, in the format it runs in.
+        layout = _Layout()
+        layout.apply([first], memory_format, devices)
         copies = [first] + [copy_module(first).to(torch_device(d)) for d in devices[1:]]
         guards.allow_modules(copies)
         object.__setattr__(self, "_strategy", strategy)
         object.__setattr__(self, "replicas", tuple(copies))
         object.__setattr__(self, "_shared", _Shared(copies, devices))
+        self._shared.layout = layout
 
     @classmethod
     def _of(cls, strategy: Strategy, copies: Any, shared: _Shared) -> MirroredModule:
@@ -210,6 +216,22 @@ class MirroredModule:
     def module(self) -> nn.Module:
         """The current replica's copy (replica 0's in cross-replica context)."""
         return self.replicas[self._replica() or 0]
+
+    @property
+    def memory_format(self) -> str:
+        """The memory format the convolutions' weights run in: "channels_last", "channels_last_3d",
+        both ("channels_last+channels_last_3d"), or "as given" (no conversion: preserve, or no convolution)."""
+        return self._shared.layout.running
+
+    def set_memory_format(self, memory_format: str) -> MirroredModule:
+        """Converts the convolutions' weights of every copy to `memory_format` ("auto", "channels_last",
+        "preserve": see strategy.mirror), outside strategy.run and before mirror_optimizer(), whose
+        gradient buckets follow the weights' layout. Values never change, only their memory order."""
+        _check_memory_format(memory_format, "MirroredModule.set_memory_format")
+        self._targets("set_memory_format")
+        self._shared.layout.apply(self.replicas, memory_format, self._strategy.extended.worker_devices)
+        self._restructured()
+        return self
 
     # ---- calls ------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -633,6 +655,64 @@ class HookHandles:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+MEMORY_FORMATS = ("auto", "channels_last", "preserve")
+# Per convolution rank, the memory format whose kernels are fastest: oneDNN (CPU) and cuDNN (tensor
+# cores) compute convolutions in channels-last order, and convert NCHW operands to it and back on
+# every call (1.4-1.6x slower on the 2-core CPU, issue 29).
+_CONV_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+_FORMAT_NAMES = {torch.channels_last: "channels_last", torch.channels_last_3d: "channels_last_3d"}
+# dtypes whose channels-last kernels are the fast ones (float64 has no oneDNN or tensor-core kernel).
+_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_memory_format(memory_format: Any, where: str) -> None:
+    if memory_format not in MEMORY_FORMATS:
+        raise ValueError(f"{where}(memory_format={memory_format!r}): use \"auto\" (channels_last for modules "
+                         "with 2-D or 3-D convolutions on CPU and CUDA), \"channels_last\" (always, for those "
+                         "convolutions) or \"preserve\" (the module's own memory format, as given).")
+
+
+def _conv_weights(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, weight) of every 2-D and 3-D convolution (transposed ones too), in module order."""
+    return [(f"{name}.weight" if name else "weight", m.weight) for name, m in module.named_modules()
+            if isinstance(m, nn.modules.conv._ConvNd) and isinstance(m.weight, Tensor) and m.weight.dim() in (4, 5)]
+
+
+class _Layout:
+    """The memory format a mirrored module's convolutions run in, and which weights it converted (so
+    that "preserve" gives back the module's own format). Values never change: only memory order."""
+
+    def __init__(self) -> None:
+        self.running = "as given"
+        self.converted: set[str] = set()  # weights this changed from the module's own format
+
+    def apply(self, copies: Sequence[nn.Module], memory_format: str, devices: Sequence[str]) -> None:
+        """Converts every copy's convolution weights (and gradients) in place, keeping each Parameter
+        object: optimizers and hooks that hold them stay valid."""
+        weights = [_conv_weights(c) for c in copies]
+        if memory_format == "auto":
+            fast = all(torch_device(d).type in ("cpu", "cuda") for d in devices) and all(
+                w.dtype in _FAST_DTYPES for _, w in weights[0])
+            memory_format = "channels_last" if fast else "preserve"
+        formats = set()
+        for per_copy in weights:
+            for name, w in per_copy:
+                if memory_format == "preserve":
+                    target = torch.contiguous_format if name in self.converted else None
+                else:
+                    target = _CONV_FORMATS[w.dim()]
+                    formats.add(_FORMAT_NAMES[target])
+                    if not w.is_contiguous(memory_format=target) and w.is_contiguous():
+                        self.converted.add(name)
+                if target is not None and not w.is_contiguous(memory_format=target):
+                    w.data = w.data.contiguous(memory_format=target)
+                    if w.grad is not None:
+                        w.grad = w.grad.contiguous(memory_format=target)
+        if memory_format == "preserve":
+            self.converted.clear()
+        self.running = "+".join(sorted(formats)) if formats else "as given"
 
 
 def _refused_method(mnet: MirroredModule, name: str) -> Callable[..., Any]:

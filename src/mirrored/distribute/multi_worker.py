@@ -454,7 +454,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise OutOfSyncError(f"{name}: rank 0 and rank(s) {', '.join(map(str, differ))} hold different values"
                                  f"{detail}; the copies must be bitwise identical after every step.")
 
-    def mirror(self, module: torch.nn.Module) -> Any:
+    def mirror(self, module: torch.nn.Module, memory_format: str = "auto") -> Any:
         """This worker's copies of `module`, with rank 0's parameters and buffers, so that every worker
         starts from the same weights whatever its seed (DDP broadcasts at construction too): they are
         broadcast into `module` before it is copied to the local replicas."""
@@ -468,7 +468,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                                  f"({', '.join(f'rank {r}: {row[0]} tensors' for r, row in enumerate(rows))}). "
                                  "Every worker must build the same model.")
             self._collectives.broadcast_(tensors, "mirror (broadcast of rank 0's parameters and buffers)")
-        return super().mirror(module)
+        return super().mirror(module, memory_format)
 
 
 def _local_sum(parts: list[Tensor]) -> Tensor:

@@ -30,10 +30,12 @@ last batch: one or two more, its replicas' parts), and so does each mode (train,
 intra-op thread count (model(x) on the main thread); see DYNAMIC below. Past dynamo's recompile
 limit (8 per model), new signatures run eager.
 
-`jit_compile="auto"` is Keras 3's torch default: eager. Measured on 2 CPU replicas (small ResNet,
-benchmarks/jit_compile.py, figures in benchmarks/RESULTS.md) compiled steps are ~1.2x faster, but
-compiling takes minutes there, so it pays only in runs long enough to amortise that, which "auto"
-cannot know; jit_compile=True is the choice for long runs. No GPU figures exist yet.
+`jit_compile="auto"` (Keras 3's torch default) starts eager, and fit decides after its first
+AUTO_PROBE_STEPS steps (issue 29): it compiles when the steps left in that fit, at the measured eager
+step time, would save more than compiling costs (`pays_back`). Measured on 2 CPU replicas (small
+ResNet, benchmarks/jit_compile.py, figures in benchmarks/RESULTS.md) compiled steps are 1.16-1.92x
+faster and compiling takes 40-200 s, so short runs stay eager; the decision is logged (INFO). No GPU
+figures exist yet: the same constants stand for CUDA until measured.
 
 Custom loops: compile the module's compute, not the replica function: strategy.run(torch.compile(fn))
 would trace the all-reduce and the optimizer's meeting of the replicas. `ReplicaCompiler(mnet.values,
@@ -45,7 +47,9 @@ from __future__ import annotations
 
 import logging
 import shutil
+import statistics
 import threading
+import time
 import traceback
 import types
 import warnings
@@ -68,6 +72,12 @@ BACKEND = "inductor"  # what jit_compile=True compiles with, as Keras 3's torch 
 # Measured equally fast (benchmarks/jit_compile.py --dynamic auto|false).
 DYNAMIC: bool | None = False
 _BACKENDS_NEEDING_CXX = ("inductor",)  # backends that compile C++ for CPU tensors
+# jit_compile="auto": compile once the steps left would save more than this costs (benchmarks/RESULTS.md,
+# "jit_compile": a cold compile of the small ResNet took 40-200 s; compiled steps ran 1.16-1.92x faster,
+# so the low end of each is taken: a run compiles only where it pays back even then).
+AUTO_COMPILE_S = 120.0
+AUTO_SPEEDUP = 1.15
+AUTO_PROBE_STEPS = 3  # eager steps fit times first; the first of them (warm-up) is not counted
 
 
 def resolve(jit_compile: Any, where: str = "Model.compile") -> bool:
@@ -75,11 +85,58 @@ def resolve(jit_compile: Any, where: str = "Model.compile") -> bool:
     if isinstance(jit_compile, bool):
         return jit_compile
     if jit_compile == "auto":
-        # Keras 3 resolves "auto" to eager on the torch backend. On CPU replicas compiling pays only once
-        # its minutes are amortised, which compile() cannot know (benchmarks/RESULTS.md, "jit_compile").
+        # Eager at compile(): whether compiling pays is fit's decision, from its measured steps (pays_back).
         return False
     raise ValueError(f"{where}(jit_compile={jit_compile!r}): use True (torch.compile each replica's step), "
-                     "False (eager) or \"auto\" (Keras's default: eager on torch).")
+                     "False (eager) or \"auto\" (fit compiles where it pays back within the run).")
+
+
+def pays_back(step_s: float, steps_left: int | None, compile_s: float | None = None,
+              speedup: float | None = None) -> tuple[bool, str]:
+    """jit_compile="auto"'s decision: whether compiling now saves more than it costs within the run
+    (steps_left x step_s x (1 - 1/speedup) > compile_s; AUTO_COMPILE_S and AUTO_SPEEDUP by default),
+    and the sentence that says why."""
+    compile_s = AUTO_COMPILE_S if compile_s is None else compile_s
+    speedup = AUTO_SPEEDUP if speedup is None else speedup
+    if steps_left is None:
+        return False, (f"eager: the dataset's length is unknown, so the time compiling would save cannot be "
+                       f"weighed against ~{compile_s:.0f} s of compiling; pass jit_compile=True for a long run")
+    saved = steps_left * step_s * (1 - 1 / speedup)
+    verdict = "compiling" if saved > compile_s else "eager"
+    return saved > compile_s, (f"{verdict}: {steps_left} steps left at {step_s * 1e3:.1f} ms each would save "
+                               f"~{saved:.0f} s at {speedup:.2f}x, against ~{compile_s:.0f} s of compiling")
+
+
+class AutoCompile:
+    """fit's jit_compile="auto": times its first steps (AUTO_PROBE_STEPS), then decides once whether to
+    compile (pays_back) and logs why."""
+
+    def __init__(self, devices: Sequence[str]):
+        self._devices = list(devices)
+        self._times: list[float] = []
+        self._last: float | None = None
+        self.decided = False
+
+    def after_step(self, batches: int, steps_left: int | None) -> bool:
+        """Called after each fit step of `batches` batches; True once, when fit should compile now."""
+        if self.decided:
+            return False
+        for d in self._devices:  # (a GPU's step is its queued work, not the host's launches)
+            if d.startswith("cuda"):
+                torch.cuda.synchronize(torch.device(d))
+        now = time.perf_counter()
+        if self._last is not None:
+            self._times.append((now - self._last) / max(batches, 1))
+        self._last = now
+        if len(self._times) < AUTO_PROBE_STEPS - 1:
+            return False
+        self.decided = True
+        compile_now, why = pays_back(statistics.median(self._times), steps_left)
+        failure = unavailable(self._devices, BACKEND) if compile_now else None
+        if failure is not None:
+            compile_now, why = False, f"eager: it would pay back ({why}), but {failure}"
+        logger.info('Model.fit(jit_compile="auto"): %s.', why)
+        return compile_now
 
 
 def find_cpp_compiler() -> str | None:

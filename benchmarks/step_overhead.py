@@ -1,0 +1,220 @@
+"""mirrored's own work per fit step, by phase, and how it grows with the replica count (issue 27).
+
+    .venv/bin/python benchmarks/step_overhead.py                  # ResNet-20 at 64 and 256; MLP on 1, 2, 4, 8
+    .venv/bin/python benchmarks/step_overhead.py --quick          # a smoke run (a few seconds)
+
+Every run is `Model.fit` on a pipeline written as the README writes it,
+`Dataset.from_tensor_slices((x, y)).batch(B)`, with metrics=["accuracy"]. The phases of a step are
+timed by wrapping the methods that do them (as instance-free class attributes, removed after), in
+CPU seconds of the thread that runs them (`time.thread_time`), each exclusive of the phases nested in
+it; CPU time is what a shared machine's load disturbs least, and Python's CPU time is the time it
+holds the GIL:
+  input     reading the next global batch (the dataset's pipeline), main thread
+  split     cutting it into per-replica parts and placing them (DistributedIterator's splitter)
+  hand-off  strategy.run on the main thread: waking the replica threads and collecting them
+  all-reduce  the gradient and BatchNorm-buffer all-reduces, CPU only (waiting is not CPU)
+  metrics   the loss tracker and metric updates of a replica step (Model._track)
+  checks    the copy watch (replicas' requires_grad / mode / write counts) and the step journal
+            (rollback of a failed step)
+  compute   the rest of the process's CPU time: forward, backward, optimizer, torch's own work
+Table 1: the ResNet-20 (fit_throughput.py's model) on 2 CPU replicas, ms of CPU per step per phase,
+and the wall time per step beside one replica's step timed alone (the limit x 2 replicas).
+Table 2: a model whose compute is negligible (Linear(8, 4), 2 examples per replica) on 1, 2, 4 and 8
+logical CPU replicas: the CPU (GIL-held) time per replica step, by phase, and the wall time per step.
+docs/benchmarks.md projects table 2 onto 8 GPUs. Rounds alternate the configurations; medians.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import threading
+import time
+import warnings
+from typing import Any
+
+import torch
+
+import mirrored as mr
+from mirrored._bench import load, machine, make_net
+from mirrored.distribute import _copy_watch, input as input_lib, optimizer as optimizer_lib, rollback
+from mirrored.training import model as model_lib
+
+PHASES = ("input", "split", "hand-off", "all-reduce", "metrics", "checks", "compute")
+_WRAPPED = (  # (class, method, phase)
+    (input_lib.DistributedIterator, "_fetch", "input"),
+    (input_lib._Splitter, "split", "split"),
+    (mr.MirroredStrategy, "run", "hand-off"),
+    (model_lib.Model, "_train_replica", "replica step"),  # (one replica runs it on the caller's thread)
+    (optimizer_lib.MirroredOptimizer, "reduce_gradients", "all-reduce"),
+    (optimizer_lib.MirroredOptimizer, "sync_buffers", "all-reduce"),
+    (model_lib.Model, "_track", "metrics"),
+    (_copy_watch.CopyWatch, "signature", "checks"),
+    (_copy_watch.CopyWatch, "settle", "checks"),
+    (rollback.StepJournal, "before_forward", "checks"),
+    (rollback.StepJournal, "before_write", "checks"),
+    (rollback.StepJournal, "commit", "checks"),
+)
+
+
+class PhaseTimer:
+    """CPU seconds per phase over all threads, each call exclusive of the timed calls nested in it."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = collections.defaultdict(float)
+        self._local = threading.local()
+        self._undo: list[tuple[type, str, Any]] = []
+
+    def install(self) -> None:
+        for cls, name, phase in _WRAPPED:
+            owner = next(c for c in cls.__mro__ if name in c.__dict__)  # the class that defines it
+            original = owner.__dict__[name]
+            setattr(owner, name, self._timed(original, phase))
+            self._undo.append((owner, name, original))
+
+    def remove(self) -> None:
+        while self._undo:
+            owner, name, original = self._undo.pop()
+            setattr(owner, name, original)
+
+    def _timed(self, original: Any, phase: str) -> Any:
+        timer = self
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            stack = timer._local.__dict__.setdefault("stack", [])
+            stack.append(0.0)  # CPU seconds of the timed calls nested in this one
+            start = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent = time.thread_time() - start
+                nested = stack.pop()
+                timer.cpu[phase] += spent - nested
+                if stack:
+                    stack[-1] += spent
+
+        return timed
+
+
+def _dataset(n: int, batch: int, shape: tuple[int, ...], classes: int) -> Any:
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(n, *shape, generator=g).numpy()
+    y = torch.randint(0, classes, (n,), generator=g).numpy()
+    return mr.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+def _model(net: torch.nn.Module, replicas: int) -> mr.Model:
+    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = mr.Model(net)
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.01, momentum=0.9),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def measure(model: mr.Model, data: Any, warmup: Any, steps: int) -> dict[str, float]:
+    """ms per step: wall, process CPU, and each phase's CPU (compute: the rest of the process CPU)."""
+    model.fit(warmup, epochs=1, verbose=0)
+    timer = PhaseTimer()
+    timer.install()
+    try:
+        wall, cpu = time.perf_counter(), time.process_time()
+        model.fit(data, epochs=1, verbose=0)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        timer.remove()
+    out = {phase: timer.cpu.get(phase, 0.0) for phase in PHASES[:-1]}
+    out["compute"] = cpu - sum(out.values())  # (the replica step's own CPU, less its timed phases, and the rest)
+    out.update(wall=wall, cpu=cpu)
+    return {k: v / steps * 1e3 for k, v in out.items()}
+
+
+def alone_step_ms(per_replica: int, steps: int) -> float:
+    """One replica's step timed alone: its batch, one intra-op thread, a plain torch loop (the limit)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(per_replica, 3, 32, 32, generator=g), torch.randint(0, 10, (per_replica,), generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        net = make_net(channels_last=True)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        times = []
+        for i in range(steps + 1):
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            if i:
+                times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(times) * 1e3
+
+
+def _row(label: str, runs: list[dict[str, float]], width: int, per: int = 1) -> str:
+    med = {k: statistics.median(r[k] for r in runs) / per for k in runs[0]}
+    return f"  {label:<{width}}" + "".join(f"{med[p]:>11.3f}" for p in (*PHASES, "cpu")) + f"{med['wall']:>11.2f}"
+
+
+def resnet_table(batches: list[int], steps: int, rounds: int) -> None:
+    print(f"\nTable 1: ResNet-20 fit on 2 CPU replicas, ms of CPU per step by phase; {steps} steps, {rounds} "
+          f"round(s); load average {load()}")
+    width = 26
+    print(f"  {'':<{width}}" + "".join(f"{p:>11}" for p in (*PHASES, "CPU total")) + f"{'wall':>11}")
+    for batch in batches:
+        per = -(-batch // 2)
+        runs, alone = [], []
+        for _ in range(rounds):
+            alone.append(alone_step_ms(per, max(3, steps // 4)))
+            runs.append(measure(_model(make_net(), 2), _dataset(batch * steps, batch, (3, 32, 32), 10),
+                                _dataset(batch * 2, batch, (3, 32, 32), 10), steps))
+        print(_row(f"global batch {batch}", runs, width))
+        limit = statistics.median(alone)
+        fit = statistics.median(r["wall"] for r in runs)
+        own = sum(statistics.median(r[p] for r in runs) for p in PHASES[:-1])
+        print(f"  {'':<{width}}one replica's step alone {limit:.1f} ms (the limit of 2 at once); fit's step "
+              f"{fit:.1f} ms ({limit / fit:.2f} of the limit); mirrored's own phases {own:.2f} ms of CPU")
+
+
+def scaling_table(counts: list[int], steps: int, rounds: int, per_replica: int = 2) -> None:
+    print(f"\nTable 2: negligible compute (Linear(8, 4), {per_replica} examples per replica), ms of CPU "
+          f"(GIL-held) per REPLICA step by phase; {steps} steps, {rounds} round(s); load average {load()}")
+    width = 12
+    print(f"  {'replicas':<{width}}" + "".join(f"{p:>11}" for p in (*PHASES, "CPU total")) + f"{'wall/step':>11}")
+    runs: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
+    with warnings.catch_warnings():  # more replicas than cores is this table's point
+        warnings.filterwarnings("ignore", message=r".*CPU replicas share \d+ core", category=UserWarning)
+        # An untimed run first: the process's first fit pays one-time costs (15 ms of CPU a step, measured)
+        measure(_model(torch.nn.Linear(8, 4), counts[0]), _dataset(8 * steps, 8, (8,), 4), _dataset(16, 8, (8,), 4),
+                steps)
+        for _ in range(rounds):
+            for n in counts:
+                torch.manual_seed(0)
+                batch = n * per_replica
+                runs[n].append(measure(_model(torch.nn.Linear(8, 4), n), _dataset(batch * steps, batch, (8,), 4),
+                                       _dataset(batch * 2, batch, (8,), 4), steps))
+    for n in counts:
+        row = _row(str(n), runs[n], width, per=n)  # phases per replica step; wall per step
+        wall = statistics.median(r["wall"] for r in runs[n])
+        print(row[: -11] + f"{wall:>11.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256], help="ResNet-20 global batches")
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4, 8], help="replica counts of table 2")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per ResNet run (x10 for the MLP)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny settings: checks the script runs")
+    args = parser.parse_args()
+    if args.quick:
+        args.batches, args.counts, args.steps, args.rounds = [8], [1, 2], 2, 1
+    print(machine())
+    resnet_table(args.batches, args.steps, args.rounds)
+    scaling_table(args.counts, args.steps * 10, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
