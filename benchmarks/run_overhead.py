@@ -153,7 +153,8 @@ def pieces(strategy: mr.MirroredStrategy) -> dict[str, Callable[[], object]]:
         with strategy._guard(noop):
             pass
 
-    task = strategy._replica_task(noop, args, kwargs, strategy_module._SHARED, step, journals, ())
+    random_modes = strategy._random_modes(args, kwargs, strategy_module._SHARED)
+    task = strategy._replica_task(noop, args, kwargs, strategy_module._SHARED, step, journals, (), random_modes)
 
     def replica_wrapper() -> None:  # the task a replica thread runs around fn, with fn a no-op
         step._done.clear()  # (as if a new step: finish() refuses a replica that finished already)
