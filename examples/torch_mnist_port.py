@@ -135,6 +135,8 @@ def run_loop(args: argparse.Namespace) -> dict[str, Any]:
         # After the test: its strategy.run calls count as steps of the replicas' generators too, so
         # a checkpoint taken before them would resume at another step number (other dropout masks).
         manager.save()
+    if accuracy is None:  # the checkpoint was already at the last epoch: test what it holds
+        accuracy = _test(strategy, model, test_step, test_batches)
     if args.checkpoint_dir is None:
         shutil.rmtree(directory)
     strategy.check_in_sync([model, optimizer])  # every replica's weights, bit for bit

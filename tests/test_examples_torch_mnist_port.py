@@ -49,6 +49,9 @@ def test_the_loop_is_bitwise_reproducible_and_resumes_exactly(example, tmp_path)
     _run(example, "--epochs", "1", "--checkpoint-dir", str(tmp_path))
     resumed = _run(example, "--checkpoint-dir", str(tmp_path))
     _assert_bitwise(resumed["weights"], first["weights"])
+    finished = _run(example, "--checkpoint-dir", str(tmp_path))  # nothing left to train: it tests
+    _assert_bitwise(finished["weights"], first["weights"])
+    assert finished["accuracy"] == first["accuracy"] and finished["lrs"] == []
     # StepLR(step_size=1, gamma=0.7) on every replica's optimizer: 1.0, then 0.7, then 0.49.
     assert first["lrs"] == [1.0, 0.7]
     assert first["replica_lrs"] == pytest.approx([0.49, 0.49])
