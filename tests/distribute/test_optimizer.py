@@ -172,6 +172,36 @@ def test_mean_reduction_with_an_unchanged_loss_line_gives_one_devices_update(rep
     assert_matches(mnet, ref, strategy, opt)
 
 
+def test_mean_reduction_ignores_evaluation_forwards_between_training_steps():
+    """Issue 26 (found porting pytorch/examples' MNIST): the recipe's test() runs the model under
+    no_grad between epochs. Those forwards add no gradient, so they must not weigh the next step's
+    replicas: an evaluation batch of 5 (3/2) before a training batch of 7 (4/3) still gives one
+    device's update on the 7, not replicas weighed 7:5."""
+    x, y = data(12)
+    ref = net()
+    F.cross_entropy(ref(x[:7]), y[:7]).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.1)
+
+    def evaluate(xb):
+        with torch.no_grad():
+            return mnet(xb).sum()
+
+    def train(xb, yb):
+        opt.zero_grad()
+        F.cross_entropy(mnet(xb), yb).backward()
+        opt.step()
+
+    (eval_x,) = next(iter(strategy.experimental_distribute_dataset([(x[7:],)])))
+    strategy.run(evaluate, args=(eval_x,))
+    train_batch = next(iter(strategy.experimental_distribute_dataset([(x[:7], y[:7])])))
+    strategy.run(train, args=train_batch)
+    assert_matches(mnet, ref, strategy, opt)
+
+
 def test_mean_reduction_without_weights_is_ddps_plain_average():
     """Gradients set by hand (the module was not called, so no example counts): the plain mean."""
     strategy = strategy_of(3)

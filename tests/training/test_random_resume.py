@@ -107,3 +107,52 @@ def test_a_custom_loop_checkpoint_with_the_random_state_resumes_the_dropout_mask
     got = fresh.experimental_local_results(fresh.run(lambda t: F.dropout(t, 0.5), args=(batch2,)))
     for a, b in zip(want, got):
         assert torch.equal(a, b)
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def _fit_without_dropout(callbacks: list) -> dict[str, torch.Tensor]:
+    mr.utils.set_random_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(40, 5, generator=g), torch.randint(0, 3, (40,), generator=g)
+    ds = mr.data.Dataset.from_tensor_slices((x, y)).shuffle(40, seed=2).batch(8)
+    with mr.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+        model = mr.Model(nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3)))
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                      loss="sparse_categorical_crossentropy")
+    model.fit(ds, epochs=2, verbose=0, callbacks=callbacks)
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def test_a_backup_from_before_the_random_state_was_saved_resumes_with_a_warning(tmp_path):
+    """Issue 26: backups written before the replicas' generators were saved lack the 'model.random'
+    entry. Refusing them would throw an interrupted run away; they resume, with a warning that random
+    draws will not match. A model without dropout loses nothing: the uninterrupted run's weights."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    class StopAfter(mr.callbacks.Callback):
+        seen = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            StopAfter.seen += 1
+            if StopAfter.seen == 7:  # in the second epoch, after the backup at its 2nd batch
+                raise _Interrupt
+
+    want = _fit_without_dropout([])
+    backup = mr.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=2)
+    with pytest.raises(_Interrupt):
+        _fit_without_dropout([backup, StopAfter()])
+    with safe_open(backup.path, "pt") as f:  # make it an older version's backup
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    saved = json.loads(header["mirrored"])
+    del saved["objects"]["model.random"]
+    save_file(tensors, backup.path, {**header, "mirrored": json.dumps(saved)})
+    with pytest.warns(UserWarning, match=r"holds no entry 'model.random'.*not match an uninterrupted run"):
+        got = _fit_without_dropout([mr.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=2)])
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name

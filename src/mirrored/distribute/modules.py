@@ -252,7 +252,9 @@ class MirroredModule:
             journal.before_forward(copy_)
             for t in _found_state(copy_):  # and the state a registered finder names (Keras's moving statistics)
                 journal.before_write(t)
-        if self._shared.examples is not None:  # gradient_reduction="mean" weighs replicas by their examples
+        # gradient_reduction="mean" weighs replicas by their examples; a forward without grad (an
+        # evaluation between training steps, issue 26) adds no gradient, so it adds no weight either.
+        if self._shared.examples is not None and torch.is_grad_enabled():
             self._shared.add_examples(rid, journal, args, kwargs)
         if self._shared.grad_sync is not None and torch.is_grad_enabled():
             self._shared.grad_sync.before_forward(ctx)

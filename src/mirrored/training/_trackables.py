@@ -234,6 +234,16 @@ class _State:
         return Restore(path, lambda: obj.set_state(state), undo=lambda: obj.set_state(now))
 
 
+class _ReplicaRandom(_State):
+    """A model's replicas' generators (seed, steps run). Backups written before mirrored saved them lack
+    the entry; they restore without it, with a warning, rather than being refused (issue 26)."""
+
+    absent = ("holds no entry {path!r} for the replicas' random generators: it was written by a mirrored that did "
+              "not save them. Resuming without it: the weights, optimizer and data resume as saved, but random "
+              "draws in replica steps (dropout) continue from this run's seed, not as the interrupted run would "
+              "have drawn them, so the result will not match an uninterrupted run bit for bit.")
+
+
 class LossScale:
     """The replicas' GradScalers, which hold the same scale (they see the same reduced gradients), as
     one trackable: get_state() is the first's state_dict, set_state() loads it into every one."""
@@ -309,7 +319,7 @@ def entries(path: str, obj: Any) -> Iterator[tuple[str, Any, Any]]:
         if obj.loss_scale is not None:  # fp16's loss scale: a resumed run goes on with it
             yield f"{path}.loss_scale", _State, obj.loss_scale
         # The replicas' generators (seed, steps run): a resumed run draws the dropout masks the first would have.
-        yield f"{path}.random", _State, obj.distribute_strategy.random_state
+        yield f"{path}.random", _ReplicaRandom, obj.distribute_strategy.random_state
         return
     kind = _kind(obj)
     if kind is None and isinstance(obj, (torch.optim.lr_scheduler.LRScheduler,

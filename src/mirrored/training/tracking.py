@@ -30,6 +30,7 @@ import logging
 import os
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -244,14 +245,15 @@ class Checkpoint:
         counter = meta.get("save_counter", 0)
         if not checkpoint_checks.is_count(counter) or counter >= 1 << 63:
             raise origin.damaged(f"its save_counter is {counter!r:.40}, not a whole number >= 0")
-        restores, missing, unused = self._check(tensors, meta.get("objects", {}), origin, complete)
+        restores, missing, unused = self._check(tensors, meta.get("objects", {}), origin, complete,
+                                                f"{where}({path!r})")
         _apply(restores, origin)
         if restore_counter:
             self._save_counter = counter
         return CheckpointLoadStatus(path, missing, unused, len(restores))
 
-    def _check(self, tensors: dict[str, Tensor], saved: Any, origin: checkpoint_checks.Origin, complete: bool
-               ) -> tuple[list[_trackables.Restore], list[str], list[str]]:
+    def _check(self, tensors: dict[str, Tensor], saved: Any, origin: checkpoint_checks.Origin, complete: bool,
+               reader: str = "Checkpoint") -> tuple[list[_trackables.Restore], list[str], list[str]]:
         """Every entry checked in full against its object, nothing assigned: the checked restores, and the
         values of the objects that the file lacks (missing) and those of the file that no object takes (unused)."""
         if not isinstance(saved, dict):
@@ -266,6 +268,9 @@ class Checkpoint:
         missing: list[str] = []
         for entry_path, kind, obj in entries:
             entry = saved.get(entry_path)
+            if entry is None and getattr(kind, "absent", None):  # an entry that files of older versions lack
+                warnings.warn(f"{reader}: the file {kind.absent.format(path=entry_path)}", stacklevel=4)
+                continue
             if entry is None:
                 missing.append(entry_path)
                 continue
