@@ -363,11 +363,22 @@ def test_model_checkpoint_writes_keras_archives(tmp_path):
     """ModelCheckpoint with a ".keras" filepath writes Keras archives that keras.models.load_model reads."""
     x, y = _data(5)
     model = _ours(_bn_model(5), 2, optimizer="adam", loss="sparse_categorical_crossentropy")
-    model.fit(x, y, batch_size=GLOBAL, epochs=2, verbose=0,
-              callbacks=[mr.callbacks.ModelCheckpoint(str(tmp_path / "m-{epoch}.keras"), save_best_only=False)])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*not Keras zip")  # it IS a Keras archive: no warning says otherwise
+        checkpoints = mr.callbacks.ModelCheckpoint(str(tmp_path / "m-{epoch}.keras"), save_best_only=False)
+    model.fit(x, y, batch_size=GLOBAL, epochs=2, verbose=0, callbacks=[checkpoints])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m-1.keras", "m-2.keras"]
     loaded = keras.models.load_model(tmp_path / "m-2.keras")
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, batch_size=GLOBAL, verbose=0))
+
+
+def test_model_checkpoint_to_keras_files_of_a_torch_model_is_refused_before_training(tmp_path):  # issue 23
+    model = _ours(torch.nn.Linear(3, 2), 1, optimizer="sgd", loss="mse")
+    x, y = np.zeros((4, 3), "float32"), np.zeros((4, 2), "float32")
+    with pytest.raises(ValueError, match=r"ModelCheckpoint\(.*m\.keras'\): \".keras\" is Keras's archive.*Linear"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+                  callbacks=[mr.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"))])
+    assert not list(tmp_path.iterdir())
 
 
 def test_learning_rate_callbacks_set_the_keras_optimizer_rate():

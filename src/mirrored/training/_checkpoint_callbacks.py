@@ -35,7 +35,8 @@ class ModelCheckpoint(Callback):
         check_mode("ModelCheckpoint", mode)
         check_save_freq("ModelCheckpoint", save_freq)
         self.filepath = os.fspath(filepath)
-        checkpoint.check_file_path(self.filepath, "ModelCheckpoint")  # now, not after the first epoch
+        # now, not after the first epoch; whether a ".keras" path suits the model is known at train begin
+        checkpoint.check_file_path(self.filepath, "ModelCheckpoint", keras_archive_ok=not save_weights_only)
         self.monitor = monitor
         self.verbose = verbose
         self.save_best_only = save_best_only
@@ -48,7 +49,13 @@ class ModelCheckpoint(Callback):
         self._steps = StepCounter(save_freq) if save_freq != "epoch" else None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        """Resolves the monitor's mode (save_best_only) and restarts the step count."""
+        """Resolves the monitor's mode (save_best_only) and restarts the step count; a ".keras" path is
+        refused here, before any step, for a model that is not a Keras model (Model.save would refuse it)."""
+        keras_path = self.filepath.lower().endswith(".keras") and not self.save_weights_only
+        if keras_path and not getattr(self.model, "_keras", False):
+            raise ValueError(f"ModelCheckpoint({self.filepath!r}): \".keras\" is Keras's archive, written for Keras "
+                             f"models; this model is the torch module {type(self.model.module).__name__}. Name the "
+                             "files *.safetensors (Model.load reads them back).")
         if self.save_best_only:
             self._direction = resolve_mode("ModelCheckpoint", self.monitor, self.mode, self.model)
         if self._steps is not None:

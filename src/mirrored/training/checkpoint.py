@@ -88,7 +88,7 @@ _FOREIGN_SUFFIXES = {".h5": "HDF5", ".hdf5": "HDF5", ".keras": "Keras zip", ".pt
 _warned_paths: set[str] = set()
 
 
-def check_file_path(path: str, where: str) -> None:
+def check_file_path(path: str, where: str, keras_archive_ok: bool = False) -> None:
     """Refuses a path that names a directory (a TF SavedModel habit): a checkpoint is one file. Warns,
     once per path, where its suffix promises another format (model.h5, a .keras or .pt file): the file
     is safetensors whatever its name, and tools of that format would fail on it."""
@@ -97,6 +97,8 @@ def check_file_path(path: str, where: str) -> None:
                          f"a file name, e.g. {os.path.join(path, 'model.safetensors')!r}.")
     stem, suffix = os.path.splitext(path)
     foreign = _FOREIGN_SUFFIXES.get(suffix.lower())
+    if keras_archive_ok and suffix.lower() == ".keras":  # a Keras model's save writes Keras's archive there
+        foreign = None
     if foreign is not None and path not in _warned_paths:
         _warned_paths.add(path)
         warnings.warn(f"{where}({path!r}): the file will be safetensors + JSON, not {foreign}, whatever its "
