@@ -62,6 +62,11 @@ def _temps(directory) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
 
 
+def _strays(directory, *keep: str) -> list[str]:
+    """Every file in `directory` but `keep` and the writer script: temporary files of any name."""
+    return sorted(set(os.listdir(directory)) - {"writer.py", *keep})
+
+
 def _kill(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(30) == -signal.SIGKILL
@@ -143,5 +148,31 @@ def test_saves_killed_at_random_moments_leave_no_garbage_after_the_next_save(tmp
         tensors, meta = load_checkpoint(target)  # never a torn or mixed file
         assert torch.equal(tensors["w"], torch.full((ELEMENTS,), float(meta["pid"])))
         save_checkpoint(tmp_path / "probe.safetensors", {"w": torch.ones(1)}, {})
-        assert _temps(tmp_path) == []
+        assert _strays(tmp_path, "model.safetensors", "probe.safetensors") == []
     print(f"{left_behind} of 6 killed saves left a temporary file; the next save removed each")
+
+
+def test_several_writers_killed_at_random_moments_leave_no_file_of_any_name_after_the_next_save(tmp_path):
+    """Issue 25: three processes saving 32 MB checkpoints into one folder, each killed with SIGKILL at a random
+    moment, twice; then one clean save. No temporary file of any name is left: every one is ours, so the
+    stale-file cleanup knows it. (safetensors' save_file wrote a ".tmpXXXXXX" of its own beside ours, which
+    nothing removed: 4 of 6 killed writers left one.)"""
+    target = tmp_path / "model.safetensors"
+    rng = random.Random(25)
+    for _ in range(2):
+        procs = [_writer(tmp_path, target, "loop") for _ in range(3)]
+        try:
+            for proc in procs:
+                assert _line(proc) == "saved"  # each wrote one whole file: all three are saving now
+            for proc in rng.sample(procs, len(procs)):
+                time.sleep(rng.uniform(0.0, 0.3))
+                _kill(proc)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(30)
+        tensors, meta = load_checkpoint(target)  # never a torn or mixed file
+        assert torch.equal(tensors["w"], torch.full((ELEMENTS,), float(meta["pid"])))
+    save_checkpoint(tmp_path / "probe.safetensors", {"w": torch.ones(1)}, {})
+    assert _strays(tmp_path, "model.safetensors", "probe.safetensors") == []

@@ -14,7 +14,6 @@ numpy, checkpoint.py and mirrored.models.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import random
@@ -25,14 +24,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from mirrored.training import checkpoint
 from mirrored.training.checkpoint import CheckpointError
 
 __all__ = ["Origin", "build_module", "epoch_state", "is_count", "model_metadata", "model_optimizer_state",
            "module_state", "object_state", "optimizer_state", "rng_state", "state_dict", "tensor"]
 
-_TENSOR_TAG = "__tensor__"  # as checkpoint.py writes them
-_TUPLE_TAG = "__tuple__"
-_ITEMS_TAG, _COUNTER_TAG = "__items__", "__counter__"  # a dict with keys other than str, as [key, value] pairs
 _KERAS_KEY = "keras"  # mr.optimizers' own state in a state_dict (optimizers.py)
 _MAX_DEPTH = 32  # JSON nesting deeper than any optimizer setting: a damaged file, not recursion
 _MAX_CUDA_DEVICES = 1 << 12
@@ -360,33 +357,8 @@ def _state_value(origin: Origin, prefix: str, pid: int, name: str, value: Any, t
     return value
 
 
-def _decode(origin: Origin, value: Any, tensors: Mapping[str, Tensor], where: str, depth: int = 0) -> Any:
-    """checkpoint.optimizer_state_from_flat's decoding, refusing what no optimizer saved."""
-    if depth > _MAX_DEPTH:
-        raise origin.damaged(f"{where} is nested more than {_MAX_DEPTH} levels deep")
-    if isinstance(value, list):
-        return [_decode(origin, v, tensors, where, depth + 1) for v in value]
-    if isinstance(value, dict):
-        if len(value) == 1 and _TENSOR_TAG in value:
-            name = value[_TENSOR_TAG]
-            if not isinstance(name, str) or name not in tensors:
-                raise origin.damaged(f"{where} refers to tensor {name!r:.80}, which the file does not hold")
-            return tensors[name]
-        if len(value) == 1 and _TUPLE_TAG in value:
-            if not isinstance(value[_TUPLE_TAG], list):
-                raise origin.damaged(f"{where} is a tuple that holds no list")
-            return tuple(_decode(origin, v, tensors, where, depth + 1) for v in value[_TUPLE_TAG])
-        if len(value) == 1 and (_ITEMS_TAG in value or _COUNTER_TAG in value):
-            pairs = next(iter(value.values()))
-            if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
-                raise origin.damaged(f"{where} is a dict that holds no list of [key, value] pairs")
-            decoded = [(_decode(origin, k, tensors, where, depth + 1), _decode(origin, v, tensors, where, depth + 1))
-                       for k, v in pairs]
-            if not all(isinstance(k, (bool, int, float, tuple)) for k, _ in decoded):
-                raise origin.damaged(f"{where} has a key that is not a number or a tuple")
-            return (collections.Counter if _COUNTER_TAG in value else dict)(dict(decoded))
-        return {k: _decode(origin, v, tensors, where, depth + 1) for k, v in value.items()}
-    return value
+def _decode(origin: Origin, value: Any, tensors: Mapping[str, Tensor], where: str) -> Any:
+    return checkpoint.decode_value(value, tensors, where, origin.damaged)
 
 
 def _kind(value: Any) -> Any:
