@@ -17,9 +17,9 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from mirrored.training import checkpoint
+from mirrored.training import checkpoint, checkpoint_checks
 from mirrored.training.checkpoint import (
-    capture_rng_state, load_checkpoint, load_state_dict, optimizer_state_from_flat,
+    CheckpointError, capture_rng_state, load_checkpoint, load_state_dict, optimizer_state_from_flat,
     optimizer_state_to_flat, restore_rng_state, save_checkpoint)
 
 
@@ -272,6 +272,44 @@ def test_truncated_checkpoint_is_refused(tmp_path):
         load_checkpoint(path)
 
 
+def test_a_file_that_shrinks_during_the_load_is_refused_not_a_crash(tmp_path, monkeypatch):
+    """Issue 25: the tensors are read, not mapped, so a file cut after its header was checked is an error
+    naming it (a mapped tensor was a SIGBUS when touched)."""
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, {"a": torch.zeros(100), "b": torch.ones(100)}, {})
+    real_read_header = checkpoint._read_header
+
+    def then_cut(fd, *args):
+        checked = real_read_header(fd, *args)
+        os.truncate(path, checked[2] + 500)  # a rewrite in place begins: "b" is gone
+        return checked
+
+    monkeypatch.setattr(checkpoint, "_read_header", then_cut)
+    with pytest.raises(CheckpointError, match=r"c\.safetensors.*ended at data byte .* while tensor 'b'.*truncated"):
+        load_checkpoint(path)
+
+
+def test_a_shape_whose_product_overflows_is_refused_in_the_header(tmp_path):
+    """A zero dimension makes [0, 2**62, 4] zero bytes; its other dimensions still overflow a tensor's size."""
+    path = tmp_path / "c.safetensors"
+    header = json.dumps({"__metadata__": {"mirrored": "{}"},
+                         "w": {"dtype": "F32", "shape": [0, 1 << 62, 4], "data_offsets": [0, 0]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CheckpointError, match=r"c\.safetensors.*'w' the shape \[0, 4611686018427387904, 4\]"):
+        load_checkpoint(path)
+
+
+def test_loaded_tensors_are_read_not_mapped(tmp_path):
+    """Issue 25: no tensor is a view of a memory map of the file (tests/reliability/test_loaded_tensors_unmapped.py
+    shows what a mapped one does)."""
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, {"w": torch.arange(1 << 16, dtype=torch.float64), "n": torch.tensor(3)}, {})
+    got, _ = load_checkpoint(path)
+    if os.path.exists("/proc/self/maps"):
+        assert str(path) not in Path("/proc/self/maps").read_text()
+    assert torch.equal(got["w"], torch.arange(1 << 16, dtype=torch.float64)) and got["n"].item() == 3
+
+
 def test_foreign_safetensors_file_needs_load_state_dict(tmp_path):
     path = tmp_path / "hub.safetensors"
     safetensors.torch.save_file({"weight": torch.ones(2)}, str(path))
@@ -423,6 +461,32 @@ def test_unstorable_optimizer_values_are_named():
     with pytest.raises(ValueError, match=r"'optimizer/state/0/exp_avg'.*does not hold"):
         optimizer_state_from_flat({}, {"state": {"0": {"exp_avg": {"__tensor__": "optimizer/state/0/exp_avg"}}},
                                        "param_groups": []})
+
+
+# Forged values of the tag format, each with what the one decoder says about it.
+FORGED_VALUES = [
+    ({"__tuple__": 3}, "is a tuple that holds no list"),
+    ({"__items__": [[1]]}, "is a dict that holds no list of \\[key, value\\] pairs"),
+    ({"__items__": [[{"__tuple__": [[1]]}, 2]]}, "has a key that is not a number"),  # unhashable: was a TypeError
+    ({"__counter__": [[{"__tensor__": "w"}, 2]]}, "has a key that is not a number"),
+    ({"__tensor__": 5}, "refers to tensor 5, which the file does not hold"),
+    (json.loads("[" * 40 + "]" * 40), "is nested more than 32 levels deep"),
+]
+
+
+@pytest.mark.parametrize("value, problem", FORGED_VALUES)
+def test_one_decoder_refuses_a_forged_value_for_the_plain_and_the_checked_load(value, problem):
+    """Issue 25: optimizer_state_from_flat and the loading checks (checkpoint_checks) decode the format with one
+    decoder, so they refuse the same values: a difference between two decoders would let a damaged file in."""
+    meta = {"state": {}, "param_groups": [{"params": [0], "lr": 0.1, "momentum": value}]}
+    tensors = {"w": torch.zeros(1)}
+    with pytest.raises(ValueError, match=f"optimizer_state_from_flat: param_groups\\[0\\] {problem}"):
+        optimizer_state_from_flat(tensors, meta)
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    origin = checkpoint_checks.Origin("Model.load('f.safetensors')")
+    with pytest.raises(CheckpointError, match=r"Model.load\('f.safetensors'\): optimizer param_groups\[0\]\['momentum'\] "
+                                              + problem + ".*damaged"):
+        checkpoint_checks.optimizer_state(origin, tensors, meta, optimizer)
 
 
 # --------------------------------------------------------------------------------------------
