@@ -93,6 +93,35 @@ def test_file_is_plain_safetensors_with_json_under_mirrored_key(tmp_path):
     assert torch.equal(safetensors.torch.load_file(path)["w"], torch.ones(2))
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def test_every_dtype_is_written_as_safetensors_writes_it_and_read_back_bitwise(tmp_path):
+    """Issue 25: save_checkpoint writes the safetensors layout itself (streamed, through its own temporary
+    file): safetensors' own reader loads it, and our reader loads safetensors' own files, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (64,), dtype=torch.uint8, generator=g)
+    dtypes = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+              torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2]
+    tensors = {f"t/{d}": (raw % 2 if d == torch.bool else raw).view(d).reshape(2, -1) for d in dtypes}
+    tensors.update({"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "strided": torch.arange(12.0)[::3]})
+    unsigned = {f"t/{d}": raw.view(d) for d in (torch.uint16, torch.uint32, torch.uint64)}  # (safetensors >= 0.5)
+    save_checkpoint(tmp_path / "unsigned.safetensors", unsigned, {})
+    got, _ = load_checkpoint(tmp_path / "unsigned.safetensors")
+    assert all(got[k].dtype == v.dtype and torch.equal(_bits(got[k]), _bits(v)) for k, v in unsigned.items())
+    save_checkpoint(tmp_path / "ours.safetensors", tensors, {"k": 1})
+    safetensors.torch.save_file({k: v.clone() for k, v in tensors.items()}, tmp_path / "theirs.safetensors",
+                                metadata={"mirrored": "{}"})
+    by_safetensors = safetensors.torch.load_file(tmp_path / "ours.safetensors")
+    ours, _ = load_checkpoint(tmp_path / "theirs.safetensors")
+    for name, want in tensors.items():
+        for got in (by_safetensors[name], ours[name]):
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            assert torch.equal(_bits(got), _bits(want.contiguous())), name
+    assert (tmp_path / "ours.safetensors").read_bytes()[8:9] == b"{"
+
+
 def test_views_transposes_and_shared_storage_are_saved_as_values(tmp_path):
     base = torch.arange(12.0)
     weight = torch.randn(3, 4)

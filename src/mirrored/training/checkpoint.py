@@ -11,8 +11,9 @@ optimizer_state_to_flat()/optimizer_state_from_flat() and capture_rng_state()/re
 turn a torch optimizer's state_dict and the RNG states into tensors + JSON for it;
 load_state_dict() gives the model weights as a plain state_dict. decode_value() is the one decoder
 of the tags in that JSON (tensors, tuples, [key, value] pairs), with its checks. Whether a file fits
-the model it is loaded into is checked in checkpoint_checks.py. Uses torch, safetensors and the stdlib (and
-numpy for the RNG state it owns).
+the model it is loaded into is checked in checkpoint_checks.py. The safetensors layout is written
+and read here (any safetensors reader loads the files). Uses torch and the stdlib (and numpy for
+the RNG state it owns and the tensors' bytes).
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-import safetensors.torch
 import torch
 from torch import Tensor
 
@@ -63,6 +63,7 @@ _DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": t
            "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
            "F32": torch.float32, "C64": torch.complex64, "I64": torch.int64, "U64": torch.uint64,
            "F64": torch.float64}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _MAX_DIMS = 64  # more dimensions than any tensor has: a forged shape, refused before it is used
 # Temporary files are ".<name>.<host>-<pid>.<random>.tmp": the host and pid say whose they are, so
 # a later save can tell a dead writer's leftovers from a live writer's file (see _remove_stale_temps).
@@ -114,7 +115,7 @@ def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, Tensor],
                     metadata: Mapping[str, Any]) -> None:
     """Writes `tensors` and JSON `metadata` to one safetensors file at `path`, atomically.
 
-    Tensors are detached, moved to CPU and made contiguous; tensors that share storage are cloned.
+    Tensors are detached, moved to CPU and made contiguous (tensors that share storage are each written).
     The file is written beside `path`, fsynced and renamed over it (then the directory is fsynced),
     so on any failure `path` keeps its previous content and no temporary file is left behind.
     """
@@ -127,17 +128,13 @@ def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, Tensor],
         raise TypeError(f"save_checkpoint({path!r}): metadata is not JSON-serializable ({e}). Keep "
                         f"tensors in `tensors` and only str/int/float/bool/None/list/dict in "
                         f"`metadata`.") from e
-    # Serialized in memory and written through our own temporary file: safetensors.torch.save_file
-    # writes a temporary file of its own (".tmpXXXXXX"), which a killed writer would leave behind under
-    # a name that _remove_stale_temps cannot know.
-    data = safetensors.torch.save(flat, metadata=header)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     _remove_stale_temps(directory)
     tmp_path = os.path.join(directory, f".{os.path.basename(path)}.{_HOST}-{os.getpid()}."
                                        f"{uuid.uuid4().hex[:12]}.tmp")
     try:
-        _write_file(tmp_path, data, _old_mode(path))
+        _write_file(tmp_path, flat, header, _old_mode(path))
         os.replace(tmp_path, path)
     except BaseException:
         try:
@@ -206,18 +203,43 @@ def _old_mode(path: str) -> int | None:
         return None
 
 
-def _write_file(tmp_path: str, data: bytes, mode: int | None) -> None:
-    """Creates `tmp_path` (permissions: `mode`, else what the umask gives), writes `data` and fsyncs it."""
+def _write_file(tmp_path: str, tensors: Mapping[str, Tensor], metadata: dict[str, str], mode: int | None) -> None:
+    """Writes `tensors` (CPU, contiguous) and `metadata` as a safetensors file at `tmp_path`, created with
+    permissions `mode` (None: what the umask gives), and fsyncs it.
+
+    Written here, streamed from each tensor's own memory: safetensors.torch.save_file writes a temporary
+    file of its own (".tmpXXXXXX"), which a killed writer left behind under a name _remove_stale_temps
+    cannot know, and safetensors.torch.save holds two whole copies of the checkpoint in memory."""
+    # safetensors' order: by element size, largest first, then by name, so after a header padded to 8
+    # bytes every tensor's data is aligned to its element size.
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    entries, offset = {}, 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
     fd = os.open(tmp_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_BINARY", 0), 0o666)
     try:
         if mode is not None:
             os.chmod(tmp_path, mode)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        for chunk in (struct.pack("<Q", len(header)) + header, *(_little_endian_bytes(tensors[n]) for n in order)):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view):]
     finally:
         os.close(fd)
     _fsync_file(tmp_path)
+
+
+def _little_endian_bytes(t: Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (on a little-endian machine)."""
+    raw = t.reshape(-1).view(torch.uint8)
+    if not np.little_endian and t.element_size() > 1 and t.numel():
+        raw = raw.view(-1, t.element_size()).flip(1).reshape(-1)
+    return memoryview(raw.numpy())
 
 
 def _cpu_tensors(path: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -225,7 +247,6 @@ def _cpu_tensors(path: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         raise TypeError(f"save_checkpoint({path!r}): tensors must be a mapping of name -> Tensor, "
                         f"got {type(tensors).__name__}.")
     flat: dict[str, Tensor] = {}
-    storages: set[tuple[int, str]] = set()
     for name, tensor in tensors.items():
         if not isinstance(name, str):
             raise TypeError(f"save_checkpoint({path!r}): tensor names must be str, got "
@@ -237,14 +258,15 @@ def _cpu_tensors(path: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if tensor.layout != torch.strided:
             raise TypeError(f"save_checkpoint({path!r}): tensors[{name!r}] has layout "
                             f"{tensor.layout}; convert it with .to_dense() first.")
-        t = tensor.detach().to("cpu").contiguous()
-        # safetensors refuses two names over one storage (e.g. tied weights): give each its own.
-        key = (t.untyped_storage().data_ptr(), str(t.device))
-        if t.numel() and key in storages:
-            t = t.clone()
-        elif t.numel():
-            storages.add(key)
-        flat[name] = t
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"save_checkpoint({path!r}): tensors[{name!r}] has dtype {tensor.dtype}, which "
+                            f"safetensors cannot hold; convert it to one of "
+                            f"{', '.join(str(d).removeprefix('torch.') for d in _DTYPE_NAMES)}.")
+        if name == "__metadata__":
+            raise ValueError(f"save_checkpoint({path!r}): '__metadata__' is the name of the safetensors "
+                             "header's metadata; give the tensor another name.")
+        # (Tensors that share storage, e.g. tied weights, are each written whole: no clone needed.)
+        flat[name] = tensor.detach().to("cpu").contiguous()
     return flat
 
 
