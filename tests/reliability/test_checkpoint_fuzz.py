@@ -192,6 +192,15 @@ def _training_state(model: mr.Model) -> list[torch.Tensor]:
     return tensors + [t.clone() for m in model.metrics for var in m.variables for t in var.values]
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal. (Issue 25: a backup whose learning rate was changed to 2.9e16 resumes cleanly, as it
+    says, and trains the shared model to NaN weights; torch.equal then called every later refused example's
+    untouched NaN weights changed, and pytest, formatting that failure, read tensors still mapped from a
+    backup file that the next example had rewritten in place: a SIGBUS.)"""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(data=st.data())
@@ -210,7 +219,7 @@ def test_a_mutated_backup_is_refused_naming_the_file_leaving_the_model_or_resume
     except CheckpointError as e:
         assert str(path) in str(e)
         after = _training_state(model)  # refused: nothing was assigned
-        assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+        assert len(after) == len(before) and all(_same_bits(a, b) for a, b in zip(after, before, strict=True))
         assert model.optimizer.iterations == iterations and torch.equal(torch.get_rng_state(), rng[0])
     finally:  # a restore that succeeded set the process's generators from the file
         torch.set_rng_state(rng[0])

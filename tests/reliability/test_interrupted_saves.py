@@ -42,7 +42,8 @@ WRITER = textwrap.dedent("""
 
 def _writer(tmp_path, target, mode: str) -> subprocess.Popen:
     script = tmp_path / "writer.py"
-    script.write_text(WRITER)
+    if not script.exists():  # written once: rewriting it under a writer that is starting gave it an empty script
+        script.write_text(WRITER)
     return subprocess.Popen([sys.executable, str(script), str(target), mode], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
