@@ -55,7 +55,8 @@ def _rewrite_checkpoint(path: str, tensors=None, meta=None) -> None:
     """Rewrites a checkpoint with plain safetensors: `tensors(dict)` and `meta(dict)` edit in place."""
     with safetensors.safe_open(path, framework="pt") as f:
         header = f.metadata()
-        data = {k: f.get_tensor(k) for k in f.keys()}
+    with open(path, "rb") as f:  # not get_tensor: its tensors map the file this rewrites (issue 25)
+        data = safetensors.torch.load(f.read())
     metadata = json.loads(header["mirrored"])
     if tensors:
         tensors(data)
