@@ -492,6 +492,18 @@ def test_unstorable_optimizer_values_are_named():
                                        "param_groups": []})
 
 
+def test_dicts_with_number_and_tuple_keys_and_counters_round_trip_through_json():
+    """MultiStepLR keeps its milestones in a Counter: it comes back a Counter with the same counts (issue 25's
+    one decoder first counted the [key, value] pairs themselves)."""
+    import collections
+
+    group = {"params": [0], "milestones": collections.Counter({3: 1, 5: 2}), "by_key": {(1, "a"): 0.5, 2.5: None}}
+    tensors, meta = optimizer_state_to_flat({"state": {}, "param_groups": [group]})
+    back = optimizer_state_from_flat(tensors, json.loads(json.dumps(meta)))["param_groups"][0]
+    assert type(back["milestones"]) is collections.Counter and back["milestones"] == group["milestones"]
+    assert back["by_key"] == group["by_key"]
+
+
 # Forged values of the tag format, each with what the one decoder says about it.
 FORGED_VALUES = [
     ({"__tuple__": 3}, "is a tuple that holds no list"),

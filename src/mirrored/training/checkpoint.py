@@ -625,7 +625,7 @@ def decode_value(value: Any, tensors: Mapping[str, Tensor], where: str,
                     decode_value(v, tensors, where, damaged, depth + 1)) for k, v in pairs]
         if not all(_is_key(k) for k, _ in decoded):
             raise damaged(f"{where} has a key that is not a number or a tuple of numbers and str")
-        return (collections.Counter if _COUNTER_TAG in value else dict)(decoded)
+        return (collections.Counter if _COUNTER_TAG in value else dict)(dict(decoded))  # (Counter(pairs) counts them)
     return {k: decode_value(v, tensors, where, damaged, depth + 1) for k, v in value.items()}
 
 
