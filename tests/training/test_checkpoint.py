@@ -525,8 +525,8 @@ def test_one_decoder_refuses_a_forged_value_for_the_plain_and_the_checked_load(v
         optimizer_state_from_flat(tensors, meta)
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     origin = checkpoint_checks.Origin("Model.load('f.safetensors')")
-    with pytest.raises(CheckpointError, match=r"Model.load\('f.safetensors'\): optimizer param_groups\[0\]\['momentum'\] "
-                                              + problem + ".*damaged"):
+    where = r"Model.load\('f.safetensors'\): optimizer param_groups\[0\]\['momentum'\] "
+    with pytest.raises(CheckpointError, match=where + problem + ".*damaged"):
         checkpoint_checks.optimizer_state(origin, tensors, meta, optimizer)
 
 

@@ -217,7 +217,8 @@ def _write_file(tmp_path: str, tensors: Mapping[str, Tensor], metadata: dict[str
     for name in order:
         t = tensors[name]
         size = t.numel() * t.element_size()
-        entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                         "data_offsets": [offset, offset + size]}
         offset += size
     header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
