@@ -8,9 +8,10 @@ step count, accumulated gradients and moving averages), `tensor` (a variable's v
 (each state set on a fresh generator, which checks exactly what the restore will), `epoch_state`
 and `object_state` (a get_state() against the object's own), `build_module` (the recorded
 architecture against the model factory's arguments and bounds, built on the meta device first so a
-forged size never reaches the allocator) and `model_metadata` (a Model file's JSON fields). A
-problem is a CheckpointError (a ValueError) naming the file, the key and both values. Uses torch,
-numpy, checkpoint.py and mirrored.models.
+forged size never reaches the allocator) and `model_metadata` (a Model file's JSON fields). The
+optimizer's JSON is decoded by checkpoint.decode_value, the one decoder of the format, whose checks
+name the file through Origin.damaged. A problem is a CheckpointError (a ValueError) naming the
+file, the key and both values. Uses torch, numpy, checkpoint.py and mirrored.models.
 """
 from __future__ import annotations
 
@@ -358,6 +359,7 @@ def _state_value(origin: Origin, prefix: str, pid: int, name: str, value: Any, t
 
 
 def _decode(origin: Origin, value: Any, tensors: Mapping[str, Tensor], where: str) -> Any:
+    """checkpoint.decode_value, its errors naming the file."""
     return checkpoint.decode_value(value, tensors, where, origin.damaged)
 
 
