@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mirrored as mr
+from mirrored.training import jit
 from mirrored.training.checkpoint import CheckpointError
 
 # Any JSON value: what a damaged or forged header may hold where a field should be.
@@ -31,6 +32,16 @@ JSON = st.recursive(
     max_leaves=8)
 PYTHON_PEAK_BYTES = 32 << 20  # the header is ~10 kB: parsing and checking it needs far less than this
 RSS_GROWTH_BYTES = 256 << 20  # the whole file is ~60 kB: no tensor may be allocated beyond its bytes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _jit_with_aot_eager(compiler_threads):
+    """A mutated file may ask for compile(jit_compile=True), which is a file that loads and trains: it compiles
+    with aot_eager here (inductor took 25-100 s for one example), and torch.compile's process-wide threads are
+    started first, so that they are not taken for threads that example left behind (issue 25's hunt)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jit, "BACKEND", "aot_eager")
+        yield
 
 
 @pytest.fixture(scope="module")
