@@ -238,3 +238,23 @@ def test_a_mutated_backup_is_refused_naming_the_file_leaving_the_model_or_resume
         np.random.set_state(rng[2])
     model.check_in_sync()
     assert os.path.exists(path)
+
+
+def test_a_backup_whose_learning_rate_overflows_the_parameters_is_refused(backup_file, tmp_path):
+    """Issue 25's hunt (3,000 examples, seed 24): a rate of 3.402823466385289e+38 is finite and >= 0, so the backup
+    resumed, and the first step raised "value cannot be converted to type float without overflow" from a replica.
+    The rate is checked against the parameters' dtype (float32) before anything is assigned."""
+    header, body, model = backup_file
+    header = copy.deepcopy(header)
+    meta = json.loads(header["__metadata__"]["mirrored"])
+    meta["objects"]["fit"]["state"]["learning_rate"] = 3.402823466385289e+38  # > float32's largest, 3.4028235e38
+    header["__metadata__"]["mirrored"] = json.dumps(meta)
+    text = json.dumps(header).encode()
+    path = tmp_path / "training_state.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + body)
+    before = _training_state(model)
+    with pytest.raises(CheckpointError, match=r"training_state\.safetensors.*'fit.learning_rate' is 3.4028234663852\d*e\+38, "
+                                              r"more than the parameters' dtype holds \(3.40282e\+38\)"):
+        model.fit(_mlp_data(), epochs=2, verbose=0, callbacks=[
+            mr.callbacks.BackupAndRestore(tmp_path, delete_checkpoint=False)])
+    assert all(_same_bits(a, b) for a, b in zip(_training_state(model), before, strict=True))

@@ -476,7 +476,7 @@ def _is_object_note(value: Any) -> bool:
 
 
 def epoch_state(origin: Origin, key: str, state: Any, like: Mapping[str, Any], steps_per_epoch: int | None,
-                continuing: bool, batches_per_pass: int | None) -> None:
+                continuing: bool, batches_per_pass: int | None, max_learning_rate: float | None = None) -> None:
     """A saved EpochIterator.get_state() (fit's place: epoch, step, data position, learning rate) fits the
     EpochIterator whose get_state() is `like`: its data position has the structure of this run's input
     pipeline and lies within its epochs and passes, and its rate can be set on this run's optimizer.
@@ -494,6 +494,10 @@ def epoch_state(origin: Origin, key: str, state: Any, like: Mapping[str, Any], s
     lr = state.get("learning_rate")
     if lr is not None and (_number(lr) is None or not math.isfinite(lr) or lr < 0):
         raise origin.damaged(f"'{key}.learning_rate' is {lr!r:.40}, not a learning rate >= 0")
+    if lr is not None and max_learning_rate is not None and lr > max_learning_rate:
+        # (torch's kernels take the rate in the parameters' dtype: 3.41e38 overflowed float32 in the first step)
+        raise origin.damaged(f"'{key}.learning_rate' is {lr!r:.40}, more than the parameters' dtype holds "
+                             f"({max_learning_rate:.6g})")
     if lr is not None and like.get("learning_rate") is None:
         raise origin.mismatch(f"'{key}.learning_rate' is {lr!r}, but this fit's optimizer takes its rate from a "
                               "schedule, which cannot be set: it was saved from a fit with another optimizer")
