@@ -43,6 +43,21 @@ def no_thread_left_behind():
     assert not left, f"test left threads running: {[t.name for t in left]}"
 
 
+@pytest.fixture(scope="session")
+def compiler_threads():
+    """Starts torch.compile's process-wide helper threads, which stay for the process: tqdm's monitor
+    (torch.fx's interpreter makes a progress bar) and inductor's pool of compile threads. A module that
+    compiles uses it, so that they start before the per-test check for threads left behind."""
+    torch.compile(lambda t: t * 2, backend="aot_eager")(torch.ones(2, requires_grad=True))
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+
+    workers = get_compile_threads()
+    if workers > 1:  # (one compile thread: inductor compiles on the calling thread, no pool)
+        everyone = threading.Barrier(workers)  # each task waits for the others: one thread per task
+        for done in [AsyncCompile.pool().submit(everyone.wait, 30) for _ in range(workers)]:
+            done.result()
+
+
 @pytest.fixture
 def fixtures_dir() -> Path:
     """../shared/fixtures, read by a path relative to the repository."""
@@ -55,7 +70,8 @@ def _rewrite_checkpoint(path: str, tensors=None, meta=None) -> None:
     """Rewrites a checkpoint with plain safetensors: `tensors(dict)` and `meta(dict)` edit in place."""
     with safetensors.safe_open(path, framework="pt") as f:
         header = f.metadata()
-        data = {k: f.get_tensor(k) for k in f.keys()}
+    with open(path, "rb") as f:  # not get_tensor: its tensors map the file this rewrites (issue 25)
+        data = safetensors.torch.load(f.read())
     metadata = json.loads(header["mirrored"])
     if tensors:
         tensors(data)

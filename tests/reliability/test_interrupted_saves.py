@@ -31,6 +31,20 @@ WRITER = textwrap.dedent("""
             print("written", p, flush=True)
             sys.stdin.readline()
         checkpoint._fsync_file = paused
+    if mode == "fork":  # a writer per line on stdin, forked (no interpreter start-up), each saving in a loop
+        import signal
+        torch.set_num_threads(1)  # no intra-op thread pool to fork
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # killed writers are reaped at once, so their pids die
+        for _ in sys.stdin:
+            child = os.fork()
+            if child:
+                print("forked", child, flush=True)
+                continue
+            value = torch.full(({elements},), float(os.getpid()))
+            while True:
+                checkpoint.save_checkpoint(path, {{"w": value}}, {{"pid": os.getpid()}})
+                print("saved", os.getpid(), flush=True)
+        sys.exit(0)
     value = torch.full(({elements},), float(os.getpid()))
     while True:
         checkpoint.save_checkpoint(path, {{"w": value}}, {{"pid": os.getpid()}})
@@ -42,7 +56,8 @@ WRITER = textwrap.dedent("""
 
 def _writer(tmp_path, target, mode: str) -> subprocess.Popen:
     script = tmp_path / "writer.py"
-    script.write_text(WRITER)
+    if not script.exists():  # written once: rewriting it under a writer that is starting gave it an empty script
+        script.write_text(WRITER)
     return subprocess.Popen([sys.executable, str(script), str(target), mode], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -60,6 +75,11 @@ def _line(proc: subprocess.Popen, timeout_s: float = 120) -> str:
 
 def _temps(directory) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
+
+
+def _strays(directory, *keep: str) -> list[str]:
+    """Every file in `directory` but `keep` and the writer script: temporary files of any name."""
+    return sorted(set(os.listdir(directory)) - {"writer.py", *keep})
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -143,5 +163,52 @@ def test_saves_killed_at_random_moments_leave_no_garbage_after_the_next_save(tmp
         tensors, meta = load_checkpoint(target)  # never a torn or mixed file
         assert torch.equal(tensors["w"], torch.full((ELEMENTS,), float(meta["pid"])))
         save_checkpoint(tmp_path / "probe.safetensors", {"w": torch.ones(1)}, {})
-        assert _temps(tmp_path) == []
+        assert _strays(tmp_path, "model.safetensors", "probe.safetensors") == []
     print(f"{left_behind} of 6 killed saves left a temporary file; the next save removed each")
+
+
+def test_several_writers_killed_at_random_moments_leave_no_file_of_any_name_after_the_next_save(tmp_path):
+    """Issue 25: three processes at a time saving 32 MB checkpoints into one folder, each killed with SIGKILL at
+    a random moment, four times over (12 kills); then one clean save. No temporary file of any name is left:
+    every one is ours, so the stale-file cleanup knows it. (safetensors' save_file wrote a ".tmpXXXXXX" of its
+    own beside ours, which nothing removed: 4 of 6 killed writers left one.)"""
+    target = tmp_path / "model.safetensors"
+    rng = random.Random(25)
+    parent = _writer(tmp_path, target, "fork")  # forks the writers: twelve interpreter start-ups would take long
+    forked: list[int] = []
+    try:
+        for _ in range(4):
+            writers = []
+            for _ in range(3):
+                parent.stdin.write("fork\n")
+                parent.stdin.flush()
+                line = _line(parent)
+                while not line.startswith("forked "):  # (a "saved" line of a writer forked before)
+                    line = _line(parent)
+                writers.append(int(line.split()[1]))
+                forked.append(writers[-1])
+            waiting = set(writers)
+            while waiting:  # each wrote one whole file: all three are saving now
+                line = _line(parent)
+                waiting.discard(int(line.split()[1]) if line.startswith("saved ") else None)
+            for pid in rng.sample(writers, len(writers)):
+                time.sleep(rng.uniform(0.0, 0.2))
+                os.kill(pid, signal.SIGKILL)
+            tensors, meta = load_checkpoint(target)  # never a torn or mixed file
+            assert torch.equal(tensors["w"], torch.full((ELEMENTS,), float(meta["pid"])))
+    finally:
+        for pid in forked:  # (all killed already, unless the test failed half-way)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        parent.kill()
+        parent.wait(30)
+        for stream in (parent.stdin, parent.stdout, parent.stderr):
+            stream.close()
+    deadline = time.monotonic() + 30
+    while any(checkpoint._pid_alive(pid) for pid in forked):  # until the killed writers are reaped
+        assert time.monotonic() < deadline, "killed writers still alive after 30 s"
+        time.sleep(0.05)
+    save_checkpoint(tmp_path / "probe.safetensors", {"w": torch.ones(1)}, {})
+    assert _strays(tmp_path, "model.safetensors", "probe.safetensors") == []

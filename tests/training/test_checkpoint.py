@@ -17,9 +17,9 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from mirrored.training import checkpoint
+from mirrored.training import checkpoint, checkpoint_checks
 from mirrored.training.checkpoint import (
-    capture_rng_state, load_checkpoint, load_state_dict, optimizer_state_from_flat,
+    CheckpointError, capture_rng_state, load_checkpoint, load_state_dict, optimizer_state_from_flat,
     optimizer_state_to_flat, restore_rng_state, save_checkpoint)
 
 
@@ -93,6 +93,35 @@ def test_file_is_plain_safetensors_with_json_under_mirrored_key(tmp_path):
     assert torch.equal(safetensors.torch.load_file(path)["w"], torch.ones(2))
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def test_every_dtype_is_written_as_safetensors_writes_it_and_read_back_bitwise(tmp_path):
+    """Issue 25: save_checkpoint writes the safetensors layout itself (streamed, through its own temporary
+    file): safetensors' own reader loads it, and our reader loads safetensors' own files, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (64,), dtype=torch.uint8, generator=g)
+    dtypes = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+              torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2]
+    tensors = {f"t/{d}": (raw % 2 if d == torch.bool else raw).view(d).reshape(2, -1) for d in dtypes}
+    tensors.update({"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "strided": torch.arange(12.0)[::3]})
+    unsigned = {f"t/{d}": raw.view(d) for d in (torch.uint16, torch.uint32, torch.uint64)}  # (safetensors >= 0.5)
+    save_checkpoint(tmp_path / "unsigned.safetensors", unsigned, {})
+    got, _ = load_checkpoint(tmp_path / "unsigned.safetensors")
+    assert all(got[k].dtype == v.dtype and torch.equal(_bits(got[k]), _bits(v)) for k, v in unsigned.items())
+    save_checkpoint(tmp_path / "ours.safetensors", tensors, {"k": 1})
+    safetensors.torch.save_file({k: v.clone() for k, v in tensors.items()}, tmp_path / "theirs.safetensors",
+                                metadata={"mirrored": "{}"})
+    by_safetensors = safetensors.torch.load_file(tmp_path / "ours.safetensors")
+    ours, _ = load_checkpoint(tmp_path / "theirs.safetensors")
+    for name, want in tensors.items():
+        for got in (by_safetensors[name], ours[name]):
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            assert torch.equal(_bits(got), _bits(want.contiguous())), name
+    assert (tmp_path / "ours.safetensors").read_bytes()[8:9] == b"{"
+
+
 def test_views_transposes_and_shared_storage_are_saved_as_values(tmp_path):
     base = torch.arange(12.0)
     weight = torch.randn(3, 4)
@@ -151,15 +180,13 @@ def _assert_old_intact(path: Path) -> None:
 
 def test_failure_mid_write_leaves_old_checkpoint_and_no_temp_file(tmp_path, monkeypatch):
     path = _existing(tmp_path)
-    real_save_file = safetensors.torch.save_file
+    real_write = os.write
 
-    def crash_mid_write(tensors, filename, metadata=None):
-        real_save_file(tensors, filename, metadata=metadata)
-        with open(filename, "r+b") as f:  # half the file, then the "disk" fails
-            f.truncate(os.path.getsize(filename) // 2)
+    def crash_mid_write(fd, data):
+        real_write(fd, bytes(data)[:len(data) // 2])  # half the file, then the "disk" fails
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", crash_mid_write)
+    monkeypatch.setattr(os, "write", crash_mid_write)
     with pytest.raises(OSError, match="No space left"):
         save_checkpoint(path, {"w": torch.zeros(1000)}, {"version": 2})
     monkeypatch.undo()
@@ -186,7 +213,7 @@ def test_keyboard_interrupt_mid_write_also_cleans_up(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    monkeypatch.setattr(os, "write", interrupted)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(path, {"w": torch.zeros(2)}, {"version": 2})
     monkeypatch.undo()
@@ -274,6 +301,44 @@ def test_truncated_checkpoint_is_refused(tmp_path):
         load_checkpoint(path)
 
 
+def test_a_file_that_shrinks_during_the_load_is_refused_not_a_crash(tmp_path, monkeypatch):
+    """Issue 25: the tensors are read, not mapped, so a file cut after its header was checked is an error
+    naming it (a mapped tensor was a SIGBUS when touched)."""
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, {"a": torch.zeros(100), "b": torch.ones(100)}, {})
+    real_read_header = checkpoint._read_header
+
+    def then_cut(fd, *args):
+        checked = real_read_header(fd, *args)
+        os.truncate(path, checked[2] + 500)  # a rewrite in place begins: "b" is gone
+        return checked
+
+    monkeypatch.setattr(checkpoint, "_read_header", then_cut)
+    with pytest.raises(CheckpointError, match=r"c\.safetensors.*ended at data byte .* while tensor 'b'.*truncated"):
+        load_checkpoint(path)
+
+
+def test_a_shape_whose_product_overflows_is_refused_in_the_header(tmp_path):
+    """A zero dimension makes [0, 2**62, 4] zero bytes; its other dimensions still overflow a tensor's size."""
+    path = tmp_path / "c.safetensors"
+    header = json.dumps({"__metadata__": {"mirrored": "{}"},
+                         "w": {"dtype": "F32", "shape": [0, 1 << 62, 4], "data_offsets": [0, 0]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CheckpointError, match=r"c\.safetensors.*'w' the shape \[0, 4611686018427387904, 4\]"):
+        load_checkpoint(path)
+
+
+def test_loaded_tensors_are_read_not_mapped(tmp_path):
+    """Issue 25: no tensor is a view of a memory map of the file (tests/reliability/test_loaded_tensors_unmapped.py
+    shows what a mapped one does)."""
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, {"w": torch.arange(1 << 16, dtype=torch.float64), "n": torch.tensor(3)}, {})
+    got, _ = load_checkpoint(path)
+    if os.path.exists("/proc/self/maps"):
+        assert str(path) not in Path("/proc/self/maps").read_text()
+    assert torch.equal(got["w"], torch.arange(1 << 16, dtype=torch.float64)) and got["n"].item() == 3
+
+
 def test_foreign_safetensors_file_needs_load_state_dict(tmp_path):
     path = tmp_path / "hub.safetensors"
     safetensors.torch.save_file({"weight": torch.ones(2)}, str(path))
@@ -302,7 +367,7 @@ def test_module_never_imports_pickle_or_calls_torch_load():
     imported = {alias.name.split(".")[0] for node in ast.walk(tree)
                 if isinstance(node, (ast.Import, ast.ImportFrom))
                 for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
-    assert imported <= {"__future__", "hashlib", "json", "logging", "os", "random", "re", "socket", "stat",
+    assert imported <= {"__future__", "hashlib", "json", "logging", "math", "os", "random", "re", "socket", "stat",
                         "struct", "time", "uuid", "warnings", "collections", "typing", "numpy",
                         "safetensors", "torch"}, imported
     loads = [node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
@@ -425,6 +490,44 @@ def test_unstorable_optimizer_values_are_named():
     with pytest.raises(ValueError, match=r"'optimizer/state/0/exp_avg'.*does not hold"):
         optimizer_state_from_flat({}, {"state": {"0": {"exp_avg": {"__tensor__": "optimizer/state/0/exp_avg"}}},
                                        "param_groups": []})
+
+
+def test_dicts_with_number_and_tuple_keys_and_counters_round_trip_through_json():
+    """MultiStepLR keeps its milestones in a Counter: it comes back a Counter with the same counts (issue 25's
+    one decoder first counted the [key, value] pairs themselves)."""
+    import collections
+
+    group = {"params": [0], "milestones": collections.Counter({3: 1, 5: 2}), "by_key": {(1, "a"): 0.5, 2.5: None}}
+    tensors, meta = optimizer_state_to_flat({"state": {}, "param_groups": [group]})
+    back = optimizer_state_from_flat(tensors, json.loads(json.dumps(meta)))["param_groups"][0]
+    assert type(back["milestones"]) is collections.Counter and back["milestones"] == group["milestones"]
+    assert back["by_key"] == group["by_key"]
+
+
+# Forged values of the tag format, each with what the one decoder says about it.
+FORGED_VALUES = [
+    ({"__tuple__": 3}, "is a tuple that holds no list"),
+    ({"__items__": [[1]]}, "is a dict that holds no list of \\[key, value\\] pairs"),
+    ({"__items__": [[{"__tuple__": [[1]]}, 2]]}, "has a key that is not a number"),  # unhashable: was a TypeError
+    ({"__counter__": [[{"__tensor__": "w"}, 2]]}, "has a key that is not a number"),
+    ({"__tensor__": 5}, "refers to tensor 5, which the file does not hold"),
+    (json.loads("[" * 40 + "]" * 40), "is nested more than 32 levels deep"),
+]
+
+
+@pytest.mark.parametrize("value, problem", FORGED_VALUES)
+def test_one_decoder_refuses_a_forged_value_for_the_plain_and_the_checked_load(value, problem):
+    """Issue 25: optimizer_state_from_flat and the loading checks (checkpoint_checks) decode the format with one
+    decoder, so they refuse the same values: a difference between two decoders would let a damaged file in."""
+    meta = {"state": {}, "param_groups": [{"params": [0], "lr": 0.1, "momentum": value}]}
+    tensors = {"w": torch.zeros(1)}
+    with pytest.raises(ValueError, match=f"optimizer_state_from_flat: param_groups\\[0\\] {problem}"):
+        optimizer_state_from_flat(tensors, meta)
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    origin = checkpoint_checks.Origin("Model.load('f.safetensors')")
+    where = r"Model.load\('f.safetensors'\): optimizer param_groups\[0\]\['momentum'\] "
+    with pytest.raises(CheckpointError, match=where + problem + ".*damaged"):
+        checkpoint_checks.optimizer_state(origin, tensors, meta, optimizer)
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ bitwise identical (check_in_sync): they apply the same all-reduced gradient.
 from __future__ import annotations
 
 import copy
-import threading
 import warnings
 
 import numpy as np
@@ -68,18 +67,8 @@ def _model(jit_compile, replicas: int = 2, **compile_kwargs) -> mr.Model:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _compiler_threads():
-    """torch.compile starts process-wide helper threads that stay for the process: tqdm's monitor
-    (torch.fx's interpreter makes a progress bar) and inductor's pool of compile threads. They are
-    started here, before the conftest's per-test check for threads left behind."""
-    torch.compile(lambda t: t * 2, backend="aot_eager")(torch.ones(2, requires_grad=True))
-    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
-
-    workers = get_compile_threads()
-    if workers > 1:  # (one compile thread: inductor compiles on the calling thread, no pool)
-        everyone = threading.Barrier(workers)  # each task waits for the others: one thread per task
-        for done in [AsyncCompile.pool().submit(everyone.wait, 30) for _ in range(workers)]:
-            done.result()
+def _compiler_threads(compiler_threads):
+    """torch.compile's process-wide helper threads, started before the per-test thread check (conftest)."""
 
 
 @pytest.fixture

@@ -220,7 +220,7 @@ class _State:
         state, now = meta["state"], obj.get_state()
         if isinstance(obj, EpochIterator):
             checkpoint_checks.epoch_state(ctx.origin, path, state, now, obj.num_batches, obj.continues_passes,
-                                          obj.batches_per_pass)
+                                          obj.batches_per_pass, obj.max_learning_rate)
         else:
             # mirrored's own objects (datasets, distributed iterators) have states whose structure their
             # pipeline fixes; a user's object may keep a state that grows, so only its outline is compared.

@@ -4,13 +4,16 @@ save_checkpoint() writes tensors and a JSON-able dict (kept in the safetensors h
 "mirrored") to a temporary file beside `path`, fsyncs it and renames it over `path`, so a crash
 leaves either the old checkpoint or the new one; the temporary file of a writer that was killed
 (kill -9, power loss) is removed by the next save into that folder. load_checkpoint() reads it
-back with safetensors only: nothing in a checkpoint can run code, and a file that is not what it
-claims (damaged, truncated, forged lengths, not a regular file) raises CheckpointError naming it.
+back without pickle: nothing in a checkpoint can run code, and a file that is not what it claims
+(damaged, truncated, forged lengths, not a regular file) raises CheckpointError naming it. Each
+tensor is read into memory of its own, never left a view of a memory map of the file.
 optimizer_state_to_flat()/optimizer_state_from_flat() and capture_rng_state()/restore_rng_state()
 turn a torch optimizer's state_dict and the RNG states into tensors + JSON for it;
-load_state_dict() gives the model weights as a plain state_dict. Whether a file fits the model it
-is loaded into is checked in checkpoint_checks.py. Uses torch, safetensors and the stdlib (and
-numpy for the RNG state it owns).
+load_state_dict() gives the model weights as a plain state_dict. decode_value() is the one decoder
+of the tags in that JSON (tensors, tuples, [key, value] pairs), with its checks. Whether a file fits
+the model it is loaded into is checked in checkpoint_checks.py. The safetensors layout is written
+and read here (any safetensors reader loads the files). Uses torch and the stdlib (and numpy for
+the RNG state it owns and the tensors' bytes).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import collections
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -27,20 +31,18 @@ import struct
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-import safetensors
-import safetensors.torch
 import torch
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CheckpointError", "CheckpointMismatchError", "capture_rng_state", "load_checkpoint", "load_state_dict",
-    "optimizer_state_from_flat",
+    "CheckpointError", "CheckpointMismatchError", "capture_rng_state", "decode_value", "load_checkpoint",
+    "load_state_dict", "optimizer_state_from_flat",
     "optimizer_state_to_flat", "restore_rng_state", "save_checkpoint",
 ]
 
@@ -53,10 +55,15 @@ _TUPLE_TAG = "__tuple__"
 # milestones, a Counter of epochs, which stays a Counter (a missing epoch counts 0 there).
 _ITEMS_TAG = "__items__"
 _COUNTER_TAG = "__counter__"
-# safetensors dtype names and their bytes per element: a header's offsets must agree with them.
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1,
-                "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
-                "F32": 4, "C64": 8, "I64": 8, "U64": 8, "F64": 8}
+_MAX_DEPTH = 32  # JSON nesting deeper than any optimizer setting: a damaged file, not recursion
+# safetensors dtype names and the torch dtypes they are read as (whose itemsize the offsets must agree with).
+_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
+           "F8_E5M2": torch.float8_e5m2, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+           "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "I16": torch.int16, "U16": torch.uint16,
+           "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
+           "F32": torch.float32, "C64": torch.complex64, "I64": torch.int64, "U64": torch.uint64,
+           "F64": torch.float64}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _MAX_DIMS = 64  # more dimensions than any tensor has: a forged shape, refused before it is used
 # Temporary files are ".<name>.<host>-<pid>.<random>.tmp": the host and pid say whose they are, so
 # a later save can tell a dead writer's leftovers from a live writer's file (see _remove_stale_temps).
@@ -110,7 +117,7 @@ def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, Tensor],
                     metadata: Mapping[str, Any]) -> None:
     """Writes `tensors` and JSON `metadata` to one safetensors file at `path`, atomically.
 
-    Tensors are detached, moved to CPU and made contiguous; tensors that share storage are cloned.
+    Tensors are detached, moved to CPU and made contiguous (tensors that share storage are each written).
     The file is written beside `path`, fsynced and renamed over it (then the directory is fsynced),
     so on any failure `path` keeps its previous content and no temporary file is left behind.
     """
@@ -129,10 +136,7 @@ def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, Tensor],
     tmp_path = os.path.join(directory, f".{os.path.basename(path)}.{_HOST}-{os.getpid()}."
                                        f"{uuid.uuid4().hex[:12]}.tmp")
     try:
-        mode = _new_file_mode(path, tmp_path)
-        safetensors.torch.save_file(flat, tmp_path, metadata=header)
-        os.chmod(tmp_path, mode)  # safetensors makes its files 0600 whatever the umask
-        _fsync_file(tmp_path)
+        _write_file(tmp_path, flat, header, _old_mode(path))
         os.replace(tmp_path, path)
     except BaseException:
         try:
@@ -193,17 +197,52 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _new_file_mode(path: str, tmp_path: str) -> int:
-    """The permissions `path` should end with: those of the file it replaces, else what a new file
-    gets under the umask (learned by creating `tmp_path`, which save_file then overwrites)."""
+def _old_mode(path: str) -> int | None:
+    """The permissions of the file `path` replaces, which the new one keeps; None for a new file."""
     try:
         return os.stat(path).st_mode & 0o777
     except FileNotFoundError:
-        fd = os.open(tmp_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-        try:
-            return os.fstat(fd).st_mode & 0o777
-        finally:
-            os.close(fd)
+        return None
+
+
+def _write_file(tmp_path: str, tensors: Mapping[str, Tensor], metadata: dict[str, str], mode: int | None) -> None:
+    """Writes `tensors` (CPU, contiguous) and `metadata` as a safetensors file at `tmp_path`, created with
+    permissions `mode` (None: what the umask gives), and fsyncs it.
+
+    Written here, streamed from each tensor's own memory: safetensors.torch.save_file writes a temporary
+    file of its own (".tmpXXXXXX"), which a killed writer left behind under a name _remove_stale_temps
+    cannot know, and safetensors.torch.save holds two whole copies of the checkpoint in memory."""
+    # safetensors' order: by element size, largest first, then by name, so after a header padded to 8
+    # bytes every tensor's data is aligned to its element size.
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    entries, offset = {}, 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                         "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    fd = os.open(tmp_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        if mode is not None:
+            os.chmod(tmp_path, mode)
+        for chunk in (struct.pack("<Q", len(header)) + header, *(_little_endian_bytes(tensors[n]) for n in order)):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    _fsync_file(tmp_path)
+
+
+def _little_endian_bytes(t: Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (on a little-endian machine)."""
+    raw = t.reshape(-1).view(torch.uint8)
+    if not np.little_endian and t.element_size() > 1 and t.numel():
+        raw = raw.view(-1, t.element_size()).flip(1).reshape(-1)
+    return memoryview(raw.numpy())
 
 
 def _cpu_tensors(path: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -211,7 +250,6 @@ def _cpu_tensors(path: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         raise TypeError(f"save_checkpoint({path!r}): tensors must be a mapping of name -> Tensor, "
                         f"got {type(tensors).__name__}.")
     flat: dict[str, Tensor] = {}
-    storages: set[tuple[int, str]] = set()
     for name, tensor in tensors.items():
         if not isinstance(name, str):
             raise TypeError(f"save_checkpoint({path!r}): tensor names must be str, got "
@@ -223,14 +261,15 @@ def _cpu_tensors(path: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if tensor.layout != torch.strided:
             raise TypeError(f"save_checkpoint({path!r}): tensors[{name!r}] has layout "
                             f"{tensor.layout}; convert it with .to_dense() first.")
-        t = tensor.detach().to("cpu").contiguous()
-        # safetensors refuses two names over one storage (e.g. tied weights): give each its own.
-        key = (t.untyped_storage().data_ptr(), str(t.device))
-        if t.numel() and key in storages:
-            t = t.clone()
-        elif t.numel():
-            storages.add(key)
-        flat[name] = t
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"save_checkpoint({path!r}): tensors[{name!r}] has dtype {tensor.dtype}, which "
+                            f"safetensors cannot hold; convert it to one of "
+                            f"{', '.join(str(d).removeprefix('torch.') for d in _DTYPE_NAMES)}.")
+        if name == "__metadata__":
+            raise ValueError(f"save_checkpoint({path!r}): '__metadata__' is the name of the safetensors "
+                             "header's metadata; give the tensor another name.")
+        # (Tensors that share storage, e.g. tied weights, are each written whole: no clone needed.)
+        flat[name] = tensor.detach().to("cpu").contiguous()
     return flat
 
 
@@ -259,7 +298,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
                     where: str = "load_checkpoint") -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The tensors (on `device`) and JSON metadata of a file written by save_checkpoint().
 
-    Reads with safetensors only, never pickle or torch.load. A file that cannot be read raises
+    Never unpickles (no torch.load); no tensor is a view of the file. A file that cannot be read raises
     CheckpointError (a ValueError) naming it, its errors prefixed with `where`.
     """
     path = os.fspath(path)
@@ -301,21 +340,50 @@ def _read(path: str, device: str | torch.device, where: str) -> tuple[dict[str, 
     """Tensors and header metadata of a safetensors file, with errors that say what the file is.
 
     The header is parsed and checked here first (JSON, dtypes, shapes, offsets that add up to the
-    file's size), so every tensor safetensors then allocates is backed by bytes of the file: a
-    forged length or shape is refused before it reaches the allocator."""
-    metadata = _check_safetensors_header(path, where)
+    file's size), so every tensor then allocated is backed by bytes of the file: a forged length or
+    shape is refused before it reaches the allocator. The tensors are read into memory of their own,
+    never memory-mapped: one that outlives the load (in a state dict, an optimizer, an exception's
+    traceback) would turn a later rewrite of the file in place into a SIGBUS that kills the process."""
+    fd = _open_regular(path, where)
     try:
-        with safetensors.safe_open(path, framework="pt", device=str(device)) as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except Exception as e:
-        raise CheckpointError(f"{where}({path!r}): not a readable safetensors file ({e}). It may be "
-                              f"truncated or damaged; use another checkpoint.") from e
-    except BaseException as e:  # a panic inside safetensors' Rust code (pyo3's PanicException)
-        if type(e).__name__ != "PanicException":
-            raise
-        raise CheckpointError(f"{where}({path!r}): safetensors could not read the file ({e}); it "
-                              f"is damaged. Use another checkpoint.") from None
+        entries, metadata, data_start = _read_header(fd, path, where)
+        tensors = _read_tensors(fd, entries, data_start, path, where)
+    finally:
+        os.close(fd)
+    if torch.device(device).type != "cpu":
+        tensors = {name: t.to(device) for name, t in tensors.items()}
     return tensors, metadata
+
+
+def _read_tensors(fd: int, entries: Mapping[str, dict], data_start: int, path: str,
+                  where: str) -> dict[str, Tensor]:
+    """Each tensor of the checked header `entries`, read from `fd` straight into a tensor of its own
+    (one copy, from the kernel). A file that shrinks meanwhile is a CheckpointError, not a crash."""
+    tensors: dict[str, Tensor] = {}
+    with open(fd, "rb", buffering=0, closefd=False) as reader:  # (fd stays open: _read closes it)
+        reader.seek(data_start)
+        # The entries tile the data section in order of their offsets (checked): one pass reads them.
+        for name, entry in sorted(entries.items(), key=lambda item: item[1]["data_offsets"][0]):
+            tensors[name] = _read_tensor(reader, name, entry, path, where)
+    return tensors
+
+
+def _read_tensor(reader: Any, name: str, entry: dict, path: str, where: str) -> Tensor:
+    begin, end = entry["data_offsets"]
+    raw = torch.empty(end - begin, dtype=torch.uint8)
+    view, done = memoryview(raw.numpy()), 0
+    while done < len(view):
+        got = reader.readinto(view[done:])
+        if not got:
+            raise CheckpointError(
+                f"{where}({path!r}): the file ended at data byte {begin + done} while tensor {name!r} was "
+                f"read (its header says {end}): it was truncated or rewritten during the load. Load it again "
+                "once nothing writes it, or use another copy.")
+        done += got
+    dtype = _DTYPES[entry["dtype"]]
+    if not np.little_endian and dtype.itemsize > 1 and len(raw):  # safetensors is little-endian
+        raw = raw.view(-1, dtype.itemsize).flip(1).reshape(-1)
+    return raw.view(dtype).reshape(entry["shape"])
 
 
 def _open_regular(path: str, where: str) -> int:
@@ -343,20 +411,19 @@ def _open_regular(path: str, where: str) -> int:
     return fd
 
 
-def _check_safetensors_header(path: str, where: str) -> dict[str, str]:
-    """The header's __metadata__ after checking the whole header; CheckpointError naming the file
-    and the first problem otherwise."""
-    fd = _open_regular(path, where)
-    try:
-        size = os.fstat(fd).st_size
-        start = os.pread(fd, 9, 0)
-        header_bytes = struct.unpack("<Q", start[:8])[0] if len(start) >= 8 else None
-        plausible = (header_bytes is not None and len(start) == 9 and start[8:9] == b"{"
-                     and header_bytes <= _MAX_HEADER_BYTES)
-        if plausible and header_bytes <= size - 8:
-            raw = os.pread(fd, header_bytes, 8)
-    finally:
-        os.close(fd)
+def _read_header(fd: int, path: str, where: str) -> tuple[dict[str, dict], dict[str, str], int]:
+    """The tensor entries and __metadata__ of the header of the file open at `fd`, once the whole
+    header is checked, and where its data section begins; CheckpointError naming the file and the
+    first problem otherwise."""
+    size = os.fstat(fd).st_size
+    start = os.pread(fd, 9, 0)
+    header_bytes = struct.unpack("<Q", start[:8])[0] if len(start) >= 8 else None
+    plausible = (header_bytes is not None and len(start) == 9 and start[8:9] == b"{"
+                 and header_bytes <= _MAX_HEADER_BYTES)
+    if plausible and header_bytes <= size - 8:
+        raw = os.pread(fd, header_bytes, 8)
+        if len(raw) < header_bytes:  # shrunk since fstat: as truncated
+            size = 8 + len(raw)
     if not plausible:
         # Not safetensors: say what it looks like. (Only now, since a valid header size may itself
         # begin with the bytes checked here.)
@@ -387,10 +454,10 @@ def _check_safetensors_header(path: str, where: str) -> dict[str, str]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{damaged} is a JSON {type(header).__name__}, not an object. Use another copy.")
     _check_header_entries(header, size - 8 - header_bytes, path, where)
-    metadata = header.get("__metadata__") or {}
+    metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(f"{damaged}'s __metadata__ is not a mapping of strings. Use another copy.")
-    return metadata
+    return header, metadata, 8 + header_bytes
 
 
 def _check_header_entries(header: dict, data_bytes: int, path: str, where: str) -> None:
@@ -405,13 +472,14 @@ def _check_header_entries(header: dict, data_bytes: int, path: str, where: str) 
             raise CheckpointError(f"{damaged} entry for {name!r} is not a tensor description "
                                   f"(dtype, shape, data_offsets). Use another copy.")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise CheckpointError(f"{damaged} gives tensor {name!r} the dtype {dtype!r:.50}, which "
-                                  f"mirrored does not read ({', '.join(_DTYPE_BYTES)}). Use another copy.")
+                                  f"mirrored does not read ({', '.join(_DTYPES)}). Use another copy.")
         if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
-                or not all(_is_count(d) for d in shape)):
+                or not all(_is_count(d) for d in shape) or math.prod(max(d, 1) for d in shape) >= 1 << 63):
             raise CheckpointError(f"{damaged} gives tensor {name!r} the shape {shape!r:.80}; a shape "
-                                  f"is a list of at most {_MAX_DIMS} whole numbers >= 0. Use another copy.")
+                                  f"is a list of at most {_MAX_DIMS} whole numbers >= 0 whose product is below 2**63. "
+                                  "Use another copy.")
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
                 or offsets[0] > offsets[1]):
             raise CheckpointError(f"{damaged} gives tensor {name!r} the data offsets {offsets!r:.80}, not "
@@ -423,9 +491,9 @@ def _check_header_entries(header: dict, data_bytes: int, path: str, where: str) 
         numel = 1
         for d in shape:
             numel *= d
-        if numel * _DTYPE_BYTES[dtype] != offsets[1] - offsets[0]:
+        if numel * _DTYPES[dtype].itemsize != offsets[1] - offsets[0]:
             raise CheckpointError(f"{damaged} gives tensor {name!r} the shape {shape} of {dtype} "
-                                  f"({numel * _DTYPE_BYTES[dtype]} bytes) but {offsets[1] - offsets[0]} "
+                                  f"({numel * _DTYPES[dtype].itemsize} bytes) but {offsets[1] - offsets[0]} "
                                   "bytes of data. Use another copy.")
         spans.append((offsets[0], offsets[1], name))
     end = 0
@@ -480,11 +548,24 @@ def optimizer_state_from_flat(tensors: Mapping[str, Tensor], meta: Mapping[str, 
         raise ValueError("optimizer_state_from_flat: meta must be the dict optimizer_state_to_flat() "
                          "returned (with 'state' and 'param_groups'); the checkpoint holds no "
                          "optimizer state or the wrong part of the metadata was passed.")
-    state = {int(index): {name: _decode(value, tensors) for name, value in param_state.items()}
-             for index, param_state in meta["state"].items()}
-    groups = [_decode(group, tensors) for group in meta["param_groups"]]
+
+    def damaged(problem: str) -> ValueError:
+        return ValueError(f"optimizer_state_from_flat: {problem}; the checkpoint is damaged or incomplete. "
+                          "Use another checkpoint.")
+
+    def decode(value: Any, where: str) -> Any:
+        return decode_value(value, tensors, where, damaged)
+
+    if not isinstance(meta["state"], Mapping) or not isinstance(meta["param_groups"], list):
+        raise damaged("'state' is not a dict or 'param_groups' not a list")
+    state = {}
+    for index, param_state in meta["state"].items():
+        if not (isinstance(index, str) and index.isdigit()) or not isinstance(param_state, Mapping):
+            raise damaged(f"the state entry {index!r:.40} is not a parameter index with a dict of values")
+        state[int(index)] = {name: decode(value, f"state {index} {name!r}") for name, value in param_state.items()}
+    groups = [decode(group, f"param_groups[{i}]") for i, group in enumerate(meta["param_groups"])]
     result = {"state": state, "param_groups": groups}
-    result.update({k: _decode(v, tensors) for k, v in meta.get("extra", {}).items()})
+    result.update({k: decode(v, repr(k)) for k, v in dict(meta.get("extra", {})).items()})
     return result
 
 
@@ -518,24 +599,46 @@ def _encode(value: Any, name: str, tensors: dict[str, Tensor]) -> Any:
                     f"state can hold tensors, numbers, str, None, lists, tuples and dicts.")
 
 
-def _decode(value: Any, tensors: Mapping[str, Tensor]) -> Any:
+def decode_value(value: Any, tensors: Mapping[str, Tensor], where: str,
+                 damaged: Callable[[str], Exception], depth: int = 0) -> Any:
+    """A value _encode() wrote, its tensors taken from `tensors`: the one decoder of the format (the
+    loading checks use it too). What no encoder writes - a tensor the file lacks, a tuple or [key,
+    value] pairs that are not lists, a key that is no number or tuple, nesting past _MAX_DEPTH - raises
+    damaged(problem), the problem naming `where`."""
+    if depth > _MAX_DEPTH:
+        raise damaged(f"{where} is nested more than {_MAX_DEPTH} levels deep")
     if isinstance(value, list):
-        return [_decode(v, tensors) for v in value]
-    if isinstance(value, dict):
-        if len(value) == 1 and _TENSOR_TAG in value:
-            name = value[_TENSOR_TAG]
-            if name not in tensors:
-                raise ValueError(f"optimizer_state_from_flat: the metadata refers to tensor "
-                                 f"{name!r}, which the checkpoint does not hold; the file is "
-                                 f"incomplete. Use another checkpoint.")
-            return tensors[name]
-        if len(value) == 1 and _TUPLE_TAG in value:
-            return tuple(_decode(v, tensors) for v in value[_TUPLE_TAG])
-        if len(value) == 1 and (_ITEMS_TAG in value or _COUNTER_TAG in value):
-            pairs = ((_decode(k, tensors), _decode(v, tensors)) for k, v in next(iter(value.values())))
-            return (collections.Counter if _COUNTER_TAG in value else dict)(dict(pairs))
-        return {k: _decode(v, tensors) for k, v in value.items()}
-    return value
+        return [decode_value(v, tensors, where, damaged, depth + 1) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1 and _TENSOR_TAG in value:
+        name = value[_TENSOR_TAG]
+        if not isinstance(name, str) or name not in tensors:
+            raise damaged(f"{where} refers to tensor {name!r:.80}, which the file does not hold")
+        return tensors[name]
+    if len(value) == 1 and _TUPLE_TAG in value:
+        if not isinstance(value[_TUPLE_TAG], list):
+            raise damaged(f"{where} is a tuple that holds no list")
+        return tuple(decode_value(v, tensors, where, damaged, depth + 1) for v in value[_TUPLE_TAG])
+    if len(value) == 1 and (_ITEMS_TAG in value or _COUNTER_TAG in value):
+        pairs = next(iter(value.values()))
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+            raise damaged(f"{where} is a dict that holds no list of [key, value] pairs")
+        decoded = [(decode_value(k, tensors, where, damaged, depth + 1),
+                    decode_value(v, tensors, where, damaged, depth + 1)) for k, v in pairs]
+        if not all(_is_key(k) for k, _ in decoded):
+            raise damaged(f"{where} has a key that is not a number or a tuple of numbers and str")
+        return (collections.Counter if _COUNTER_TAG in value else dict)(dict(decoded))  # (Counter(pairs) counts them)
+    return {k: decode_value(v, tensors, where, damaged, depth + 1) for k, v in value.items()}
+
+
+def _is_key(key: Any) -> bool:
+    """What _encode() writes as a dict key in [key, value] pairs: a number, or a (hashable) tuple of
+    numbers, str and None."""
+    if isinstance(key, tuple):
+        return all(k is None or isinstance(k, (bool, int, float, str)) or (isinstance(k, tuple) and _is_key(k))
+                   for k in key)
+    return isinstance(key, (bool, int, float))
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,13 +8,13 @@ step count, accumulated gradients and moving averages), `tensor` (a variable's v
 (each state set on a fresh generator, which checks exactly what the restore will), `epoch_state`
 and `object_state` (a get_state() against the object's own), `build_module` (the recorded
 architecture against the model factory's arguments and bounds, built on the meta device first so a
-forged size never reaches the allocator) and `model_metadata` (a Model file's JSON fields). A
-problem is a CheckpointError (a ValueError) naming the file, the key and both values. Uses torch,
-numpy, checkpoint.py and mirrored.models.
+forged size never reaches the allocator) and `model_metadata` (a Model file's JSON fields). The
+optimizer's JSON is decoded by checkpoint.decode_value, the one decoder of the format, whose checks
+name the file through Origin.damaged. A problem is a CheckpointError (a ValueError) naming the
+file, the key and both values. Uses torch, numpy, checkpoint.py and mirrored.models.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import random
@@ -25,14 +25,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from mirrored.training import checkpoint
 from mirrored.training.checkpoint import CheckpointError
 
 __all__ = ["Origin", "build_module", "epoch_state", "is_count", "model_metadata", "model_optimizer_state",
            "module_state", "object_state", "optimizer_state", "rng_state", "state_dict", "tensor"]
 
-_TENSOR_TAG = "__tensor__"  # as checkpoint.py writes them
-_TUPLE_TAG = "__tuple__"
-_ITEMS_TAG, _COUNTER_TAG = "__items__", "__counter__"  # a dict with keys other than str, as [key, value] pairs
 _KERAS_KEY = "keras"  # mr.optimizers' own state in a state_dict (optimizers.py)
 _MAX_DEPTH = 32  # JSON nesting deeper than any optimizer setting: a damaged file, not recursion
 _MAX_CUDA_DEVICES = 1 << 12
@@ -360,33 +358,9 @@ def _state_value(origin: Origin, prefix: str, pid: int, name: str, value: Any, t
     return value
 
 
-def _decode(origin: Origin, value: Any, tensors: Mapping[str, Tensor], where: str, depth: int = 0) -> Any:
-    """checkpoint.optimizer_state_from_flat's decoding, refusing what no optimizer saved."""
-    if depth > _MAX_DEPTH:
-        raise origin.damaged(f"{where} is nested more than {_MAX_DEPTH} levels deep")
-    if isinstance(value, list):
-        return [_decode(origin, v, tensors, where, depth + 1) for v in value]
-    if isinstance(value, dict):
-        if len(value) == 1 and _TENSOR_TAG in value:
-            name = value[_TENSOR_TAG]
-            if not isinstance(name, str) or name not in tensors:
-                raise origin.damaged(f"{where} refers to tensor {name!r:.80}, which the file does not hold")
-            return tensors[name]
-        if len(value) == 1 and _TUPLE_TAG in value:
-            if not isinstance(value[_TUPLE_TAG], list):
-                raise origin.damaged(f"{where} is a tuple that holds no list")
-            return tuple(_decode(origin, v, tensors, where, depth + 1) for v in value[_TUPLE_TAG])
-        if len(value) == 1 and (_ITEMS_TAG in value or _COUNTER_TAG in value):
-            pairs = next(iter(value.values()))
-            if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
-                raise origin.damaged(f"{where} is a dict that holds no list of [key, value] pairs")
-            decoded = [(_decode(origin, k, tensors, where, depth + 1), _decode(origin, v, tensors, where, depth + 1))
-                       for k, v in pairs]
-            if not all(isinstance(k, (bool, int, float, tuple)) for k, _ in decoded):
-                raise origin.damaged(f"{where} has a key that is not a number or a tuple")
-            return (collections.Counter if _COUNTER_TAG in value else dict)(dict(decoded))
-        return {k: _decode(origin, v, tensors, where, depth + 1) for k, v in value.items()}
-    return value
+def _decode(origin: Origin, value: Any, tensors: Mapping[str, Tensor], where: str) -> Any:
+    """checkpoint.decode_value, its errors naming the file."""
+    return checkpoint.decode_value(value, tensors, where, origin.damaged)
 
 
 def _kind(value: Any) -> Any:
@@ -502,7 +476,7 @@ def _is_object_note(value: Any) -> bool:
 
 
 def epoch_state(origin: Origin, key: str, state: Any, like: Mapping[str, Any], steps_per_epoch: int | None,
-                continuing: bool, batches_per_pass: int | None) -> None:
+                continuing: bool, batches_per_pass: int | None, max_learning_rate: float | None = None) -> None:
     """A saved EpochIterator.get_state() (fit's place: epoch, step, data position, learning rate) fits the
     EpochIterator whose get_state() is `like`: its data position has the structure of this run's input
     pipeline and lies within its epochs and passes, and its rate can be set on this run's optimizer.
@@ -520,6 +494,10 @@ def epoch_state(origin: Origin, key: str, state: Any, like: Mapping[str, Any], s
     lr = state.get("learning_rate")
     if lr is not None and (_number(lr) is None or not math.isfinite(lr) or lr < 0):
         raise origin.damaged(f"'{key}.learning_rate' is {lr!r:.40}, not a learning rate >= 0")
+    if lr is not None and max_learning_rate is not None and lr > max_learning_rate:
+        # (torch's kernels take the rate in the parameters' dtype: 3.41e38 overflowed float32 in the first step)
+        raise origin.damaged(f"'{key}.learning_rate' is {lr!r:.40}, more than the parameters' dtype holds "
+                             f"({max_learning_rate:.6g})")
     if lr is not None and like.get("learning_rate") is None:
         raise origin.mismatch(f"'{key}.learning_rate' is {lr!r}, but this fit's optimizer takes its rate from a "
                               "schedule, which cannot be set: it was saved from a fit with another optimizer")

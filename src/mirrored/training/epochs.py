@@ -27,7 +27,8 @@ class EpochIterator:
     change twice}."""
 
     def __init__(self, distributed: Iterable[Any], steps_per_epoch: int | None = None, steps_per_execution: int = 1,
-                 initial_epoch: int = 0, learning_rate: Callable[[], float | None] | None = None):
+                 initial_epoch: int = 0, learning_rate: Callable[[], float | None] | None = None,
+                 max_learning_rate: float | None = None):
         self._distributed = distributed
         self._continuing = steps_per_epoch is not None
         self.num_batches = steps_per_epoch if steps_per_epoch is not None else len_or_none(distributed)
@@ -35,6 +36,7 @@ class EpochIterator:
         self._learning_rate = learning_rate or (lambda: None)
         self.initial_epoch = initial_epoch  # the first epoch fit runs (Keras's model._initial_epoch)
         self.resume_learning_rate: float | None = None  # set_state's rate, for fit to put back
+        self.max_learning_rate = max_learning_rate  # the most a restored rate may be: what the parameters hold
         self._epoch = initial_epoch
         self._step = 0
         self._epoch_rate: float | None = None

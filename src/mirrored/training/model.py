@@ -579,7 +579,7 @@ class Model:
         epoch_iterator = epochs_lib.EpochIterator(
             strategy.experimental_distribute_dataset(source, self._input_options()), steps_per_epoch=steps_per_epoch,
             steps_per_execution=self._steps_per_execution, initial_epoch=initial_epoch,
-            learning_rate=self._settable_learning_rate)
+            learning_rate=self._settable_learning_rate, max_learning_rate=self._max_learning_rate())
         verbose = 1 if verbose == "auto" else verbose
         cbs = callbacks_lib.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, model=self,
                                          verbose=verbose, epochs=epochs, steps=epoch_iterator.num_batches)
@@ -648,6 +648,13 @@ class Model:
     def _settable_learning_rate(self) -> float | None:
         """The optimizer's rate, which a resumed fit sets back; None with a schedule, which sets it itself."""
         return None if self.optimizer._schedule is not None else self.optimizer.learning_rate
+
+    def _max_learning_rate(self) -> float | None:
+        """The largest rate the optimizer can apply: torch's kernels take it in the parameters' dtype."""
+        if self._mopt is None:
+            return None
+        params = [p for g in self._mopt.replicas[0].param_groups for p in g["params"] if p.is_floating_point()]
+        return float(torch.finfo(params[0].dtype).max) if params else None
 
     def _evaluate(self, dataset: Iterable[Any], steps: int | None, cbs: Any) -> dict[str, float]:
         strategy = self.distribute_strategy
