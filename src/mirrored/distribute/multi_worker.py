@@ -41,7 +41,8 @@ from torch import Tensor
 from mirrored.distribute import buckets, context
 # (_store_gone is not used here: tests import it from this module, where it was defined before the split.)
 from mirrored.distribute._collectives import (_DEFAULT_BYTES_PER_PACK, _WATCHDOG_GRACE_S, CollectiveAllReduce,
-                                              _device_types_of, _shape_digest, _store_gone, _value_digest)
+                                              _device_types_of, _shape_digest, _store_gone, _value_digest,
+                                              init_default_group)
 from mirrored.distribute.context import ReplicaContext
 from mirrored.distribute.cross_device_ops import as_reduce_op, mean_of_sum
 from mirrored.distribute.devices import Device, resolve_devices, torch_device, visible_gpus
@@ -274,9 +275,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             nccl = "nccl" in backend
             group_timeout_s = timeout_s + (_WATCHDOG_GRACE_S if nccl else 0)  # see CollectiveAllReduce
             try:
-                dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                        timeout=datetime.timedelta(seconds=group_timeout_s),
-                                        device_id=torch_device(device) if nccl else None)
+                init_default_group(backend, init_method="env://", rank=rank, world_size=world,
+                                   timeout=datetime.timedelta(seconds=group_timeout_s),
+                                   device_id=torch_device(device) if nccl else None)
             except RuntimeError as e:  # the rendezvous: a worker that never starts, a wrong address
                 raise RuntimeError(
                     f"MultiWorkerMirroredStrategy: rank {rank} of {world} could not join the other workers at "
