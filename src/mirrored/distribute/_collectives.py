@@ -6,15 +6,20 @@ gather and in-sync check. Small exchanged values (sizes, checksums) travel on th
 device, and a tensor on a device the group has no backend for goes through a copy there and back.
 A collective that fails or times out raises an error naming this rank, the op and, when the
 rendezvous store can tell, the ranks that did not arrive. multi_worker.py builds it and re-exports
-it (mr.CollectiveAllReduce). HierarchicalAllReduce puts it behind the local ops of a worker that
-holds several replicas (threads): local sum first, then one collective per bucket across workers. Uses cross_device_ops.py, buckets.py, replicas.py (its errors),
+it (mr.CollectiveAllReduce), and creates its process group with `init_default_group`, which also
+destroys that group at exit (see there). HierarchicalAllReduce puts it behind the local ops of a worker
+that holds several replicas (threads): local sum first, then one collective per bucket across workers.
+Uses cross_device_ops.py, buckets.py, replicas.py (its errors),
 values.py and torch.distributed.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
+import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +33,8 @@ from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, 
 from mirrored.distribute.replicas import CollectiveTimeoutError
 from mirrored.distribute.values import Mirrored, ReduceOp
 
+logger = logging.getLogger(__name__)
+
 _DEFAULT_BYTES_PER_PACK = 25 * 2**20  # DDP's bucket_cap_mb default
 _PROBE_S = 2.0  # after a collective fails, how long to wait for the other ranks to report theirs
 # An NCCL group's watchdog aborts the whole process when a collective outlives the group's timeout;
@@ -36,6 +43,38 @@ _WATCHDOG_GRACE_S = 60.0
 _MAX_DIMS = 8  # gather exchanges shapes in a fixed-size header (a collective needs equal sizes)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)  # numbered in headers
+
+
+_failed = False  # a collective of this process failed: its work may still be pending in the group
+
+
+def init_default_group(backend: str, **kwargs: Any) -> None:
+    """dist.init_process_group for a group the strategy creates (so owns), destroyed at interpreter
+    exit unless the script did so: torn down later, in C++ during finalization, gloo can abort the
+    process ("terminate called without an active exception", exit -6)."""
+    # torch.distributed.nn.functional binds `group=group.WORLD` defaults when first imported. Imported
+    # after the group exists (the first torch optimizer imports it, through torch._dynamo), those
+    # defaults keep the group alive: destroy_process_group() then frees nothing, and the group's
+    # threads run on into interpreter finalization. Imported before, they bind None.
+    import torch.distributed.nn.functional  # noqa: F401
+    dist.init_process_group(backend, **kwargs)
+    group = dist.group.WORLD
+    if group is not None:
+        atexit.register(_destroy_at_exit, weakref.ref(group))
+
+
+def _destroy_at_exit(group: weakref.ref) -> None:
+    """Destroys the default group if it is still the one init_default_group made, while the
+    interpreter is whole. Not after a failed collective: its pending work would block the exit."""
+    if not dist.is_initialized() or group() is None or dist.group.WORLD is not group():
+        return  # the script destroyed it (and perhaps made another, which is its own)
+    if _failed:
+        logger.debug("a collective failed: the process group is left to process exit")
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - at exit, a failed cleanup must not hide the script's outcome
+        logger.debug("destroying the process group at exit failed: %s", e)
 
 
 def _device_types_of(backend: str) -> frozenset[str]:
@@ -218,6 +257,8 @@ class CollectiveAllReduce(CrossDeviceOps):
                 else:
                     work.wait(timeout=self._wait_timeout)
         except RuntimeError as e:  # torch.distributed's errors (DistBackendError, gloo's) are RuntimeErrors
+            global _failed
+            _failed = True
             failure = self._failure(what, e, time.monotonic() - started)
             if failure is e:
                 raise

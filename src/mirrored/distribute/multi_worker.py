@@ -41,7 +41,7 @@ from mirrored.distribute import buckets, cluster_resolver, context, replicas
 # (_store_gone is not used here: tests import it from this module, where it was defined before the split.)
 from mirrored.distribute._collectives import (_DEFAULT_BYTES_PER_PACK, _WATCHDOG_GRACE_S, CollectiveAllReduce,
                                               HierarchicalAllReduce, _device_types_of, _shape_digest, _store_gone,
-                                              _value_digest)
+                                              _value_digest, init_default_group)
 from mirrored.distribute.context import ReplicaContext
 from mirrored.distribute.cross_device_ops import CrossDeviceOps, Disagreement, as_reduce_op, default_for, mean_of_sum
 from mirrored.distribute.devices import Device, resolve_devices, torch_device, visible_gpus
@@ -255,8 +255,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         attempt = f", restart attempt {resolver.restart_count}" if resolver.restart_count else ""
         try:
             store = _rendezvous_store(resolver, group_timeout)
-            dist.init_process_group(backend, store=store, rank=resolver.rank, world_size=resolver.num_workers,
-                                    timeout=group_timeout, device_id=torch_device(device) if nccl else None)
+            init_default_group(backend, store=store, rank=resolver.rank, world_size=resolver.num_workers,
+                               timeout=group_timeout, device_id=torch_device(device) if nccl else None)
             return resolver.master_addr, getattr(store, "port", resolver.master_port)
         except (RuntimeError, ValueError) as e:  # a worker that never starts, a wrong address, a port in use
             raise RuntimeError(
