@@ -337,6 +337,25 @@ def test_two_workers_of_two_replicas_equal_four_replicas(tmp_path):
     assert_bitwise(params_of(tmp_path, "w1", "fit"), params_of(tmp_path, "w0", "fit"), "worker 1 against worker 0")
 
 
+def test_two_workers_of_two_replicas_draw_the_masks_of_four_replicas_with_the_chiefs_seed(tmp_path):
+    """Issues 24 x 26: replica j of worker w draws what replica 2w+j of MirroredStrategy on 4 replicas
+    draws, with the chief's torch seed (worker 1's program seeded torch otherwise), so a restore from the
+    chief's backup, which holds the chief's seed, draws on as the uninterrupted run did; and
+    MultiWorkerMirroredStrategy(per_example_random=True) on 2 workers is refused naming the fix."""
+    port = free_port()
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)} for r in range(2)]
+    assert launch("random_2x2", tmp_path, envs) == [0, 0], logs(tmp_path, 2)
+    res = results(tmp_path, ["w0", "w1"])
+    for r in res:
+        assert r["refused"] and "per_example_random=True" in r["refused"] and "2 workers" in r["refused"]
+    want = dropout_masks(md.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"], seed=100))
+    for w, r in enumerate(res):
+        for step, (got, four) in enumerate(zip(r["masks"], want)):
+            assert got == four[2 * w:2 * w + 2], f"worker {w}, step {step}"
+    assert want[0][0] != want[0][1]  # (the replicas' masks differ)
+
+
 @pytest.mark.parametrize("fault", ["hangs", "exits"])
 def test_a_worker_of_two_replicas_that_hangs_or_dies_is_named(tmp_path, fault):
     """With 2 replicas per worker the cross-worker collective runs inside the local meeting: when
@@ -497,7 +516,30 @@ def scenario_fault_2x2(name: str) -> dict:
         return {"error_type": type(e).__name__, "error": str(e), "elapsed_s": time.monotonic() - started}
 
 
-SCENARIOS = {"fault_2x2": scenario_fault_2x2, "custom_loop": scenario_custom_loop, "two_by_two": scenario_two_by_two, "fit_killed": scenario_fit_killed}
+def scenario_random_2x2(name: str) -> dict:
+    """Dropout masks of 2 workers x 2 replicas whose programs seed torch differently (100 + rank), and
+    per_example_random=True refused across workers."""
+    torch.manual_seed(100 + int(os.environ["RANK"]))
+    try:
+        md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"], per_example_random=True)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"], timeout_s=COLLECTIVE_TIMEOUT_S)
+    return {"refused": refused, "masks": dropout_masks(s)}
+
+
+def dropout_masks(strategy) -> list[list[list]]:
+    """Each local replica's F.dropout(ones, 0.5) in two steps."""
+    ones = strategy.experimental_distribute_values_from_function(lambda ctx: torch.ones(4, 64))
+    steps = []
+    for _ in range(2):
+        result = strategy.run(lambda x: F.dropout(x, 0.5), args=(ones,))
+        steps.append([t.tolist() for t in strategy.experimental_local_results(result)])
+    return steps
+
+
+SCENARIOS = {"random_2x2": scenario_random_2x2, "fault_2x2": scenario_fault_2x2, "custom_loop": scenario_custom_loop, "two_by_two": scenario_two_by_two, "fit_killed": scenario_fit_killed}
 
 
 def _worker_main(scenario: str, out_dir: str) -> None:
