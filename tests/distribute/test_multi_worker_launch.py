@@ -17,6 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -356,6 +357,29 @@ def test_two_workers_of_two_replicas_draw_the_masks_of_four_replicas_with_the_ch
     assert want[0][0] != want[0][1]  # (the replicas' masks differ)
 
 
+@pytest.mark.slow
+def test_a_keras_model_trains_on_two_workers_and_only_the_chief_writes_keras_archives(tmp_path):
+    """Issues 23 x 24: mr.Model(keras_model) under MultiWorkerMirroredStrategy on 2 workers: the workers
+    end bitwise equal although they built different initial weights (rank 0's are broadcast), and
+    ModelCheckpoint and Model.save write .keras archives on the chief only; Keras loads the chief's
+    archive with the trained weights."""
+    os.environ.setdefault("KERAS_BACKEND", "torch")  # (read once, at keras's first import)
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "torch":
+        pytest.skip("keras was imported with another backend than torch")
+    port = free_port()
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "KERAS_BACKEND": "torch"} for r in range(2)]
+    assert launch("keras_2w", tmp_path, envs) == [0, 0], logs(tmp_path, 2)
+    res = results(tmp_path, ["w0", "w1"])
+    assert res[0]["files"] == ["ckpt.keras", "final.keras"] and res[1]["files"] == []
+    assert_bitwise(params_of(tmp_path, "w1", "keras"), params_of(tmp_path, "w0", "keras"), "worker 1 against 0")
+    loaded = keras.models.load_model(tmp_path / "w0" / "final.keras", compile=False)
+    assert len(loaded.weights) == len(params_of(tmp_path, "w0", "keras"))
+    for got, want in zip(loaded.weights, params_of(tmp_path, "w0", "keras")):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
 @pytest.mark.parametrize("fault", ["hangs", "exits"])
 def test_a_worker_of_two_replicas_that_hangs_or_dies_is_named(tmp_path, fault):
     """With 2 replicas per worker the cross-worker collective runs inside the local meeting: when
@@ -539,7 +563,35 @@ def dropout_masks(strategy) -> list[list[list]]:
     return steps
 
 
-SCENARIOS = {"random_2x2": scenario_random_2x2, "fault_2x2": scenario_fault_2x2, "custom_loop": scenario_custom_loop, "two_by_two": scenario_two_by_two, "fit_killed": scenario_fit_killed}
+def scenario_keras_2w(name: str) -> dict:
+    """A Keras model (seeded Dropout, BatchNormalization) fit on 2 workers x 1 replica, with
+    ModelCheckpoint and Model.save to .keras archives in a directory of each worker's own."""
+    os.environ["KERAS_BACKEND"] = "torch"
+    import keras
+
+    import mirrored as mr
+
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0"], timeout_s=COLLECTIVE_TIMEOUT_S)
+    keras.utils.set_random_seed(int(os.environ["RANK"]))  # the workers build different initial weights
+    inp = keras.Input((6,))
+    h = keras.layers.BatchNormalization()(keras.layers.Dense(16, activation="relu")(inp))
+    out = keras.layers.Dense(3, activation="softmax")(keras.layers.Dropout(0.5, seed=7)(h))
+    with s.scope():
+        model = mr.Model(keras.Model(inp, out))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    x = torch.cat([b[0] for b in global_batches()]).numpy()
+    y = torch.cat([b[1] for b in global_batches()]).numpy()
+    own = OUT_DIR / name
+    own.mkdir()
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[mr.callbacks.ModelCheckpoint(str(own / "ckpt.keras"))])
+    model.save(own / "final.keras")
+    model.check_in_sync()
+    save(name, "keras", [torch.as_tensor(v.numpy()) for v in model.module.weights])
+    return {"files": sorted(p.name for p in own.iterdir())}
+
+
+SCENARIOS = {"keras_2w": scenario_keras_2w, "random_2x2": scenario_random_2x2, "fault_2x2": scenario_fault_2x2, "custom_loop": scenario_custom_loop, "two_by_two": scenario_two_by_two, "fit_killed": scenario_fit_killed}
 
 
 def _worker_main(scenario: str, out_dir: str) -> None:
