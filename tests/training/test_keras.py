@@ -570,3 +570,25 @@ def test_strategy_mirror_alone_keeps_a_keras_models_state_in_sync():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "in sync"
+
+
+def test_per_example_random_keys_keras_dropout_and_refuses_a_seeded_one():
+    """Issues 23 x 26: with per_example_random=True an unseeded Keras Dropout (torch's dropout) draws
+    the same masks on 1 and 2 replicas; a seeded one draws from its own generator, which cannot be
+    keyed by example, and is refused by name instead of depending silently on the replica count."""
+    def masks(seed: int | None, replicas: int) -> torch.Tensor:
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((32,))
+        net = keras.Model(inp, keras.layers.Dropout(0.5, seed=seed)(inp))
+        strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)], per_example_random=True,
+                                       seed=3)
+        with strategy.scope():
+            mnet = strategy.mirror(net)
+        batch = next(iter(strategy.experimental_distribute_dataset(mr.data.Dataset.from_tensors(torch.ones(4, 32)))))
+        out = strategy.run(lambda x: mnet(x, training=True), args=(batch,))
+        return torch.cat(strategy.experimental_local_results(out)).detach()
+
+    one = masks(None, 1)
+    assert torch.equal(one, masks(None, 2)) and 0.3 < (one == 0).float().mean() < 0.7
+    with pytest.raises(RuntimeError, match="per_example_random=True.*Drop seed="):
+        masks(7, 2)

@@ -153,8 +153,16 @@ def _replica_seeds() -> None:
     keras_next = seed_generator.SeedGenerator.next
 
     def next(self: Any, ordered: bool = True) -> Any:  # noqa: A001 - Keras's name
-        value = keras_next(self, ordered)
         ctx = md.get_replica_context()
+        strategy = getattr(ctx, "_strategy", None)
+        if strategy is not None and strategy.random_state.per_example:
+            raise RuntimeError(
+                f"Keras's SeedGenerator {getattr(self, 'name', '')!r} drew a seed in a replica step of a strategy with "
+                "per_example_random=True: a seeded Keras random op (Dropout(seed=...), GaussianNoise, ...) draws from "
+                "its own generator, which cannot be keyed by example, so the run would depend on the replica count. "
+                "Drop seed= from the Keras Dropout (it then runs torch's dropout, which is keyed), or use "
+                "per_example_random=False.")
+        value = keras_next(self, ordered)
         replica = 0 if ctx is None or ctx.num_replicas_in_sync < 2 else ctx.replica_id_in_sync_group
         if not replica or not isinstance(value, Tensor) or value.numel() < 1:
             return value
