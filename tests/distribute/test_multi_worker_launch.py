@@ -357,6 +357,22 @@ def test_two_workers_of_two_replicas_draw_the_masks_of_four_replicas_with_the_ch
     assert want[0][0] != want[0][1]  # (the replicas' masks differ)
 
 
+def test_two_workers_of_two_replicas_train_a_channels_last_conv_net_with_dropout_as_four_replicas(tmp_path):
+    """Issues 24 x 26 x 29: a conv net in channels_last (the default) with Dropout2d, fit on 2 workers x 2
+    replicas with seed=11, ends as on MirroredStrategy(seed=11) with 4 replicas: the hierarchical
+    all-reduce sums channels_last gradients element for element, and the replicas draw the same masks."""
+    port = free_port()
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)} for r in range(2)]
+    assert launch("conv_2x2", tmp_path, envs) == [0, 0], logs(tmp_path, 2)
+    results(tmp_path, ["w0", "w1"])
+    want = conv_fit(md.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"], seed=11))
+    for name in ("w0", "w1"):
+        for got, ref in zip(params_of(tmp_path, name, "conv"), want):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert_bitwise(params_of(tmp_path, "w1", "conv"), params_of(tmp_path, "w0", "conv"), "worker 1 against 0")
+
+
 @pytest.mark.slow
 def test_a_keras_model_trains_on_two_workers_and_only_the_chief_writes_keras_archives(tmp_path):
     """Issues 23 x 24: mr.Model(keras_model) under MultiWorkerMirroredStrategy on 2 workers: the workers
@@ -591,7 +607,30 @@ def scenario_keras_2w(name: str) -> dict:
     return {"files": sorted(p.name for p in own.iterdir())}
 
 
-SCENARIOS = {"keras_2w": scenario_keras_2w, "random_2x2": scenario_random_2x2, "fault_2x2": scenario_fault_2x2, "custom_loop": scenario_custom_loop, "two_by_two": scenario_two_by_two, "fit_killed": scenario_fit_killed}
+def conv_fit(strategy) -> list[torch.Tensor]:
+    """fit of a small conv net with Dropout2d (channels_last by default) over global_batches() as images."""
+    import mirrored as mr
+
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(N_EXAMPLES, 3, 6, 6, generator=g), torch.randint(0, 3, (N_EXAMPLES,), generator=g)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = mr.Model(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Dropout2d(0.3), nn.Conv2d(4, 4, 3),
+                                       nn.Flatten(), nn.Linear(16, 3)))
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                      loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    assert model.memory_format == "channels_last", model.memory_format
+    return [p.detach().clone() for p in model.module.parameters()]
+
+
+def scenario_conv_2x2(name: str) -> dict:
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"], timeout_s=COLLECTIVE_TIMEOUT_S, seed=11)
+    save(name, "conv", conv_fit(s))
+    return {}
+
+
+SCENARIOS = {"conv_2x2": scenario_conv_2x2, "keras_2w": scenario_keras_2w, "random_2x2": scenario_random_2x2, "fault_2x2": scenario_fault_2x2, "custom_loop": scenario_custom_loop, "two_by_two": scenario_two_by_two, "fit_killed": scenario_fit_killed}
 
 
 def _worker_main(scenario: str, out_dir: str) -> None:
