@@ -152,7 +152,11 @@ def _multi_worker_strategy(args: argparse.Namespace) -> Any:
     which the launcher sets."""
     import mirrored as mr
 
-    if not mr.distribute.multi_worker.launched_as_worker():
+    try:
+        launched = mr.distribute.multi_worker.launched_as_worker()
+    except ValueError as e:  # an incomplete launch (RANK without MASTER_ADDR, ...): the resolver names it
+        raise CliError(str(e)) from None
+    if not launched:
         return None
     if getattr(args, "replicas", None) is not None:
         raise CliError(f"--replicas {args.replicas}: this process is one worker of a job started by a launcher "
