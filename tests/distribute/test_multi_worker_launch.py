@@ -374,6 +374,29 @@ def test_two_workers_of_two_replicas_train_a_channels_last_conv_net_with_dropout
 
 
 @pytest.mark.slow
+def test_two_workers_seeded_apart_resume_dropout_from_the_chiefs_backup_bitwise(tmp_path):
+    """Issues 24 x 26: workers whose programs seed torch differently (100 + rank) fit with Dropout; a
+    job stopped after 5 steps and resumed from the chief's backup ends bitwise as the uninterrupted
+    job. Worker 1 used to draw with its own seed before and the chief's (restored) after."""
+    def run(out: Path, stop_after: int) -> list[int]:
+        out.mkdir(parents=True)
+        port = free_port()
+        envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port), "STOP_AFTER": str(stop_after)} for r in range(2)]
+        return launch("dropout_resume", out, envs)
+
+    assert run(tmp_path / "whole" / "run", -1) == [0, 0], logs(tmp_path / "whole" / "run", 2)
+    assert run(tmp_path / "cut" / "first", 5) == [0, 0], logs(tmp_path / "cut" / "first", 2)
+    assert all(r["stopped"] for r in results(tmp_path / "cut" / "first", ["w0", "w1"]))
+    assert run(tmp_path / "cut" / "resumed", -1) == [0, 0], logs(tmp_path / "cut" / "resumed", 2)
+    res = results(tmp_path / "cut" / "resumed", ["w0", "w1"])
+    assert all(r["batches"] < 9 for r in res)  # it resumed (9 steps in all), not started afresh
+    for name in ("w0", "w1"):
+        assert_bitwise(params_of(tmp_path / "cut" / "resumed", name, "final"),
+                       params_of(tmp_path / "whole" / "run", name, "final"), f"{name} resumed against whole")
+
+
+@pytest.mark.slow
 def test_a_keras_model_trains_on_two_workers_and_only_the_chief_writes_keras_archives(tmp_path):
     """Issues 23 x 24: mr.Model(keras_model) under MultiWorkerMirroredStrategy on 2 workers: the workers
     end bitwise equal although they built different initial weights (rank 0's are broadcast), and
@@ -630,7 +653,42 @@ def scenario_conv_2x2(name: str) -> dict:
     return {}
 
 
-SCENARIOS = {"conv_2x2": scenario_conv_2x2, "keras_2w": scenario_keras_2w, "random_2x2": scenario_random_2x2, "fault_2x2": scenario_fault_2x2, "custom_loop": scenario_custom_loop, "two_by_two": scenario_two_by_two, "fit_killed": scenario_fit_killed}
+class _Stop(Exception):
+    pass
+
+
+def scenario_dropout_resume(name: str) -> dict:
+    """fit with Dropout and BackupAndRestore on 2 workers whose programs seed torch differently; with
+    STOP_AFTER=k both workers stop after their k-th batch (a backup every 2 steps), as a preempted job."""
+    import mirrored as mr
+
+    rank, stop_after = int(os.environ["RANK"]), int(os.environ.get("STOP_AFTER", "-1"))
+    torch.manual_seed(100 + rank)
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0"], timeout_s=COLLECTIVE_TIMEOUT_S)
+    x = torch.cat([b[0] for b in global_batches()])
+    y = torch.cat([b[1] for b in global_batches()])
+    with s.scope():
+        model = mr.Model(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3)))
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1), loss="sparse_categorical_crossentropy")
+
+    class Stop(mr.callbacks.Callback):
+        seen = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            Stop.seen += 1
+            if Stop.seen == stop_after:
+                raise _Stop
+
+    try:
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0,
+                  callbacks=[mr.callbacks.BackupAndRestore(OUT_DIR.parent / "backup", save_freq=2), Stop()])
+    except _Stop:
+        return {"stopped": True}
+    save(name, "final", [p.detach().clone() for p in model.module.parameters()])
+    return {"stopped": False, "batches": Stop.seen}
+
+
+SCENARIOS = {"dropout_resume": scenario_dropout_resume, "conv_2x2": scenario_conv_2x2, "keras_2w": scenario_keras_2w, "random_2x2": scenario_random_2x2, "fault_2x2": scenario_fault_2x2, "custom_loop": scenario_custom_loop, "two_by_two": scenario_two_by_two, "fit_killed": scenario_fit_killed}
 
 
 def _worker_main(scenario: str, out_dir: str) -> None:
