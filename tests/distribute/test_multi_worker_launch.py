@@ -688,7 +688,16 @@ def scenario_dropout_resume(name: str) -> dict:
     return {"stopped": False, "batches": Stop.seen}
 
 
-SCENARIOS = {"dropout_resume": scenario_dropout_resume, "conv_2x2": scenario_conv_2x2, "keras_2w": scenario_keras_2w, "random_2x2": scenario_random_2x2, "fault_2x2": scenario_fault_2x2, "custom_loop": scenario_custom_loop, "two_by_two": scenario_two_by_two, "fit_killed": scenario_fit_killed}
+SCENARIOS = {
+    "dropout_resume": scenario_dropout_resume,
+    "conv_2x2": scenario_conv_2x2,
+    "keras_2w": scenario_keras_2w,
+    "random_2x2": scenario_random_2x2,
+    "fault_2x2": scenario_fault_2x2,
+    "custom_loop": scenario_custom_loop,
+    "two_by_two": scenario_two_by_two,
+    "fit_killed": scenario_fit_killed,
+}
 
 
 def _worker_main(scenario: str, out_dir: str) -> None:
