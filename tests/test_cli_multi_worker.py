@@ -33,15 +33,21 @@ def _env() -> dict[str, str]:
 
 
 def test_replicas_flag_under_a_launcher_is_a_one_line_error(tmp_path, monkeypatch, capsys):
-    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
-        monkeypatch.setenv(name, value)  # torchrun's four: the launch is complete, nothing is joined yet
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     assert cli.main(["train", "--replicas", "2", "--out", str(tmp_path)]) == 2
     assert "--replicas 2: this process is one worker of a job started by a launcher" in capsys.readouterr().err
 
 
-def test_a_half_set_launch_is_a_one_line_error(tmp_path, monkeypatch, capsys):  # issue 24
+def test_an_incomplete_launch_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """Issue 24 (the launch resolver beside the CLI): RANK without MASTER_ADDR/MASTER_PORT was a
+    traceback out of `mirrored train`; it is the resolver's message on one line."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
     assert cli.main(["train", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "RANK=0 is set but MASTER_ADDR, MASTER_PORT are not" in err and "Traceback" not in err

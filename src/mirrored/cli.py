@@ -153,10 +153,11 @@ def _multi_worker_strategy(args: argparse.Namespace) -> Any:
     import mirrored as mr
 
     try:
-        if not mr.distribute.multi_worker.launched_as_worker():
-            return None
-    except ValueError as e:  # a half-set launch (RANK without MASTER_ADDR, a malformed TF_CONFIG): one line
+        launched = mr.distribute.multi_worker.launched_as_worker()
+    except ValueError as e:  # an incomplete launch (RANK without MASTER_ADDR, ...): the resolver names it
         raise CliError(str(e)) from None
+    if not launched:
+        return None
     if getattr(args, "replicas", None) is not None:
         raise CliError(f"--replicas {args.replicas}: this process is one worker of a job started by a launcher "
                        "(torchrun), which sets how many there are (--nproc_per_node, --nnodes). Drop --replicas, "

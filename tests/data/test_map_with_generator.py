@@ -105,3 +105,26 @@ def test_brightness_and_contrast_match_tfs_formulas():
     assert torch.equal(a, images.stateless_random_flip_left_right(x, seed=(1, 2)))
     with pytest.raises(ValueError, match="pair"):
         images.stateless_random_crop(x, (2, 2), seed=(1,))
+
+
+def test_file_sharded_workers_draw_other_numbers_for_their_kth_elements(tmp_path):
+    """Issues 24 x 26: FILE auto-sharding gives each worker every 2nd file, and the worker's copy of
+    map_with_generator numbers its own elements from 0; with the seed unchanged worker 1's k-th image
+    drew worker 0's k-th image's numbers (the same crop and flip for different images). Each part's
+    seed now takes the part in, so the two workers' draws differ, and each part repeats its own."""
+    from mirrored.data import _distribute
+
+    for i in range(4):
+        (tmp_path / f"f{i}.txt").write_text(str(i))
+    ds = mr.data.Dataset.list_files(str(tmp_path / "*.txt"), shuffle=False).map_with_generator(
+        lambda path, g: torch.rand(3, generator=g), seed=0)
+
+    def draws(index: int) -> list[torch.Tensor]:
+        return list(_distribute.shard_files(ds, 2, index))
+
+    zero, one = draws(0), draws(1)
+    assert len(zero) == len(one) == 2
+    for a, b in zip(zero, one):
+        assert not torch.equal(a, b)
+    for a, b in zip(zero, draws(0)):
+        assert torch.equal(a, b)

@@ -17,6 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -337,6 +338,87 @@ def test_two_workers_of_two_replicas_equal_four_replicas(tmp_path):
     assert_bitwise(params_of(tmp_path, "w1", "fit"), params_of(tmp_path, "w0", "fit"), "worker 1 against worker 0")
 
 
+def test_two_workers_of_two_replicas_draw_the_masks_of_four_replicas_with_the_chiefs_seed(tmp_path):
+    """Issues 24 x 26: replica j of worker w draws what replica 2w+j of MirroredStrategy on 4 replicas
+    draws, with the chief's torch seed (worker 1's program seeded torch otherwise), so a restore from the
+    chief's backup, which holds the chief's seed, draws on as the uninterrupted run did; and
+    MultiWorkerMirroredStrategy(per_example_random=True) on 2 workers is refused naming the fix."""
+    port = free_port()
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)} for r in range(2)]
+    assert launch("random_2x2", tmp_path, envs) == [0, 0], logs(tmp_path, 2)
+    res = results(tmp_path, ["w0", "w1"])
+    for r in res:
+        assert r["refused"] and "per_example_random=True" in r["refused"] and "2 workers" in r["refused"]
+    want = dropout_masks(md.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"], seed=100))
+    for w, r in enumerate(res):
+        for step, (got, four) in enumerate(zip(r["masks"], want)):
+            assert got == four[2 * w:2 * w + 2], f"worker {w}, step {step}"
+    assert want[0][0] != want[0][1]  # (the replicas' masks differ)
+
+
+def test_two_workers_of_two_replicas_train_a_channels_last_conv_net_with_dropout_as_four_replicas(tmp_path):
+    """Issues 24 x 26 x 29: a conv net in channels_last (the default) with Dropout2d, fit on 2 workers x 2
+    replicas with seed=11, ends as on MirroredStrategy(seed=11) with 4 replicas: the hierarchical
+    all-reduce sums channels_last gradients element for element, and the replicas draw the same masks."""
+    port = free_port()
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)} for r in range(2)]
+    assert launch("conv_2x2", tmp_path, envs) == [0, 0], logs(tmp_path, 2)
+    results(tmp_path, ["w0", "w1"])
+    want = conv_fit(md.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"], seed=11))
+    for name in ("w0", "w1"):
+        for got, ref in zip(params_of(tmp_path, name, "conv"), want):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert_bitwise(params_of(tmp_path, "w1", "conv"), params_of(tmp_path, "w0", "conv"), "worker 1 against 0")
+
+
+@pytest.mark.slow
+def test_two_workers_seeded_apart_resume_dropout_from_the_chiefs_backup_bitwise(tmp_path):
+    """Issues 24 x 26: workers whose programs seed torch differently (100 + rank) fit with Dropout; a
+    job stopped after 5 steps and resumed from the chief's backup ends bitwise as the uninterrupted
+    job. Worker 1 used to draw with its own seed before and the chief's (restored) after."""
+    def run(out: Path, stop_after: int) -> list[int]:
+        out.mkdir(parents=True)
+        port = free_port()
+        envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port), "STOP_AFTER": str(stop_after)} for r in range(2)]
+        return launch("dropout_resume", out, envs)
+
+    assert run(tmp_path / "whole" / "run", -1) == [0, 0], logs(tmp_path / "whole" / "run", 2)
+    assert run(tmp_path / "cut" / "first", 5) == [0, 0], logs(tmp_path / "cut" / "first", 2)
+    assert all(r["stopped"] for r in results(tmp_path / "cut" / "first", ["w0", "w1"]))
+    assert run(tmp_path / "cut" / "resumed", -1) == [0, 0], logs(tmp_path / "cut" / "resumed", 2)
+    res = results(tmp_path / "cut" / "resumed", ["w0", "w1"])
+    assert all(r["batches"] < 9 for r in res)  # it resumed (9 steps in all), not started afresh
+    for name in ("w0", "w1"):
+        assert_bitwise(params_of(tmp_path / "cut" / "resumed", name, "final"),
+                       params_of(tmp_path / "whole" / "run", name, "final"), f"{name} resumed against whole")
+
+
+@pytest.mark.slow
+def test_a_keras_model_trains_on_two_workers_and_only_the_chief_writes_keras_archives(tmp_path):
+    """Issues 23 x 24: mr.Model(keras_model) under MultiWorkerMirroredStrategy on 2 workers: the workers
+    end bitwise equal although they built different initial weights (rank 0's are broadcast), and
+    ModelCheckpoint and Model.save write .keras archives on the chief only; Keras loads the chief's
+    archive with the trained weights."""
+    os.environ.setdefault("KERAS_BACKEND", "torch")  # (read once, at keras's first import)
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "torch":
+        pytest.skip("keras was imported with another backend than torch")
+    port = free_port()
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "KERAS_BACKEND": "torch"} for r in range(2)]
+    assert launch("keras_2w", tmp_path, envs) == [0, 0], logs(tmp_path, 2)
+    res = results(tmp_path, ["w0", "w1"])
+    assert res[0]["files"] == ["ckpt.keras", "final.keras"] and res[1]["files"] == []
+    assert_bitwise(params_of(tmp_path, "w1", "keras"), params_of(tmp_path, "w0", "keras"), "worker 1 against 0")
+    loaded = keras.models.load_model(tmp_path / "w0" / "final.keras", compile=False)
+    assert len(loaded.weights) == len(params_of(tmp_path, "w0", "keras"))
+    for got, want in zip(loaded.weights, params_of(tmp_path, "w0", "keras")):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
 @pytest.mark.parametrize("fault", ["hangs", "exits"])
 def test_a_worker_of_two_replicas_that_hangs_or_dies_is_named(tmp_path, fault):
     """With 2 replicas per worker the cross-worker collective runs inside the local meeting: when
@@ -497,7 +579,125 @@ def scenario_fault_2x2(name: str) -> dict:
         return {"error_type": type(e).__name__, "error": str(e), "elapsed_s": time.monotonic() - started}
 
 
-SCENARIOS = {"fault_2x2": scenario_fault_2x2, "custom_loop": scenario_custom_loop, "two_by_two": scenario_two_by_two, "fit_killed": scenario_fit_killed}
+def scenario_random_2x2(name: str) -> dict:
+    """Dropout masks of 2 workers x 2 replicas whose programs seed torch differently (100 + rank), and
+    per_example_random=True refused across workers."""
+    torch.manual_seed(100 + int(os.environ["RANK"]))
+    try:
+        md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"], per_example_random=True)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"], timeout_s=COLLECTIVE_TIMEOUT_S)
+    return {"refused": refused, "masks": dropout_masks(s)}
+
+
+def dropout_masks(strategy) -> list[list[list]]:
+    """Each local replica's F.dropout(ones, 0.5) in two steps."""
+    ones = strategy.experimental_distribute_values_from_function(lambda ctx: torch.ones(4, 64))
+    steps = []
+    for _ in range(2):
+        result = strategy.run(lambda x: F.dropout(x, 0.5), args=(ones,))
+        steps.append([t.tolist() for t in strategy.experimental_local_results(result)])
+    return steps
+
+
+def scenario_keras_2w(name: str) -> dict:
+    """A Keras model (seeded Dropout, BatchNormalization) fit on 2 workers x 1 replica, with
+    ModelCheckpoint and Model.save to .keras archives in a directory of each worker's own."""
+    os.environ["KERAS_BACKEND"] = "torch"
+    import keras
+
+    import mirrored as mr
+
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0"], timeout_s=COLLECTIVE_TIMEOUT_S)
+    keras.utils.set_random_seed(int(os.environ["RANK"]))  # the workers build different initial weights
+    inp = keras.Input((6,))
+    h = keras.layers.BatchNormalization()(keras.layers.Dense(16, activation="relu")(inp))
+    out = keras.layers.Dense(3, activation="softmax")(keras.layers.Dropout(0.5, seed=7)(h))
+    with s.scope():
+        model = mr.Model(keras.Model(inp, out))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    x = torch.cat([b[0] for b in global_batches()]).numpy()
+    y = torch.cat([b[1] for b in global_batches()]).numpy()
+    own = OUT_DIR / name
+    own.mkdir()
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[mr.callbacks.ModelCheckpoint(str(own / "ckpt.keras"))])
+    model.save(own / "final.keras")
+    model.check_in_sync()
+    save(name, "keras", [torch.as_tensor(v.numpy()) for v in model.module.weights])
+    return {"files": sorted(p.name for p in own.iterdir())}
+
+
+def conv_fit(strategy) -> list[torch.Tensor]:
+    """fit of a small conv net with Dropout2d (channels_last by default) over global_batches() as images."""
+    import mirrored as mr
+
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(N_EXAMPLES, 3, 6, 6, generator=g), torch.randint(0, 3, (N_EXAMPLES,), generator=g)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = mr.Model(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Dropout2d(0.3), nn.Conv2d(4, 4, 3),
+                                       nn.Flatten(), nn.Linear(16, 3)))
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                      loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    assert model.memory_format == "channels_last", model.memory_format
+    return [p.detach().clone() for p in model.module.parameters()]
+
+
+def scenario_conv_2x2(name: str) -> dict:
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"], timeout_s=COLLECTIVE_TIMEOUT_S, seed=11)
+    save(name, "conv", conv_fit(s))
+    return {}
+
+
+class _Stop(Exception):
+    pass
+
+
+def scenario_dropout_resume(name: str) -> dict:
+    """fit with Dropout and BackupAndRestore on 2 workers whose programs seed torch differently; with
+    STOP_AFTER=k both workers stop after their k-th batch (a backup every 2 steps), as a preempted job."""
+    import mirrored as mr
+
+    rank, stop_after = int(os.environ["RANK"]), int(os.environ.get("STOP_AFTER", "-1"))
+    torch.manual_seed(100 + rank)
+    s = md.MultiWorkerMirroredStrategy(devices=["cpu:0"], timeout_s=COLLECTIVE_TIMEOUT_S)
+    x = torch.cat([b[0] for b in global_batches()])
+    y = torch.cat([b[1] for b in global_batches()])
+    with s.scope():
+        model = mr.Model(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3)))
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1), loss="sparse_categorical_crossentropy")
+
+    class Stop(mr.callbacks.Callback):
+        seen = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            Stop.seen += 1
+            if Stop.seen == stop_after:
+                raise _Stop
+
+    try:
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0,
+                  callbacks=[mr.callbacks.BackupAndRestore(OUT_DIR.parent / "backup", save_freq=2), Stop()])
+    except _Stop:
+        return {"stopped": True}
+    save(name, "final", [p.detach().clone() for p in model.module.parameters()])
+    return {"stopped": False, "batches": Stop.seen}
+
+
+SCENARIOS = {
+    "dropout_resume": scenario_dropout_resume,
+    "conv_2x2": scenario_conv_2x2,
+    "keras_2w": scenario_keras_2w,
+    "random_2x2": scenario_random_2x2,
+    "fault_2x2": scenario_fault_2x2,
+    "custom_loop": scenario_custom_loop,
+    "two_by_two": scenario_two_by_two,
+    "fit_killed": scenario_fit_killed,
+}
 
 
 def _worker_main(scenario: str, out_dir: str) -> None:

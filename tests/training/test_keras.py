@@ -518,3 +518,88 @@ def test_keras_applications_resnet50_learns_on_two_replicas():
     history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
     model.check_in_sync()
+
+
+# ---- between features: Keras models (issue 23) with the replicas' random draws (issue 26) -------------
+def _seeded_dropout_outputs(replicas: int) -> list[np.ndarray]:
+    """Each replica's output of a seeded Dropout on a batch of ones, for two steps."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((32,))
+    net = keras.Model(inp, keras.layers.Dropout(0.5, seed=7)(inp))
+    strategy = _strategy(replicas)
+    with strategy.scope():
+        mnet = strategy.mirror(net)
+    ones = strategy.experimental_distribute_values_from_function(lambda ctx: torch.ones(4, 32))
+    outs = []
+    for _ in range(2):
+        result = strategy.run(lambda x: mnet(x, training=True), args=(ones,))
+        outs.append([t.detach().numpy().copy() for t in strategy.experimental_local_results(result)])
+    return outs
+
+
+def test_seeded_keras_dropout_draws_a_mask_per_replica_and_replica_0_draws_keras_own():
+    """Issues 23 x 26: a seeded Keras Dropout draws from its SeedGenerator, whose state the replicas
+    hold equal, so every replica drew the same mask for its different examples (correlated dropout).
+    Replica 0 now draws what Keras draws on one device, replica 1 another mask, and two runs agree."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((32,))
+    ref = keras.Model(inp, keras.layers.Dropout(0.5, seed=7)(inp))
+    want = [ref(torch.ones(4, 32), training=True).detach().numpy() for _ in range(2)]
+    got = _seeded_dropout_outputs(2)
+    for step, (mine, keras_own) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(mine[0], keras_own, err_msg=f"step {step}: replica 0 against Keras")
+        assert not np.array_equal(mine[1], mine[0]), f"step {step}: replica 1 drew replica 0's mask"
+        assert 0.3 < (mine[1] == 0).mean() < 0.7  # still a rate-0.5 mask
+    again = _seeded_dropout_outputs(2)
+    for a, b in zip(got, again):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_strategy_mirror_alone_keeps_a_keras_models_state_in_sync():
+    """Issue 23: a program that only calls strategy.mirror(keras_model) (never mr.Model) gets the Keras
+    adapter's copier and state sync too; BatchNormalization's moving statistics used to drift apart
+    silently, because the adapter was imported only through mr.Model. A fresh process, as a user's."""
+    probe = ("import os; os.environ['KERAS_BACKEND'] = 'torch'\n"
+             "import keras, torch, mirrored as mr\n"
+             "keras.utils.set_random_seed(0)\n"
+             "inp = keras.Input((6,))\n"
+             "h = keras.layers.BatchNormalization()(keras.layers.Dense(8)(inp))\n"
+             "net = keras.Model(inp, keras.layers.Dense(3)(h))\n"
+             "s = mr.MirroredStrategy(devices=['cpu:0', 'cpu:1'])\n"
+             "with s.scope():\n"
+             "    m = s.mirror(net)\n"
+             "    opt = s.mirror_optimizer(torch.optim.SGD, m, lr=0.1)\n"
+             "x = torch.randn(8, 6)\n"
+             "def step(x):\n"
+             "    m(x, training=True).square().mean().backward(); opt.step(); opt.zero_grad()\n"
+             "part = lambda ctx: x[4 * ctx.replica_id_in_sync_group:][:4]\n"
+             "s.run(step, args=(s.experimental_distribute_values_from_function(part),))\n"
+             "s.check_in_sync(m)\n"
+             "print('in sync')\n")
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "in sync"
+
+
+def test_per_example_random_keys_keras_dropout_and_refuses_a_seeded_one():
+    """Issues 23 x 26: with per_example_random=True an unseeded Keras Dropout (torch's dropout) draws
+    the same masks on 1 and 2 replicas; a seeded one draws from its own generator, which cannot be
+    keyed by example, and is refused by name instead of depending silently on the replica count."""
+    def masks(seed: int | None, replicas: int) -> torch.Tensor:
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((32,))
+        net = keras.Model(inp, keras.layers.Dropout(0.5, seed=seed)(inp))
+        strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)], per_example_random=True,
+                                       seed=3)
+        with strategy.scope():
+            mnet = strategy.mirror(net)
+        batch = next(iter(strategy.experimental_distribute_dataset(mr.data.Dataset.from_tensors(torch.ones(4, 32)))))
+        out = strategy.run(lambda x: mnet(x, training=True), args=(batch,))
+        return torch.cat(strategy.experimental_local_results(out)).detach()
+
+    one = masks(None, 1)
+    assert torch.equal(one, masks(None, 2)) and 0.3 < (one == 0).float().mean() < 0.7
+    with pytest.raises(RuntimeError, match="per_example_random=True.*Drop seed="):
+        masks(7, 2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
+from mirrored._seeds import derive_seed
 from mirrored.data import _pipeline, _sources
 from mirrored.data.dataset import Dataset, _graph
 
@@ -45,7 +46,7 @@ def shard_files(dataset: Dataset, count: int, index: int) -> Dataset:
         out = copy.copy(node)
         out.shard = (count, index)
         return out
-    return _rewritten(dataset, files)
+    return _rewritten(dataset, files, (count, index))
 
 
 def hint_shards(dataset: Dataset) -> list[_pipeline.Shard]:
@@ -61,12 +62,15 @@ def fill_hints(dataset: Dataset, count: int, index: int) -> Dataset:
         out = copy.copy(node)
         out.num_shards, out.index = count, index
         return out
-    return _rewritten(dataset, hint)
+    return _rewritten(dataset, hint, (count, index))
 
 
-def _rewritten(dataset: Dataset, replace: Callable[[_pipeline.Node], _pipeline.Node | None]) -> Dataset:
+def _rewritten(dataset: Dataset, replace: Callable[[_pipeline.Node], _pipeline.Node | None],
+               part: tuple[int, int]) -> Dataset:
     """The pipeline with the nodes `replace` returns a copy for replaced: the nodes between them and the
-    output are copied (their inputs change), the others shared."""
+    output are copied (their inputs change), the others shared. A copied map_with_generator numbers
+    this part's elements from 0, so its seed takes `part` (count, index) in: else worker w's k-th
+    element drew worker 0's k-th element's numbers (issues 24 x 26)."""
     memo: dict[int, _pipeline.Node] = {}
 
     def clone(node: _pipeline.Node) -> _pipeline.Node:
@@ -85,6 +89,8 @@ def _rewritten(dataset: Dataset, replace: Callable[[_pipeline.Node], _pipeline.N
             out.inputs = inputs
             if isinstance(getattr(node, "lock", None), type(threading.Lock())):
                 out.lock = threading.Lock()  # (a shuffle's pass counter: the copy counts its own passes)
+            if node.kind == "map_with_generator":
+                out.seed = derive_seed(node.seed, *part, 0x24)
             if node.kind == "cache":
                 out.elements, out.namedtuples = None, {}  # a memory cache of all of it is not this part's
         memo[id(node)] = out

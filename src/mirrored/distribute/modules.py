@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import inspect
 import itertools
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -61,8 +63,17 @@ def register_copier(copier: Callable[[nn.Module], nn.Module | None]) -> None:
         _COPIERS.append(copier)
 
 
+def _register_adapters(module: nn.Module) -> None:
+    """Imports training/'s Keras adapter for a Keras module, so that its copier and state finder are
+    registered even when the program used only strategy.mirror (issue 23: without them a custom loop's
+    BatchNormalization statistics drifted apart silently). Keras is already imported if module is one."""
+    if "keras" in sys.modules and any(c.__module__.startswith("keras.") for c in type(module).__mro__):
+        importlib.import_module("mirrored.training.keras_adapter")
+
+
 def copy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
     """An independent copy of `module`: a registered copier's, else copy.deepcopy's (with `memo`)."""
+    _register_adapters(module)
     for copier in _COPIERS:
         copied = copier(module)
         if copied is not None:

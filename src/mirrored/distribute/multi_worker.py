@@ -189,11 +189,14 @@ class MultiWorkerMirroredStrategy(Strategy):
     after that nothing is broadcast: each worker applies the same all-reduced gradients, which keeps
     the copies bitwise identical (check with `check_in_sync`). `experimental_distribute_dataset`
     needs the same global batches on every worker (seed any shuffle); each worker keeps its own part.
+    `seed` is MirroredStrategy's (replica r of the 4 of 2 workers x 2 draws as replica r of 4 in one
+    process); None takes the chief's torch.initial_seed() at the first step, on every worker.
+    per_example_random=True is refused across workers.
     """
 
     def __init__(self, communication_options: CommunicationOptions | None = None,
                  devices: Sequence[str | torch.device] | str | torch.device | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, seed: int | None = None, per_example_random: bool = False):
         options = CommunicationOptions() if communication_options is None else communication_options
         if not isinstance(options, CommunicationOptions):
             raise TypeError(f"MultiWorkerMirroredStrategy(communication_options={communication_options!r}): expected "
@@ -208,6 +211,12 @@ class MultiWorkerMirroredStrategy(Strategy):
             resolver = cluster_resolver.from_process_group(dist.get_rank(), dist.get_world_size())
         else:
             resolver = cluster_resolver.resolve()  # validates the launch before any rendezvous starts
+        if per_example_random is True and resolver.num_workers > 1:
+            raise ValueError(f"MultiWorkerMirroredStrategy(per_example_random=True) on {resolver.num_workers} workers: "
+                             "keying draws by the example's place in the global batch is implemented within one "
+                             "process only. Use per_example_random=False (each replica draws from its own "
+                             "generators, seeded by seed, step and global replica id), or MirroredStrategy on one "
+                             "machine.")
         local = _local_devices(devices, resolver)
         backend = _backend_for(local[0], options.implementation)
         if joined:
@@ -235,7 +244,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             ops = default_for(local)
             if resolver.num_workers > 1:
                 ops = HierarchicalAllReduce(ops, self._collectives, len(local))
-        super().__init__(local, ops, timeout_s)
+        super().__init__(local, ops, timeout_s, seed=seed, per_example_random=per_example_random)
         if self._world_size > 1:
             counts = [row[0] for row in self._collectives.all_gather_row([len(local)], "MultiWorkerMirroredStrategy "
                                                                                          "(replicas per worker)")]

@@ -72,6 +72,7 @@ class StrategyRandom:
         self._seed = seed
         self.per_example = per_example
         self.steps = 0
+        self.seed_given = seed is not None  # by the strategy's seed= or set_state(); else decided at first use
 
     @property
     def seed(self) -> int:
@@ -92,6 +93,7 @@ class StrategyRandom:
             raise ValueError(f"replica random state {state!r}: expected {{'seed': int, 'steps': int >= 0}}, as "
                              "get_state() returns; pass the saved state unchanged.")
         self._seed, self.steps = seed, steps
+        self.seed_given = True
 
     def begin_step(self) -> int:
         """The number of the step about to run (0 for the first)."""

@@ -279,13 +279,16 @@ class Strategy:
         """Each local replica's randomness for the step about to run (random.py); with
         per_example_random, where each replica's part of the global batch starts."""
         state = self._random
+        if not state.seed_given and self.num_workers > 1:
+            # seed=None: the chief's seed on every worker, so that a restore from the chief's backup (which
+            # holds the chief's) goes on drawing what the uninterrupted run drew (issues 24 x 26).
+            mine = state.seed
+            high, low = self.chief_ints([mine >> 32, mine & 0xFFFFFFFF], "the replicas' random seed (the chief's)")
+            state.set_state({"seed": (high << 32) | low, "steps": state.steps})
         number, seed, first = state.begin_step(), state.seed, self.first_replica_id
         n = len(self._devices)
         if not state.per_example:
             return [replica_random.ReplicaRandom(seed, number, first + i) for i in range(n)]
-        if self.num_workers > 1:
-            raise ValueError(f"{type(self).__name__}: per_example_random=True is not supported across workers; "
-                             "use it with MirroredStrategy on one machine.")
         sizes = []
         for i in range(n):
             leaves = flatten(_replica_arguments(i, args, kwargs, split))

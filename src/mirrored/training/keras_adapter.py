@@ -42,7 +42,10 @@ def _keras() -> Any:
 def is_keras_model(obj: Any) -> bool:
     """Whether `obj` is a Keras 3 layer or model (checked without importing keras)."""
     keras = _keras()
-    return keras is not None and isinstance(obj, keras.layers.Layer)
+    if keras is None or not isinstance(obj, keras.layers.Layer):
+        return False
+    _replica_seeds()
+    return True
 
 
 def _is_keras(obj: Any, kind: str) -> bool:
@@ -126,6 +129,52 @@ def state_tensors(module: nn.Module) -> list[tuple[Tensor, str]] | None:
 
 
 md.register_state_tensors(state_tensors)
+
+
+# ---- seeded random ops (a seeded Dropout, GaussianNoise, ...): a stream per replica ----------------------
+_SEEDS_PATCHED = False
+
+
+def _replica_seeds() -> None:
+    """Makes Keras's SeedGenerator.next() give each replica of a step its own seed (issue 26 x 23).
+
+    A seeded Keras random op draws through torch.Generator(manual_seed(state)) from its layer's
+    SeedGenerator, whose state the replicas hold in step (replica 0's after each step): every replica
+    drew the same mask for its different examples (correlated dropout). Replica 0, and any call
+    outside a multi-replica step, keeps Keras's own seed, so one replica draws what Keras draws; replica
+    r > 0 (its global id, so 2 workers x 2 replicas draw as 4 replicas) mixes r into the first word."""
+    global _SEEDS_PATCHED
+    keras = _keras()
+    if _SEEDS_PATCHED or keras is None:
+        return
+    from keras.src.random import seed_generator  # (keras is imported: is_keras_model saw a Keras model)
+    from mirrored._seeds import derive_seed
+
+    keras_next = seed_generator.SeedGenerator.next
+
+    def next(self: Any, ordered: bool = True) -> Any:  # noqa: A001 - Keras's name
+        ctx = md.get_replica_context()
+        strategy = getattr(ctx, "_strategy", None)
+        if strategy is not None and strategy.random_state.per_example:
+            raise RuntimeError(
+                f"Keras's SeedGenerator {getattr(self, 'name', '')!r} drew a seed in a replica step of a strategy with "
+                "per_example_random=True: a seeded Keras random op (Dropout(seed=...), GaussianNoise, ...) draws from "
+                "its own generator, which cannot be keyed by example, so the run would depend on the replica count. "
+                "Drop seed= from the Keras Dropout (it then runs torch's dropout, which is keyed), or use "
+                "per_example_random=False.")
+        value = keras_next(self, ordered)
+        replica = 0 if ctx is None or ctx.num_replicas_in_sync < 2 else ctx.replica_id_in_sync_group
+        if not replica or not isinstance(value, Tensor) or value.numel() < 1:
+            return value
+        first = int(value.reshape(-1)[0])
+        mixed = derive_seed(first & 0xFFFFFFFF, replica, 0x23) & 0x7FFFFFFF  # fits int32, Keras's seed dtype
+        value = value.clone()
+        value.view(-1)[0] = mixed
+        return value
+
+    next.__doc__ = keras_next.__doc__
+    seed_generator.SeedGenerator.next = next
+    _SEEDS_PATCHED = True
 
 
 _COPY_LOCK = threading.Lock()
