@@ -66,7 +66,6 @@ UNDOCUMENTED_TYPES = [
     "mirrored.data._tfds_splits.ReadInstruction",  # parse_split's result (tfds.py re-exports it)
     "mirrored.datasets.registry.Builder",  # what mr.datasets.builder() returns
     "mirrored.distribute.cross_device_ops.Disagreement",  # CrossDeviceOps.all_reduce's result
-    "mirrored.distribute.cluster_resolver.ClusterResolver",  # MultiWorkerMirroredStrategy.cluster_resolver
     "mirrored.distribute.replicas.Rendezvous",  # CrossDeviceOps.all_reduce's argument
     "mirrored.distribute.strategy.StrategyExtended",  # strategy.extended
 ]

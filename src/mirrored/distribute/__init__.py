@@ -1,5 +1,6 @@
 """The distribution core: strategies, replica contexts, distributed values and variables,
 cross-device ops and distributed input. Knows nothing of `mirrored.training`."""
+from mirrored.distribute.cluster_resolver import ClusterResolver
 from mirrored.distribute.context import (ReplicaContext, get_replica_context, get_strategy, has_strategy,
                                          in_cross_replica_context, register_scope_hook)
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, InMemoryAllReduce,
@@ -8,6 +9,7 @@ from mirrored.distribute.input import (DistributedDataset, DistributedDatasetsFr
                                       InputContext, InputOptions, Optional)
 from mirrored.distribute.modules import HookHandles, MirroredModule, register_copier, register_state_tensors
 from mirrored.distribute.optimizer import MirroredOptimizer
+from mirrored.distribute.random import StrategyRandom
 from mirrored.distribute.multi_worker import CollectiveAllReduce, CommunicationOptions, MultiWorkerMirroredStrategy
 from mirrored.distribute.rollback import StepJournal, current_journal
 from mirrored.distribute.replicas import CollectiveMismatchError, CollectiveTimeoutError
@@ -18,12 +20,12 @@ from mirrored.distribute.variables import (MirroredVariable, SyncOnReadVariable,
                                            VariableSynchronization)
 
 __all__ = [
-    "CollectiveAllReduce", "CollectiveMismatchError", "CollectiveTimeoutError", "CommunicationOptions",
+    "ClusterResolver", "CollectiveAllReduce", "CollectiveMismatchError", "CollectiveTimeoutError", "CommunicationOptions",
     "CrossDeviceOps", "DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator",
     "DistributedValues", "HierarchicalCopyAllReduce", "HookHandles", "InMemoryAllReduce", "InputContext",
     "InputOptions", "Mirrored", "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable",
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "Optional", "OutOfSyncError", "PerReplica", "ReduceOp",
-    "ReductionToOneDevice", "ReplicaContext", "StepJournal", "Strategy", "SyncOnReadVariable", "ValueContext", "Variable",
+    "ReductionToOneDevice", "ReplicaContext", "StepJournal", "Strategy", "StrategyRandom", "SyncOnReadVariable", "ValueContext", "Variable",
     "VariableAggregation", "VariableSynchronization", "current_journal", "get_replica_context", "get_strategy", "has_strategy",
     "in_cross_replica_context", "register_copier", "register_scope_hook", "register_state_tensors",
 ]
