@@ -1,10 +1,9 @@
-"""A Keras 3 model (torch backend) under mr.Model against Keras's own fit, and against our fit of the
-same network written in torch, side by side (issue 23).
+"""A Keras 3 model (torch backend) under mr.Model against Keras's own fit and a torch twin (issue 23).
 
     .venv/bin/python benchmarks/keras_fit.py                          # batch 64, 10 steps, 3 rounds
     .venv/bin/python benchmarks/keras_fit.py --batch 8 --steps 2 --rounds 1 --width 4   # a smoke run
 
-Four contestants train the same small ResNet-style network (conv-BN-ReLU blocks with a residual add,
+The twin is the same network written in torch, trained by our fit. Four contestants train the same small ResNet-style network (conv-BN-ReLU blocks with a residual add,
 global pooling, a softmax head; 32x32x3 inputs) on the same synthetic data, each for `--steps` steps
 of `--batch` global examples per round: Keras's own `model.fit` on one device (torch backend),
 `mr.Model(keras_model)` on 1 replica, the same on 2 CPU replicas, and `mr.Model(torch module)` of

@@ -1,10 +1,11 @@
 """mirrored: synchronous data-parallel training on PyTorch, the tf.distribute.MirroredStrategy way.
 
     import mirrored as mr
-    strategy = mr.MirroredStrategy()            # every GPU, or devices=["cpu:0", "cpu:1"]
+    strategy = mr.MirroredStrategy()  # every GPU, or devices=["cpu:0", "cpu:1"]
     with strategy.scope():
         model = mr.Model(mr.models.resnet_cifar(num_classes=10))
-        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
     model.fit(dataset_of_global_batches, epochs=5)
 
 The distribution core is imported eagerly; the namespaces (data, datasets, models, layers, losses,

@@ -3,14 +3,15 @@
 `Profiler` is a Keras callback, `model.fit(ds, callbacks=[mr.profiler.Profiler("logs/prof")])`, and
 for custom loops a recorder to start, stop and mark steps on. It records spans (a name, a thread, a
 start and an end) from three sources:
-  - step boundaries: on_train_batch_begin/end in fit(), `with profiler.step():` in a custom loop.
-    The block is the "step"; the time from the end of one step to the start of the next is "input"
-    (the wait for the next batch, plus other callbacks' per-batch work such as the progress bar's).
-    It restarts at each epoch, so validation and epoch-end callbacks are not counted as input.
-  - timing wrappers set as instance attributes (classes untouched; removed by `stop()`) on one
-    MirroredOptimizer's `reduce_gradients` ("all_reduce", per replica thread; it includes waiting
-    for the slowest replica to arrive) and on one strategy's `run` ("replica_step": a replica's
-    whole function). A replica's compute is its replica_step minus its all_reduce.
+  - step boundaries: on_train_batch_begin/end in fit(), `with profiler.step():` in a custom
+    loop. The block is the "step"; the time from the end of one step to the start of the next
+    is "input" (the wait for the next batch, plus other callbacks' per-batch work such as the
+    progress bar's). It restarts at each epoch, so validation and epoch-end callbacks are not
+    counted as input.
+  - timing wrappers set as instance attributes (classes untouched; removed by `stop()`) on
+    one MirroredOptimizer's `reduce_gradients` ("all_reduce", per replica thread; it includes
+    waiting for the slowest replica to arrive) and on one strategy's `run` ("replica_step": a
+    replica's whole function). A replica's compute is its replica_step minus its all_reduce.
   - `trace(name)` blocks, which anyone may add on any thread.
 Out come `summary()`, a Chrome trace (`save_chrome_trace`; chrome://tracing or ui.perfetto.dev) and
 a PNG of the per-step breakdown (`plot`). In fit() the optimizer is `model.mirrored_optimizer`.

@@ -1,7 +1,8 @@
 """`Options` for a Dataset, with tf.data's names: `ds = ds.with_options(options)`.
 
     options = mr.data.Options()
-    options.experimental_distribute.auto_shard_policy = mr.data.experimental.AutoShardPolicy.DATA
+    policy = mr.data.experimental.AutoShardPolicy.DATA
+    options.experimental_distribute.auto_shard_policy = policy
     ds = ds.with_options(options)
 
 Only the options whose meaning carries over are accepted, each with tf.data's semantics where it

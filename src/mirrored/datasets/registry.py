@@ -91,10 +91,14 @@ def load(name: str, split: str | Sequence[str] | None = None, data_dir: str | os
          download_config: cassava.DownloadConfig | Mapping[str, Any] | None = None) -> Any:
     """Loads a dataset by name as a Dataset of examples, like tfds.load.
 
-        ds = mr.datasets.load("cassava", split="train", as_supervised=True)      # (image, label)
-        splits, info = mr.datasets.load("digits", with_info=True)                # {"train": ds, "test": ds}
-        ds = mr.datasets.load("cassava", split="train[:80%]+validation", data_dir="/data/tfds")
-        info.features["label"].names, info.features["label"].num_classes, info.splits["train"].num_examples
+        # (image, label) pairs
+        ds = mr.datasets.load("cassava", split="train", as_supervised=True)
+        # {"train": ds, "test": ds}
+        splits, info = mr.datasets.load("digits", with_info=True)
+        ds = mr.datasets.load("cassava", split="train[:80%]+validation",
+                              data_dir="/data/tfds")
+        info.features["label"].names, info.features["label"].num_classes
+        info.splits["train"].num_examples
 
     Examples are feature dicts, {"image": uint8 HWC tensor, "image/filename": str, "label": int64
     scalar tensor} for cassava, or (image, label) pairs with as_supervised=True. Images are decoded
