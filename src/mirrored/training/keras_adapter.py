@@ -468,12 +468,7 @@ class KerasOptimizer(optimizers_lib.Optimizer):
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
-        if self._schedule is not None:
-            raise TypeError(f"{self.name} was created with the schedule {self._schedule!r} as its learning_rate, so "
-                            "the rate cannot be set (as in Keras). Create it with a float learning_rate to set it.")
-        value = float(value)
-        if value < 0:
-            raise ValueError(f"{self.name}.learning_rate = {value}: the learning rate must be non-negative.")
+        value = optimizers_lib.settable_rate(self.name, self._schedule, value)
         self._lr = value
         for opt in self._live():
             opt.keras_optimizer.learning_rate = value

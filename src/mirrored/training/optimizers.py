@@ -159,12 +159,7 @@ class Optimizer:
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
-        if self._schedule is not None:
-            raise TypeError(f"{self.name} was created with the schedule {self._schedule!r} as its learning_rate, so "
-                            "the rate cannot be set (as in Keras). Create it with a float learning_rate to set it.")
-        value = float(value)
-        if value < 0:
-            raise ValueError(f"{self.name}.learning_rate = {value}: the learning rate must be non-negative.")
+        value = settable_rate(self.name, self._schedule, value)
         self._lr = value
         if self._from_instance is not None:
             _set_rate(self._from_instance.hparams, value, self.name)
@@ -230,6 +225,18 @@ class Optimizer:
         shown = {k: v for k, v in config.items()
                  if k not in ("name", "torch_class") and not (k in _OPTION_DEFAULTS and v == _OPTION_DEFAULTS[k])}
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+
+def settable_rate(name: str, schedule: Any, value: Any) -> float:
+    """`value` as the new float learning rate of the optimizer `name`: refused where the optimizer was
+    made with a schedule (as in Keras) or where it is negative."""
+    if schedule is not None:
+        raise TypeError(f"{name} was created with the schedule {schedule!r} as its learning_rate, so "
+                        "the rate cannot be set (as in Keras). Create it with a float learning_rate to set it.")
+    value = float(value)
+    if value < 0:
+        raise ValueError(f"{name}.learning_rate = {value}: the learning rate must be non-negative.")
+    return value
 
 
 def _set_rate(groups: Sequence[Any], value: float, name: str) -> None:
