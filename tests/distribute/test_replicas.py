@@ -218,9 +218,9 @@ def test_pool_runs_every_replica_on_persistent_threads():
 
 
 def test_pool_threads_keep_their_intra_op_count_when_another_thread_sets_one_after_them():
-    """Regression (replicas out of sync under load, torch_mnist_port): ATen fixes a thread's count at
-    its first parallel op from the last torch.set_num_threads of any thread, so the summing replica's
-    borrowing of every core used to leak into a replica whose first op came after it."""
+    """Regression, found hunting torch_mnist_port's rare out-of-sync replicas: ATen fixes a thread's
+    count at its first parallel op from the last torch.set_num_threads of any thread, so the summing
+    replica's borrowing of every core leaked into a replica whose first op came after it."""
     before = torch.get_num_threads()
     pool = ReplicaPool(DEVICES[:2], intra_op_threads=1)
     try:
