@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from mirrored.distribute import replicas
 from mirrored.distribute.replicas import CollectiveMismatchError, CollectiveTimeoutError, Rendezvous, ReplicaPool
@@ -214,6 +215,27 @@ def test_pool_runs_every_replica_on_persistent_threads():
     for t in threads:
         t.join(timeout=JOIN_S)
         assert not t.is_alive()
+
+
+def test_pool_threads_keep_their_intra_op_count_when_another_thread_sets_one_after_them():
+    """Regression, found hunting torch_mnist_port's rare out-of-sync replicas: ATen fixes a thread's
+    count at its first parallel op from the last torch.set_num_threads of any thread, so the summing
+    replica's borrowing of every core leaked into a replica whose first op came after it."""
+    before = torch.get_num_threads()
+    pool = ReplicaPool(DEVICES[:2], intra_op_threads=1)
+    try:
+        pool.run(lambda i: None, grace_s=JOIN_S)  # the workers have started (and set their count)
+        torch.set_num_threads(2)  # another thread's setting, made before the workers' first torch op
+        counts, errors, *_ = pool.run(lambda i: torch.get_num_threads(), grace_s=JOIN_S)
+        assert errors == {}
+        assert counts == [1, 1]
+        assert torch.get_num_threads() == 2  # (the caller's own setting stands)
+    finally:
+        torch.set_num_threads(before)
+        threads = pool.threads()
+        pool.shutdown()
+    for t in threads:
+        t.join(timeout=JOIN_S)
 
 
 def test_pool_collects_errors_by_replica():

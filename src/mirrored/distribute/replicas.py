@@ -250,6 +250,11 @@ def _worker_main(inbox: queue.SimpleQueue, replica_id: int, device: Device, intr
     # Runs on the replica's own thread, so these settings stay with the replica: torch's intra-op
     # thread count is per thread (OpenMP), and the current CUDA device is per thread.
     if device.startswith("cpu"):
+        # ATen sets a thread's count lazily, at its first parallel op, from the last
+        # torch.set_num_threads made by ANY thread, over one this thread made before: without this
+        # read first, a replica could run with the count another thread set meanwhile (the summing
+        # replica borrowing every core), a count that then depended on timing.
+        torch.get_num_threads()
         torch.set_num_threads(intra_op)
     else:
         torch.cuda.set_device(torch.device(device))
