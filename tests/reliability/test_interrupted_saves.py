@@ -24,11 +24,13 @@ WRITER = textwrap.dedent("""
     import os, sys, torch
     from mirrored.training import checkpoint
     path, mode = sys.argv[1], sys.argv[2]
+    def say(*words):  # one write(2) per line: under PYTHONUNBUFFERED, print writes each word on its own,
+        os.write(1, (" ".join(map(str, words)) + "\\n").encode())  # and forked writers' words interleave
     if mode == "pause":  # stop once the temporary file is written, before the rename; go on at a line on stdin
         real_fsync = checkpoint._fsync_file
         def paused(p):
             real_fsync(p)
-            print("written", p, flush=True)
+            say("written", p)
             sys.stdin.readline()
         checkpoint._fsync_file = paused
     if mode == "fork":  # a writer per line on stdin, forked (no interpreter start-up), each saving in a loop
@@ -38,17 +40,17 @@ WRITER = textwrap.dedent("""
         for _ in sys.stdin:
             child = os.fork()
             if child:
-                print("forked", child, flush=True)
+                say("forked", child)
                 continue
             value = torch.full(({elements},), float(os.getpid()))
             while True:
                 checkpoint.save_checkpoint(path, {{"w": value}}, {{"pid": os.getpid()}})
-                print("saved", os.getpid(), flush=True)
+                say("saved", os.getpid())
         sys.exit(0)
     value = torch.full(({elements},), float(os.getpid()))
     while True:
         checkpoint.save_checkpoint(path, {{"w": value}}, {{"pid": os.getpid()}})
-        print("saved", flush=True)
+        say("saved")
         if mode != "loop":
             break
 """).format(elements=ELEMENTS)
