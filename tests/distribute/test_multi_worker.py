@@ -16,7 +16,6 @@ import datetime
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored.distribute as md
+from _workers import free_port, log_tails, read_results, run_workers  # tests/distribute/_workers.py
 
 LAUNCH_DEADLINE_S = 150.0  # a launch's workers are killed after this, whatever they are doing
 COLLECTIVE_TIMEOUT_S = 60.0  # the strategy's timeout where nothing should fail: generous, CI machines are loaded
@@ -53,58 +53,33 @@ def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 # ---- launching workers -----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario: str, out_dir: Path, world: int = 2, wait_for: list[int] | None = None,
            started: int | None = None) -> list[int | None]:
     """Runs `scenario` on the first `started` (default: all) of `world` worker processes; returns their
     exit codes (None: killed while still running after the ranks in `wait_for` had finished). Every
     worker is dead when this returns."""
     port = free_port()
-    procs: list[subprocess.Popen] = []
-    try:
-        for rank in range(world if started is None else started):
-            env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
-            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       CUDA_VISIBLE_DEVICES="")  # CPU workers: two processes cannot share one GPU under NCCL
-            with open(out_dir / f"rank{rank}.log", "w") as log:
-                procs.append(subprocess.Popen([sys.executable, __file__, scenario, str(out_dir)], env=env,
-                                              stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + LAUNCH_DEADLINE_S
-        for rank in range(len(procs)) if wait_for is None else wait_for:
-            try:
-                procs[rank].wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{scenario}: rank {rank} still ran after {LAUNCH_DEADLINE_S:g} s\n{logs(out_dir, world)}")
-        return [p.poll() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    envs = []
+    for rank in range(world if started is None else started):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   CUDA_VISIBLE_DEVICES="")  # CPU workers: two processes cannot share one GPU under NCCL
+        envs.append(env)
+    return run_workers(__file__, scenario, out_dir, envs, _names(len(envs)), LAUNCH_DEADLINE_S, wait_for)
+
+
+def _names(world: int) -> list[str]:
+    return [f"rank{r}" for r in range(world)]
 
 
 def logs(out_dir: Path, world: int) -> str:
     """The tail of each worker's output, for assertion messages (a rank never started has none)."""
-    paths = [out_dir / f"rank{r}.log" for r in range(world)]
-    return "\n".join(f"--- rank {r} ---\n{p.read_text()[-3000:] if p.exists() else '(no log)'}"
-                     for r, p in enumerate(paths))
+    return log_tails(out_dir, _names(world))
 
 
 def results(out_dir: Path, world: int = 2) -> list[dict]:
-    out = []
-    for r in range(world):
-        path = out_dir / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no results\n{logs(out_dir, world)}"
-        res = json.loads(path.read_text())
-        assert "crash" not in res, f"rank {r} raised:\n{res['crash']}"
-        out.append(res)
-    return out
+    return read_results(out_dir, _names(world))
 
 
 # ---- the tests ---------------------------------------------------------------------------------------

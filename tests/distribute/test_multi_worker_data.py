@@ -13,16 +13,16 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+
+from _workers import free_port, log_tails, read_results, run_workers  # tests/distribute/_workers.py
 
 N, BATCH, EPOCHS = 64, 8, 2
 FILES, PER_FILE = 4, 16  # FILE sharding: 4 TFRecord files of 16 examples
@@ -31,51 +31,28 @@ COLLECTIVE_TIMEOUT_S = 60.0
 
 
 # ---- launching -----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario: str, out_dir: Path, world: int = 2) -> list[int | None]:
     """Runs `scenario` on `world` worker processes; their exit codes. Every worker is dead on return."""
     port = free_port()
-    procs: list[subprocess.Popen] = []
-    try:
-        for rank in range(world):
-            env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
-            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-            with open(out_dir / f"rank{rank}.log", "w") as log:
-                procs.append(subprocess.Popen([sys.executable, __file__, scenario, str(out_dir)], env=env,
-                                              stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + LAUNCH_DEADLINE_S
-        for rank, p in enumerate(procs):
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{scenario}: rank {rank} still ran after {LAUNCH_DEADLINE_S:g} s\n{logs(out_dir, world)}")
-        return [p.poll() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    envs = []
+    for rank in range(world):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        envs.append(env)
+    return run_workers(__file__, scenario, out_dir, envs, _names(world), LAUNCH_DEADLINE_S)
+
+
+def _names(world: int) -> list[str]:
+    return [f"rank{r}" for r in range(world)]
 
 
 def logs(out_dir: Path, world: int = 2) -> str:
-    return "\n".join(f"--- rank {r} ---\n{(out_dir / f'rank{r}.log').read_text()[-3000:]}" for r in range(world))
+    return log_tails(out_dir, _names(world))
 
 
 def results(out_dir: Path, world: int = 2) -> list[dict]:
-    out = []
-    for r in range(world):
-        path = out_dir / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no results\n{logs(out_dir, world)}"
-        res = json.loads(path.read_text())
-        assert "crash" not in res, f"rank {r} raised:\n{res['crash']}"
-        out.append(res)
-    return out
+    return read_results(out_dir, _names(world))
 
 
 def assert_every_example_once_per_epoch(res: list[dict]) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from torch import nn
 
 import mirrored.distribute as md
 from mirrored.distribute import cluster_resolver as cr
+from _workers import free_port, log_tails, read_results, run_workers  # tests/distribute/_workers.py
 
 LAUNCH_DEADLINE_S = 150.0  # a launch's workers are killed after this, whatever they are doing
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -206,12 +206,6 @@ def fit(strategy, epochs: int = EPOCHS, callbacks: list | None = None) -> tuple[
 
 
 # ---- launching workers by hand ------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def clean_env() -> dict[str, str]:
     """This process's environment without any launcher's variables (pytest may itself run under one)."""
     return {k: v for k, v in os.environ.items()
@@ -221,42 +215,21 @@ def clean_env() -> dict[str, str]:
 def launch(scenario: str, out_dir: Path, envs: list[dict[str, str]], wait_for: list[int] | None = None) -> list[int]:
     """Runs `scenario` in one process per environment; returns their exit codes (None: killed while
     still running after the workers in `wait_for` had finished). Every worker is dead when this returns."""
-    procs: list[subprocess.Popen] = []
-    try:
-        for i, extra in enumerate(envs):
-            env = {**clean_env(), **extra, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "WORKER_NAME": f"w{i}"}
-            with open(out_dir / f"w{i}.log", "w") as log:
-                procs.append(subprocess.Popen([sys.executable, __file__, scenario, str(out_dir)], env=env,
-                                              stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + LAUNCH_DEADLINE_S
-        for i in range(len(procs)) if wait_for is None else wait_for:
-            try:
-                procs[i].wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{scenario}: worker {i} still ran after {LAUNCH_DEADLINE_S:g} s\n{logs(out_dir, len(envs))}")
-        return [p.poll() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    full = [{**clean_env(), **extra, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "WORKER_NAME": f"w{i}"}
+            for i, extra in enumerate(envs)]
+    return run_workers(__file__, scenario, out_dir, full, _names(len(envs)), LAUNCH_DEADLINE_S, wait_for)
+
+
+def _names(n: int) -> list[str]:
+    return [f"w{i}" for i in range(n)]
 
 
 def logs(out_dir: Path, n: int) -> str:
-    paths = [out_dir / f"w{i}.log" for i in range(n)]
-    return "\n".join(f"--- worker {i} ---\n{p.read_text()[-3000:] if p.exists() else '(no log)'}"
-                     for i, p in enumerate(paths))
+    return log_tails(out_dir, _names(n))
 
 
 def results(out_dir: Path, names: list[str]) -> list[dict]:
-    out = []
-    for name in names:
-        path = out_dir / f"{name}.json"
-        assert path.exists(), f"{name} wrote no results\n{logs(out_dir, len(names))}"
-        res = json.loads(path.read_text())
-        assert "crash" not in res, f"{name} raised:\n{res['crash']}"
-        out.append(res)
-    return out
+    return read_results(out_dir, names)
 
 
 def params_of(out_dir: Path, name: str, key: str = "params") -> list[torch.Tensor]:
