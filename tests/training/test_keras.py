@@ -403,9 +403,8 @@ def test_learning_rate_callbacks_set_the_keras_optimizer_rate():
 
 def test_backup_and_restore_resumes_exactly(tmp_path):
     """BackupAndRestore with a Keras model and a Keras optimizer: a run stopped after epoch 1 and
-    resumed equals the run that was not stopped (weights, Adam's state, BatchNorm statistics). No
-    Dropout: an unseeded Keras Dropout draws from torch's global generator, as nn.Dropout does, which
-    the replica threads share in no fixed order."""
+    resumed equals the run that was not stopped (weights, Adam's state, BatchNorm statistics). (With
+    dropout: test_backup_and_restore_with_unseeded_keras_random_ops_resumes_bitwise.)"""
     x, y = _data(6)
 
     def run(epochs, backup):
@@ -682,3 +681,41 @@ def test_per_example_random_refuses_unseeded_keras_random_ops_by_name():
         pass
     with pytest.raises(RuntimeError, match=r"keras.random with seed=None.*per_example_random=True"):
         strategy.run(lambda x: x + keras.random.normal((4,)), args=(torch.ones(4),))
+
+
+def test_backup_and_restore_with_unseeded_keras_random_ops_resumes_bitwise(tmp_path):
+    """Issue 26: a Keras model with unseeded Dropout, GaussianNoise and keras.random.normal, stopped after
+    epoch 1 and resumed by BackupAndRestore, ends with the weights of the run that was not stopped,
+    bitwise: the replicas' seeds come from their generators, whose state (seed, steps) the backup holds."""
+    x, y = _data(6)
+
+    def model() -> mr.Model:
+        keras.backend.clear_session()  # layer names restart, as in the new process of a real resume
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((FEATURES,))
+        h = keras.layers.GaussianNoise(0.2)(_SlowNoise()(keras.layers.Dense(8)(inp)))
+        out = keras.layers.Dense(CLASSES, activation="softmax")(keras.layers.Dropout(0.3)(h))
+        with mr.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+            ours = mr.Model(keras.Model(inp, out))
+            ours.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+        return ours
+
+    class Stop(mr.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise KeyboardInterrupt
+
+    _SlowNoise.slow = False
+    straight = model()
+    straight.fit(x, y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0)
+    stopped = model()
+    with pytest.raises(KeyboardInterrupt):
+        stopped.fit(x, y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0,
+                    callbacks=[mr.callbacks.BackupAndRestore(str(tmp_path)), Stop()])
+    _SlowNoise.slow, _SlowNoise.calls = True, 0  # and the resumed run's threads draw in another order
+    resumed = model()
+    resumed.fit(x, y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0,
+                callbacks=[mr.callbacks.BackupAndRestore(str(tmp_path))])
+    _SlowNoise.slow = False
+    for a, b in zip(straight.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(b, a)
