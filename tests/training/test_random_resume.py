@@ -230,6 +230,10 @@ def test_a_checkpoint_saves_each_strategys_random_state_once_and_plain_modules_i
         for x, y in zip(got, want):
             assert torch.equal(x, y)
 
+    explicit = mr.train.Checkpoint(model=net_a, random=a.random_state).write(str(tmp_path / "explicit"))
+    mr.train.Checkpoint(model=net_c).read(explicit).assert_consumed()  # the older spelling's file: its "random"
+    assert (c.random_state.seed, c.random_state.steps) == (1, 2)
+
     plain = {"gen": nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5)), "disc": nn.Sequential(nn.Linear(4, 8))}
     mr.train.Checkpoint(gen=plain["gen"], disc=plain["disc"]).read(path).expect_partial()
     old = mr.train.Checkpoint(model=nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))).write(str(tmp_path / "old"))

@@ -267,13 +267,20 @@ def _strategy_of(obj: Any) -> Any:
     return None
 
 
+def _holds_random_state(entry: Any) -> bool:
+    """Whether a file's entry is a strategy's random state (StrategyRandom.get_state()), under any name."""
+    state = entry.get("state") if isinstance(entry, dict) and entry.get("kind") == "state" else None
+    return isinstance(state, dict) and set(state) == {"seed", "steps", "per_example_random"}
+
+
 def random_entries(found: list[tuple[str, Any, Any]], saved: Mapping[str, Any] | None = None
                    ) -> list[tuple[str, Any, Any]]:
     """An entry for the random state of each strategy whose mirrored objects are among `found`, unless one
     is there already (an mr.Model's, or random=strategy.random_state). It goes under "<path>.random" of
     the strategy's object whose path sorts first; reading (`saved`: the file's entries), the first such
-    path the file holds, or its only one where both sides have one strategy (a file of (model, optimizer)
-    read into the optimizer alone)."""
+    path the file holds, or, where both sides have one strategy, the file's one random state that no
+    object here claims (a file of (model, optimizer) read into the optimizer alone, or one saved with
+    random=strategy.random_state read without it)."""
     covered = {id(obj) for _, _, obj in found if isinstance(obj, md.StrategyRandom)}
     paths: dict[int, list[str]] = {}
     states: dict[int, md.StrategyRandom] = {}
@@ -283,12 +290,13 @@ def random_entries(found: list[tuple[str, Any, Any]], saved: Mapping[str, Any] |
             continue
         states[id(strategy.random_state)] = strategy.random_state
         paths.setdefault(id(strategy.random_state), []).append(f"{path}.random")
-    implicit = [p for p, entry in (saved or {}).items() if isinstance(entry, dict) and entry.get("implicit") is True]
+    claimed = {path for path, _, _ in found}
+    unclaimed = [p for p, entry in (saved or {}).items() if p not in claimed and _holds_random_state(entry)]
     entries = []
     for key, candidates in paths.items():
-        path = next((p for p in candidates if p in implicit), candidates[0])
-        if path not in implicit and len(paths) == 1 and len(implicit) == 1:  # one strategy each side: the same run
-            path = implicit[0]
+        path = next((p for p in candidates if p in unclaimed), candidates[0])
+        if path not in unclaimed and len(paths) == 1 and len(unclaimed) == 1:  # one strategy each side: the same run
+            path = unclaimed[0]
         entries.append((path, _StrategyRandom, states[key]))
     return entries
 
