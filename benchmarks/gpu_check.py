@@ -19,6 +19,8 @@ fails or raises does not stop the others) and skipped once the time budget (--bu
   sync batchnorm    SyncBatchNorm over a GPU replica and a CPU replica (two GPUs where there are)
                     against one BatchNorm on the whole batch
   fit, 2 replicas   fit on cuda:0 + cpu:0 (one GPU) or on every GPU (NCCL): results on each device
+  seeded dropout    two fits with dropout on 1 GPU replica (seed=, and per_example_random) bitwise equal;
+                    the replica's draws on its device; the same on cuda:0 + cpu:0 (issue 26)
   checkpoint        a Model trained and saved on CUDA, read and run on the CPU in a fresh process
   profiler          mirrored.profiler.Profiler around fit on CUDA: steps, trace.json, timeline.png
   nccl              one GPU: NcclAllReduce and a second worker are refused clearly; two: all-reduce
@@ -420,6 +422,44 @@ def fit_on_two_replicas(sizes: Sizes) -> tuple[str, str]:
                                         f"on their devices: {placed}, right: {right}")
 
 
+def seeded_dropout(sizes: Sizes) -> tuple[str, str]:
+    """Issue 26 on CUDA: two fits of an MLP with dropout on one GPU replica of a strategy with seed=
+    give bitwise the same weights (and so do two with per_example_random=True), the replica's
+    generators live on its device (torch.rand(device=...) and F.dropout on a CUDA tensor draw there),
+    and a CUDA and a CPU replica together also give the same weights twice."""
+    import mirrored as mr
+    from mirrored.distribute.devices import torch_device
+
+    device = torch_device(sizes.device)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+
+    def fit(devices: list[str], per_example: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        with mr.MirroredStrategy(devices=devices, seed=11, per_example_random=per_example).scope():
+            model = mr.Model(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4)))
+            model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                          loss="sparse_categorical_crossentropy")
+        model.fit(mr.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=2, verbose=0)
+        return [p.detach().cpu().clone() for p in model.module.parameters()]
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(u, v) for u, v in zip(a, b))
+
+    one = [sizes.device]
+    seeded = same(fit(one, False), fit(one, False))
+    keyed = same(fit(one, True), fit(one, True))
+    strategy = mr.MirroredStrategy(devices=one, seed=11)
+    drawn = strategy.run(lambda: (torch.rand(3, device=device), F.dropout(torch.ones(8, device=device), 0.5)))
+    placed = all(t.device == device for t in drawn)
+    mixed_devices = _two_devices(sizes) if device.type == "cuda" else ["cpu:0", "cpu:1"]
+    mixed = same(fit(mixed_devices, False), fit(mixed_devices, False))
+    ok = seeded and keyed and placed and mixed
+    return ("PASS" if ok else "FAIL"), (f"1 replica on {sizes.device}: two fits bitwise equal {seeded}, with "
+                                        f"per_example_random {keyed}; draws on the replica's device {placed}; "
+                                        f"{' + '.join(mixed_devices)}: two fits bitwise equal {mixed}")
+
+
 def checkpoint_to_cpu(sizes: Sizes, tmp: Path) -> tuple[str, str]:
     """A Model trained and saved on the device, loaded in a fresh process that sees no GPU."""
     from safetensors.torch import save_file
@@ -532,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         check.run("fp16 loss scaling", 10, lambda: fp16_loss_scaling(sizes))
         check.run("sync batchnorm", 10, lambda: sync_batchnorm(sizes))
         check.run("fit on 2 replicas", 10, lambda: fit_on_two_replicas(sizes))
+        check.run("seeded dropout", 10, lambda: seeded_dropout(sizes))
         check.run("checkpoint -> cpu", 15, lambda: checkpoint_to_cpu(sizes, tmp))
         check.run("profiler", 10, lambda: profiler_on_device(sizes, tmp))
         check.run("nccl", 5, lambda: nccl_paths(sizes))

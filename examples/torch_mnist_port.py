@@ -98,9 +98,8 @@ def run_loop(args: argparse.Namespace) -> dict[str, Any]:
     optimizer.attach_lr_scheduler(scheduler)  # its state is saved with the optimizer's
 
     directory = args.checkpoint_dir or tempfile.mkdtemp(prefix="torch_mnist_port-")
-    # strategy.random_state: the replicas' generators (seed, steps run), so dropout resumes exactly.
-    checkpoint = mr.train.Checkpoint(model=model, optimizer=optimizer, iterator=train_iterator,
-                                     epoch=epoch, random=strategy.random_state)
+    # It holds the replicas' generators too (seed, steps run: "model.random"), so dropout resumes exactly.
+    checkpoint = mr.train.Checkpoint(model=model, optimizer=optimizer, iterator=train_iterator, epoch=epoch)
     manager = mr.train.CheckpointManager(checkpoint, directory, max_to_keep=1)
     checkpoint.restore(manager.latest_checkpoint)
     if manager.latest_checkpoint:

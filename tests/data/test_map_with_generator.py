@@ -128,3 +128,20 @@ def test_file_sharded_workers_draw_other_numbers_for_their_kth_elements(tmp_path
         assert not torch.equal(a, b)
     for a, b in zip(zero, draws(0)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("num_parallel_calls", [None, 2])
+def test_a_failing_function_is_named_once_with_its_element(num_parallel_calls):
+    """Issue 26 cleanup: map and map_with_generator share one loop; an error in the function carries one
+    note naming the element, sequential or on worker threads (the parallel path used to add two)."""
+    def fail_on_3(x, generator=None):
+        if int(x) == 3:
+            raise ValueError("three")
+        return x
+
+    for ds in (mr.data.Dataset.range(6).map(fail_on_3, num_parallel_calls=num_parallel_calls),
+               mr.data.Dataset.range(6).map_with_generator(fail_on_3, seed=1, num_parallel_calls=num_parallel_calls)):
+        with pytest.raises(ValueError, match="three") as caught:
+            list(ds)
+        notes = [n for n in getattr(caught.value, "__notes__", []) if "function, element" in n]
+        assert len(notes) == 1 and notes[0].endswith("function, element 3"), notes

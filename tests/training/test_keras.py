@@ -10,6 +10,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")  # before keras is imported (it 
 
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -402,9 +403,8 @@ def test_learning_rate_callbacks_set_the_keras_optimizer_rate():
 
 def test_backup_and_restore_resumes_exactly(tmp_path):
     """BackupAndRestore with a Keras model and a Keras optimizer: a run stopped after epoch 1 and
-    resumed equals the run that was not stopped (weights, Adam's state, BatchNorm statistics). No
-    Dropout: an unseeded Keras Dropout draws from torch's global generator, as nn.Dropout does, which
-    the replica threads share in no fixed order."""
+    resumed equals the run that was not stopped (weights, Adam's state, BatchNorm statistics). (With
+    dropout: test_backup_and_restore_with_unseeded_keras_random_ops_resumes_bitwise.)"""
     x, y = _data(6)
 
     def run(epochs, backup):
@@ -603,3 +603,119 @@ def test_per_example_random_keys_keras_dropout_and_refuses_a_seeded_one():
     assert torch.equal(one, masks(None, 2)) and 0.3 < (one == 0).float().mean() < 0.7
     with pytest.raises(RuntimeError, match="per_example_random=True.*Drop seed="):
         masks(7, 2)
+
+
+class _SlowNoise(keras.layers.Layer):
+    """Adds keras.random.normal(seed=None) - Keras's global SeedGenerator - and, when `slow`, makes
+    replica 1 reach it late on every other call, so the threads draw in another order."""
+
+    slow = False
+    calls = 0
+
+    def call(self, x, training=False):
+        ctx = mr.get_replica_context()
+        if _SlowNoise.slow and ctx is not None and ctx.replica_id_in_sync_group == 1:
+            _SlowNoise.calls += 1
+            if _SlowNoise.calls % 2:
+                time.sleep(0.02)
+        return x + 0.1 * keras.random.normal(keras.ops.shape(x)) if training else x
+
+
+def _unseeded_fit(replicas: int, slow: bool) -> list[np.ndarray]:
+    """The weights after a fit of a model whose random ops have no seed: keras.random.normal(seed=None),
+    GaussianNoise() and Dropout() (torch's dropout), on `replicas` replicas of a strategy with seed=3."""
+    _SlowNoise.slow, _SlowNoise.calls = slow, 0
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((FEATURES,))
+    h = keras.layers.Dense(16, activation="relu")(inp)
+    h = keras.layers.Dropout(0.5)(keras.layers.GaussianNoise(0.2)(_SlowNoise()(h)))
+    net = keras.Model(inp, keras.layers.Dense(CLASSES, activation="softmax")(h))
+    with mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)], seed=3).scope():
+        model = mr.Model(net)
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    keras.utils.set_random_seed(1)  # Python's `random`, which Keras seeds its global SeedGenerators from
+    x, y = _data()
+    model.fit(x, y, batch_size=GLOBAL, epochs=2, verbose=0, shuffle=False)
+    model.check_in_sync()
+    return [w.copy() for w in model.replicas[0].get_weights()]
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_unseeded_keras_random_ops_draw_the_same_whatever_the_thread_order(replicas):
+    """Issue 26: keras.random.*(seed=None) drew from Keras's global SeedGenerator, which Keras keeps per
+    thread and seeds from Python's `random` at each replica thread's first draw, in thread order, so
+    two runs differed when a replica ran late. Unseeded Keras ops now draw from the replica's own
+    generator: runs with and without a slow replica give bitwise the same weights."""
+    want = _unseeded_fit(replicas, slow=False)
+    got = _unseeded_fit(replicas, slow=True)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_seeded_keras_random_layers_on_one_replica_draw_what_keras_draws():
+    """Issue 26: on one replica a seeded GaussianNoise and Dropout draw Keras's own values, step after
+    step (replica 0 keeps Keras's seeds). Unseeded ones draw from the strategy's seed instead: Keras
+    alone draws those from Python's `random` at the thread's first draw, which no strategy reproduces."""
+    def net() -> keras.Model:
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((32,))
+        return keras.Model(inp, keras.layers.Dropout(0.5, seed=7)(keras.layers.GaussianNoise(1.0, seed=5)(inp)))
+
+    ref = net()
+    want = [ref(torch.ones(4, 32), training=True).detach().numpy() for _ in range(3)]
+    strategy = _strategy(1)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+    got = [strategy.run(lambda x: mnet(x, training=True), args=(torch.ones(4, 32),)).detach().numpy()
+           for _ in range(3)]
+    for step, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+
+
+def test_per_example_random_refuses_unseeded_keras_random_ops_by_name():
+    """Issue 26: keras.random.normal(seed=None) in a step of a per_example_random strategy would draw per
+    replica, not per example; it is refused by name rather than silently depending on the replica count."""
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"], per_example_random=True, seed=3)
+    assert mr.Model  # mirrored.training loaded (by mr.Model, mr.train or mirroring a Keras model): no Keras model needed
+    with strategy.scope():
+        pass
+    with pytest.raises(RuntimeError, match=r"keras.random with seed=None.*per_example_random=True"):
+        strategy.run(lambda x: x + keras.random.normal((4,)), args=(torch.ones(4),))
+
+
+def test_backup_and_restore_with_unseeded_keras_random_ops_resumes_bitwise(tmp_path):
+    """Issue 26: a Keras model with unseeded Dropout, GaussianNoise and keras.random.normal, stopped after
+    epoch 1 and resumed by BackupAndRestore, ends with the weights of the run that was not stopped,
+    bitwise: the replicas' seeds come from their generators, whose state (seed, steps) the backup holds."""
+    x, y = _data(6)
+
+    def model() -> mr.Model:
+        keras.backend.clear_session()  # layer names restart, as in the new process of a real resume
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((FEATURES,))
+        h = keras.layers.GaussianNoise(0.2)(_SlowNoise()(keras.layers.Dense(8)(inp)))
+        out = keras.layers.Dense(CLASSES, activation="softmax")(keras.layers.Dropout(0.3)(h))
+        with mr.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+            ours = mr.Model(keras.Model(inp, out))
+            ours.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+        return ours
+
+    class Stop(mr.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise KeyboardInterrupt
+
+    _SlowNoise.slow = False
+    straight = model()
+    straight.fit(x, y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0)
+    stopped = model()
+    with pytest.raises(KeyboardInterrupt):
+        stopped.fit(x, y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0,
+                    callbacks=[mr.callbacks.BackupAndRestore(str(tmp_path)), Stop()])
+    _SlowNoise.slow, _SlowNoise.calls = True, 0  # and the resumed run's threads draw in another order
+    resumed = model()
+    resumed.fit(x, y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0,
+                callbacks=[mr.callbacks.BackupAndRestore(str(tmp_path))])
+    _SlowNoise.slow = False
+    for a, b in zip(straight.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(b, a)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -107,6 +108,139 @@ def test_a_custom_loop_checkpoint_with_the_random_state_resumes_the_dropout_mask
     got = fresh.experimental_local_results(fresh.run(lambda t: F.dropout(t, 0.5), args=(batch2,)))
     for a, b in zip(want, got):
         assert torch.equal(a, b)
+
+
+LOOP = textwrap.dedent('''
+    import os, signal, sys, time
+    import torch
+    import torch.nn.functional as F
+    from safetensors.torch import save_file
+    import mirrored as mr
+
+    out, kill_after = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(0)
+    x, y = torch.randn(48, 5), torch.randint(0, 3, (48,))
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"], seed=5)
+
+    class Slow(torch.nn.Module):  # replica 1 reaches the dropout late, on every other call
+        calls = 0
+        def forward(self, t):
+            if mr.get_replica_context().replica_id_in_sync_group == 1:
+                Slow.calls += 1
+                if Slow.calls % 2:
+                    time.sleep(0.02)
+            return t
+
+    with strategy.scope():
+        mnet = strategy.mirror(torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), Slow(),
+                                                   torch.nn.Dropout(0.5), torch.nn.Linear(16, 3)))
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
+    ds = mr.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
+    iterator = iter(strategy.experimental_distribute_dataset(ds))
+    ckpt = mr.train.Checkpoint(model=mnet, optimizer=opt, iterator=iterator)   # no random=: saved anyway
+    manager = mr.train.CheckpointManager(ckpt, os.path.join(out, "ckpts"), max_to_keep=2)
+    ckpt.restore(manager.latest_checkpoint)
+
+    def step(xb, yb):
+        loss = F.cross_entropy(mnet(xb), yb, reduction="none")
+        mr.losses.compute_average_loss(loss, global_batch_size=8).backward()
+        opt.step()
+        opt.zero_grad()
+
+    while ckpt.save_counter * 3 < 12:  # 12 steps, a checkpoint every 3
+        for _ in range(3):
+            strategy.run(step, args=next(iterator))
+        manager.save()
+        if ckpt.save_counter == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+    save_file({k: v.contiguous() for k, v in mnet.state_dict().items()}, os.path.join(out, "final.safetensors"))
+''')
+
+
+def _loop(tmp_path, name, kill_after):
+    out = tmp_path / name
+    out.mkdir(exist_ok=True)
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    return subprocess.run([sys.executable, str(script), str(out), str(kill_after)], capture_output=True, text=True,
+                          timeout=300), out
+
+
+@pytest.mark.timeout(600)
+def test_a_custom_loop_killed_and_resumed_by_checkpoint_gives_the_uninterrupted_weights_without_random(tmp_path):
+    """Issue 26: mr.train.Checkpoint(model=mnet, optimizer=opt, iterator=it) saves the strategy's random
+    state without random=strategy.random_state, so a custom loop with dropout, killed with SIGKILL after
+    its 2nd checkpoint and resumed from it, ends with the weights of the uninterrupted run, bitwise."""
+    done, plain = _loop(tmp_path, "plain", -1)
+    assert done.returncode == 0, done.stderr
+    killed, out = _loop(tmp_path, "resumed", 2)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (out / "final.safetensors").exists()
+    resumed, _ = _loop(tmp_path, "resumed", -1)
+    assert resumed.returncode == 0, resumed.stderr
+    want, got = load_file(plain / "final.safetensors"), load_file(out / "final.safetensors")
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+
+
+def _two_replicas(seed: int) -> tuple[mr.MirroredStrategy, Any, Any]:
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"], seed=seed)
+    with strategy.scope():
+        mnet = strategy.mirror(nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5)))
+    batch = next(iter(strategy.experimental_distribute_dataset(mr.data.Dataset.from_tensors(torch.ones(6, 4)))))
+    return strategy, mnet, batch
+
+
+def _dropout_step(strategy: mr.MirroredStrategy, batch: Any) -> list[torch.Tensor]:
+    return list(strategy.experimental_local_results(strategy.run(lambda t: F.dropout(t, 0.5), args=(batch,))))
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_saves_each_strategys_random_state_once_and_plain_modules_ignore_it(tmp_path):
+    """Issue 26: two strategies' mirrored modules in one Checkpoint each get their strategy's state
+    ("<first name>.random"); the optimizer of the same strategy adds none (and alone reads its strategy's
+    from a file of one strategy); a plain torch module reads
+    the file back without an unused entry; a file without the state restores with a warning."""
+    from mirrored.training import checkpoint
+
+    a, net_a, batch_a = _two_replicas(1)
+    b, net_b, batch_b = _two_replicas(2)
+    with a.scope():
+        opt_a = a.mirror_optimizer(torch.optim.SGD, net_a, lr=0.1)
+    _dropout_step(a, batch_a)
+    for _ in range(3):
+        _dropout_step(b, batch_b)
+    path = mr.train.Checkpoint(gen=net_a, opt=opt_a, disc=net_b).write(str(tmp_path / "ckpt"))
+    objects = checkpoint.load_checkpoint(path)[1]["objects"]
+    assert objects["gen.random"]["state"] == {"seed": 1, "steps": 1, "per_example_random": False}
+    assert objects["disc.random"]["state"] == {"seed": 2, "steps": 3, "per_example_random": False}
+    assert "opt.random" not in objects
+    single = mr.train.Checkpoint(model=net_a, opt=opt_a).write(str(tmp_path / "single"))
+    want_a, want_b = _dropout_step(a, batch_a), _dropout_step(b, batch_b)
+
+    c, net_c, batch_c = _two_replicas(98)
+    d, net_d, batch_d = _two_replicas(99)
+    with c.scope():
+        opt_c = c.mirror_optimizer(torch.optim.SGD, net_c, lr=0.1)
+    mr.train.Checkpoint(opt=opt_c).read(single).expect_partial()  # one strategy each side: "model.random"
+    assert (c.random_state.seed, c.random_state.steps) == (1, 1)
+    mr.train.Checkpoint(gen=net_c, opt=opt_c, disc=net_d).read(path).assert_consumed()
+    for got, want in ((_dropout_step(c, batch_c), want_a), (_dropout_step(d, batch_d), want_b)):
+        for x, y in zip(got, want):
+            assert torch.equal(x, y)
+
+    explicit = mr.train.Checkpoint(model=net_a, random=a.random_state).write(str(tmp_path / "explicit"))
+    mr.train.Checkpoint(model=net_c).read(explicit).assert_consumed()  # the older spelling's file: its "random"
+    assert (c.random_state.seed, c.random_state.steps) == (1, 2)
+
+    plain = {"gen": nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5)), "disc": nn.Sequential(nn.Linear(4, 8))}
+    mr.train.Checkpoint(gen=plain["gen"], disc=plain["disc"]).read(path).expect_partial()
+    old = mr.train.Checkpoint(model=nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))).write(str(tmp_path / "old"))
+    e, net_e, _ = _two_replicas(7)
+    with pytest.warns(UserWarning, match=r"holds no entry 'model.random'.*not match an uninterrupted run"):
+        mr.train.Checkpoint(model=net_e).read(old).assert_consumed()
+    assert (e.random_state.seed, e.random_state.steps) == (7, 0)
 
 
 class _Interrupt(Exception):

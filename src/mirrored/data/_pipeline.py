@@ -95,6 +95,8 @@ def map_in_flight(workers: int) -> int:
 
 
 class Map(Node):
+    """fn over each element, in order; on num_parallel_calls worker threads when given."""
+
     kind = "map"
 
     def __init__(self, input: Node, fn: Callable[..., Any], num_parallel_calls: int | None,
@@ -102,21 +104,29 @@ class Map(Node):
         super().__init__(input)
         self.fn, self.workers, self.deterministic = fn, resolve_parallelism(num_parallel_calls), deterministic
 
-    def iterate(self, probe: bool) -> Iterator[Any]:
-        upstream = self.inputs[0].iterate(probe)
-        if self.workers is None or probe:
-            return self._sequential(upstream)
-        return threaded_iter(upstream, self.fn, num_workers=self.workers, max_in_flight=map_in_flight(self.workers),
-                             deterministic=self.deterministic, what="map")
-
-    def _sequential(self, upstream: Iterator[Any]) -> Iterator[Any]:
+    def _call(self, probe: bool) -> Callable[[int, Any], Any]:
+        """The function of one pass: (element index, element) -> fn's value."""
         fn = self.fn
+
+        def call(index: int, element: Any) -> Any:
+            return fn(*element) if type(element) is tuple else fn(element)
+        return call
+
+    def iterate(self, probe: bool) -> Iterator[Any]:
+        call = self._call(probe)
+        upstream = enumerate(self.inputs[0].iterate(probe))
+        if self.workers is None or probe:
+            return self._sequential(upstream, call)
+        return threaded_iter(upstream, call, num_workers=self.workers, max_in_flight=map_in_flight(self.workers),
+                             deterministic=self.deterministic, what=self.kind)
+
+    def _sequential(self, upstream: Iterator[tuple[int, Any]], call: Callable[[int, Any], Any]) -> Iterator[Any]:
         try:
-            for index, element in enumerate(upstream):
+            for index, element in upstream:
                 try:
-                    value = fn(*element) if type(element) is tuple else fn(element)
-                except Exception as e:
-                    add_note(e, f"in Dataset.map function, element {index}")
+                    value = call(index, element)
+                except Exception as e:  # (threaded_iter's workers say the same)
+                    add_note(e, f"in Dataset.{self.kind} function, element {index}")
                     raise
                 yield value
         finally:
@@ -125,13 +135,16 @@ class Map(Node):
     def _compute_spec(self) -> Any:
         return self._probe_spec()
 
+    def _settings(self) -> str:
+        return ""
+
     def describe(self) -> str:
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         par = "" if self.workers is None else f", num_parallel_calls={self.workers}"
-        return f"map({name}{par})"
+        return f"{self.kind}({name}{self._settings()}{par})"
 
 
-class MapWithGenerator(Node):
+class MapWithGenerator(Map):
     """Map whose function also gets a torch.Generator per element, seeded by (seed, pass, element
     index): the output is the same for any num_parallel_calls, in any run, and after a resume.
     Stateful like Shuffle: `epoch` counts the passes started (get_state/set_state)."""
@@ -139,47 +152,25 @@ class MapWithGenerator(Node):
     kind = "map_with_generator"
 
     def __init__(self, input: Node, fn: Callable[..., Any], seed: int, num_parallel_calls: int | None):
-        super().__init__(input)
-        self.fn, self.seed, self.workers = fn, seed, resolve_parallelism(num_parallel_calls)
+        super().__init__(input, fn, num_parallel_calls, deterministic=True)
+        self.seed = seed
         self.epoch = 0
         self.lock = threading.Lock()
 
-    def iterate(self, probe: bool) -> Iterator[Any]:
+    def _call(self, probe: bool) -> Callable[[int, Any], Any]:
         with self.lock:
             epoch = self.epoch
             if not probe:
                 self.epoch += 1
-        fn, seed = self.fn, self.seed
+        seed, call = self.seed, super()._call(probe)
 
-        def call(index: int, element: Any) -> Any:
+        def call_with_generator(index: int, element: Any) -> Any:  # fn(*element, generator)
             generator = torch.Generator().manual_seed(derive_seed(seed, epoch, index))
-            try:
-                return fn(*element, generator) if type(element) is tuple else fn(element, generator)
-            except Exception as e:
-                add_note(e, f"in Dataset.map_with_generator function, element {index}")
-                raise
+            return call(index, (*element, generator) if type(element) is tuple else (element, generator))
+        return call_with_generator
 
-        upstream = enumerate(self.inputs[0].iterate(probe))
-        if self.workers is None or probe:
-            return self._sequential(upstream, call)
-        return threaded_iter(upstream, call, num_workers=self.workers, max_in_flight=map_in_flight(self.workers),
-                             deterministic=True, what="map_with_generator")
-
-    @staticmethod
-    def _sequential(upstream: Iterator[Any], call: Callable[[int, Any], Any]) -> Iterator[Any]:
-        try:
-            for index, element in upstream:
-                yield call(index, element)
-        finally:
-            close_iterator(upstream)
-
-    def _compute_spec(self) -> Any:
-        return self._probe_spec()
-
-    def describe(self) -> str:
-        name = getattr(self.fn, "__name__", type(self.fn).__name__)
-        par = "" if self.workers is None else f", num_parallel_calls={self.workers}"
-        return f"map_with_generator({name}, seed={self.seed}{par})"
+    def _settings(self) -> str:
+        return f", seed={self.seed}"
 
 
 class Filter(Node):

@@ -209,6 +209,11 @@ class MirroredModule:
         object.__setattr__(view, "_shared", shared)
         return view
 
+    @property
+    def distribute_strategy(self) -> Strategy:
+        """The strategy that mirrored this module (whose random state a Checkpoint of it saves)."""
+        return self._strategy
+
     def _replica(self) -> int | None:
         """The calling replica's copy index, None in cross-replica context."""
         ctx = context.replica_of(self._strategy)

@@ -113,6 +113,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return self.replicas
 
     @property
+    def distribute_strategy(self) -> Strategy:
+        """The strategy whose replicas this optimizer steps (whose random state a Checkpoint of it saves)."""
+        return self._strategy
+
+    @property
     def gradient_reduction(self) -> str:
         """How step() combines the replicas' gradients: "sum" (TF's rule) or "mean" (DDP's, weighted by examples)."""
         return "mean" if self._mean else "sum"

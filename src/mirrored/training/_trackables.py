@@ -244,6 +244,63 @@ class _ReplicaRandom(_State):
               "have drawn them, so the result will not match an uninterrupted run bit for bit.")
 
 
+class _StrategyRandom(_ReplicaRandom):
+    """A strategy's random state that a Checkpoint saves on its own, for the mirrored objects it tracks
+    (issue 26: a custom loop that forgot random=strategy.random_state resumed with other dropout masks,
+    silently). Marked implicit: a reader with no object of a strategy (plain torch modules) ignores it."""
+
+    absent = ("holds no entry {path!r} for the replicas' random generators: it was written by a mirrored that did "
+              "not save them, or from objects of no strategy. Resuming without it: the values restore as saved, but "
+              "random draws in replica steps (dropout) continue from this run's seed and step count, not as the "
+              "interrupted run would have drawn them, so the result will not match an uninterrupted run bit for bit.")
+
+    @staticmethod
+    def save(obj: Any, path: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        tensors, meta = _State.save(obj, path)
+        return tensors, {**meta, "implicit": True}
+
+
+def _strategy_of(obj: Any) -> Any:
+    """The strategy of a mirrored module, optimizer or variable (None for other objects)."""
+    if isinstance(obj, (md.MirroredModule, md.MirroredOptimizer, md.Variable)):
+        return obj.distribute_strategy
+    return None
+
+
+def _holds_random_state(entry: Any) -> bool:
+    """Whether a file's entry is a strategy's random state (StrategyRandom.get_state()), under any name."""
+    state = entry.get("state") if isinstance(entry, dict) and entry.get("kind") == "state" else None
+    return isinstance(state, dict) and set(state) == {"seed", "steps", "per_example_random"}
+
+
+def random_entries(found: list[tuple[str, Any, Any]], saved: Mapping[str, Any] | None = None
+                   ) -> list[tuple[str, Any, Any]]:
+    """An entry for the random state of each strategy whose mirrored objects are among `found`, unless one
+    is there already (an mr.Model's, or random=strategy.random_state). It goes under "<path>.random" of
+    the strategy's object whose path sorts first; reading (`saved`: the file's entries), the first such
+    path the file holds, or, where both sides have one strategy, the file's one random state that no
+    object here claims (a file of (model, optimizer) read into the optimizer alone, or one saved with
+    random=strategy.random_state read without it)."""
+    covered = {id(obj) for _, _, obj in found if isinstance(obj, md.StrategyRandom)}
+    paths: dict[int, list[str]] = {}
+    states: dict[int, md.StrategyRandom] = {}
+    for path, _, obj in sorted(found, key=lambda entry: entry[0]):
+        strategy = _strategy_of(obj)
+        if strategy is None or id(strategy.random_state) in covered:
+            continue
+        states[id(strategy.random_state)] = strategy.random_state
+        paths.setdefault(id(strategy.random_state), []).append(f"{path}.random")
+    claimed = {path for path, _, _ in found}
+    unclaimed = [p for p, entry in (saved or {}).items() if p not in claimed and _holds_random_state(entry)]
+    entries = []
+    for key, candidates in paths.items():
+        path = next((p for p in candidates if p in unclaimed), candidates[0])
+        if path not in unclaimed and len(paths) == 1 and len(unclaimed) == 1:  # one strategy each side: the same run
+            path = unclaimed[0]
+        entries.append((path, _StrategyRandom, states[key]))
+    return entries
+
+
 class LossScale:
     """The replicas' GradScalers, which hold the same scale (they see the same reduced gradients), as
     one trackable: get_state() is the first's state_dict, set_state() loads it into every one."""

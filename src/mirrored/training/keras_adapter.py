@@ -131,18 +131,58 @@ def state_tensors(module: nn.Module) -> list[tuple[Tensor, str]] | None:
 md.register_state_tensors(state_tensors)
 
 
-# ---- seeded random ops (a seeded Dropout, GaussianNoise, ...): a stream per replica ----------------------
+# ---- Keras random ops in replica steps: a stream per replica ----------------------------------------------
 _SEEDS_PATCHED = False
 
 
-def _replica_seeds() -> None:
-    """Makes Keras's SeedGenerator.next() give each replica of a step its own seed (issue 26 x 23).
+def _in_replica_step() -> bool:
+    """Whether this thread runs a replica of a strategy's step, where torch's random ops draw from the
+    replica's generator (mirrored.distribute.random)."""
+    return md.has_strategy() and md.get_replica_context() is not None
 
-    A seeded Keras random op draws through torch.Generator(manual_seed(state)) from its layer's
-    SeedGenerator, whose state the replicas hold in step (replica 0's after each step): every replica
-    drew the same mask for its different examples (correlated dropout). Replica 0, and any call
-    outside a multi-replica step, keeps Keras's own seed, so one replica draws what Keras draws; replica
-    r > 0 (its global id, so 2 workers x 2 replicas draw as 4 replicas) mixes r into the first word."""
+
+def _refuse_per_example(what: str) -> None:
+    ctx = md.get_replica_context()
+    strategy = getattr(ctx, "strategy", None)
+    if strategy is not None and strategy.random_state.per_example:
+        raise RuntimeError(
+            f"{what} drew a seed in a replica step of a strategy with per_example_random=True: a Keras random op "
+            "that draws through a SeedGenerator (Dropout(seed=...), GaussianNoise, keras.random.normal, ...) draws "
+            "from a generator of its own, which cannot be keyed by example, so the run would depend on the replica "
+            "count. Drop seed= from the Keras Dropout (it then runs torch's dropout, which is keyed), or use "
+            "per_example_random=False.")
+
+
+def _replica_seed() -> Tensor:
+    """A Keras seed [s, 0] (int32, Keras's torch seed dtype) drawn from the running replica's generator:
+    torch.randint in a replica step takes it (mirrored.distribute.random)."""
+    drawn = int(torch.randint(1, 1 << 31, (), dtype=torch.int64))
+    return torch.tensor([drawn, 0], dtype=torch.int32)
+
+
+class _ReplicaSeeds:
+    """Stands in for Keras's global SeedGenerator in a replica step (keras.random.*(seed=None))."""
+
+    def next(self, ordered: bool = True) -> Any:  # noqa: A003 - Keras's name
+        del ordered
+        _refuse_per_example("keras.random with seed=None")
+        return _replica_seed()
+
+
+def _replica_seeds() -> None:
+    """Gives Keras's random ops in a replica step a stream per replica (issues 23 x 26).
+
+    Seeded (a layer's SeedGenerator(seed=int)): Keras draws through torch.Generator(manual_seed(state))
+    from the generator, whose state the replicas hold in step (replica 0's after each step), so every
+    replica drew the same mask for its different examples. Replica 0, and any call outside a
+    multi-replica step, keeps Keras's own seed, so one replica draws what Keras draws; replica r > 0
+    (its global id, so 2 workers x 2 replicas draw as 4 replicas) mixes r into the first word.
+    Unseeded (seed=None: keras.random.*'s global SeedGenerator, which Keras keeps per thread and seeds
+    from Python's `random` at a thread's first draw, in whatever order the replica threads get there;
+    and a layer's SeedGenerator(seed=None), GaussianNoise's say): the seed is drawn from the replica's
+    own generator, seeded by the strategy's seed, the step and the replica, so two runs, and a resumed
+    one, draw the same whatever the thread order. (An unseeded Keras Dropout runs torch's dropout,
+    which draws from that generator already.)"""
     global _SEEDS_PATCHED
     keras = _keras()
     if _SEEDS_PATCHED or keras is None:
@@ -151,19 +191,18 @@ def _replica_seeds() -> None:
     from mirrored._seeds import derive_seed
 
     keras_next = seed_generator.SeedGenerator.next
+    keras_global = seed_generator.global_seed_generator
+    replica_seeds = _ReplicaSeeds()
 
     def next(self: Any, ordered: bool = True) -> Any:  # noqa: A001 - Keras's name
-        ctx = md.get_replica_context()
-        strategy = getattr(ctx, "_strategy", None)
-        if strategy is not None and strategy.random_state.per_example:
-            raise RuntimeError(
-                f"Keras's SeedGenerator {getattr(self, 'name', '')!r} drew a seed in a replica step of a strategy with "
-                "per_example_random=True: a seeded Keras random op (Dropout(seed=...), GaussianNoise, ...) draws from "
-                "its own generator, which cannot be keyed by example, so the run would depend on the replica count. "
-                "Drop seed= from the Keras Dropout (it then runs torch's dropout, which is keyed), or use "
-                "per_example_random=False.")
+        if not _in_replica_step():
+            return keras_next(self, ordered)
+        _refuse_per_example(f"Keras's SeedGenerator {getattr(self, 'name', '')!r}")
+        if getattr(self, "_initial_seed", 0) is None:  # built with seed=None: the replica's stream
+            return _replica_seed()
         value = keras_next(self, ordered)
-        replica = 0 if ctx is None or ctx.num_replicas_in_sync < 2 else ctx.replica_id_in_sync_group
+        ctx = md.get_replica_context()
+        replica = 0 if ctx.num_replicas_in_sync < 2 else ctx.replica_id_in_sync_group
         if not replica or not isinstance(value, Tensor) or value.numel() < 1:
             return value
         first = int(value.reshape(-1)[0])
@@ -172,8 +211,13 @@ def _replica_seeds() -> None:
         value.view(-1)[0] = mixed
         return value
 
+    def global_seed_generator() -> Any:
+        return replica_seeds if _in_replica_step() else keras_global()
+
     next.__doc__ = keras_next.__doc__
+    global_seed_generator.__doc__ = keras_global.__doc__
     seed_generator.SeedGenerator.next = next
+    seed_generator.global_seed_generator = global_seed_generator  # draw_seed(None) looks it up at each call
     _SEEDS_PATCHED = True
 
 
@@ -573,3 +617,4 @@ def watch_keras_fit() -> None:
 
 
 md.register_scope_hook(watch_keras_fit)
+md.register_scope_hook(_replica_seeds)  # keras.random.* in a loop whose model is not a Keras one

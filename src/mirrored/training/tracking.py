@@ -151,6 +151,11 @@ class Checkpoint:
         them. Names are attributes (ckpt.model); what cannot be saved is refused here, not at save().
         Values are saved once (replica 0's, or aggregated) and restored into every replica, so a
         checkpoint reads back on any replica count.
+
+    The random state (seed, steps run) of each strategy whose mirrored modules, optimizers or variables
+    are tracked is saved too, as "<path>.random" of its object whose name sorts first, so a resumed
+    custom loop draws the dropout masks the uninterrupted one would have; two strategies get an entry
+    each. A file without it (an older mirrored's) restores with a warning.
     """
 
     def __init__(self, root: Any = None, **kwargs: Any):
@@ -183,8 +188,11 @@ class Checkpoint:
         """How many times save() has been called (restore() sets it from the checkpoint)."""
         return self._save_counter
 
-    def _entries(self) -> list[tuple[str, Any, Any]]:
-        return [entry for name, obj in self._trackables.items() for entry in _trackables.entries(name, obj)]
+    def _entries(self, saved: Any = None) -> list[tuple[str, Any, Any]]:
+        """What is saved: the trackables' entries, and the random state of each strategy of a mirrored
+        object among them (its replicas' dropout masks), read at the path `saved` (a file's entries) has."""
+        found = [entry for name, obj in self._trackables.items() for entry in _trackables.entries(name, obj)]
+        return found + _trackables.random_entries(found, saved if isinstance(saved, dict) else None)
 
     # ---- writing --------------------------------------------------------------------------------
     def write(self, file_path: str | os.PathLike) -> str:
@@ -258,7 +266,7 @@ class Checkpoint:
         values of the objects that the file lacks (missing) and those of the file that no object takes (unused)."""
         if not isinstance(saved, dict):
             raise origin.damaged(f"its 'objects' are {saved!r:.60}, not a dict of entries")
-        entries = self._entries()
+        entries = self._entries(saved)
         names: dict[int, str] = {}
         for entry_path, kind, obj in entries:
             if kind.kind == "module":
@@ -283,7 +291,9 @@ class Checkpoint:
             restores.append(kind.check(obj, entry_path, tensors, entry, ctx))
         given = {entry_path for entry_path, _, _ in entries}
         missing += [m for r in restores for m in r.missing]
-        unused = [u for r in restores for u in r.unused] + [p for p in saved if p not in given]
+        unused = [u for r in restores for u in r.unused] + [
+            p for p, entry in saved.items()
+            if p not in given and not (isinstance(entry, dict) and entry.get("implicit") is True)]
         if complete and (missing or unused):
             raise origin.mismatch(_describe(missing, unused).rstrip("."), CheckpointMismatchError)
         return restores, missing, unused
