@@ -583,6 +583,25 @@ def test_strategy_mirror_alone_keeps_a_keras_models_state_in_sync():
     assert done.stdout.strip().splitlines()[-1] == "in sync"
 
 
+def test_keras_own_fit_warns_in_a_program_that_never_touched_mr_model():
+    """Issue 23: the watch on Keras's own fit was installed only once something imported the Keras
+    adapter (mr.Model, strategy.mirror); a program that compiled and fit a Keras model in our scope
+    and nothing else trained on one device silently. A fresh process, as a user's."""
+    probe = ("import os, warnings; os.environ['KERAS_BACKEND'] = 'torch'\n"
+             "import keras, numpy as np, mirrored as mr\n"
+             "with mr.MirroredStrategy(devices=['cpu:0', 'cpu:1']).scope():\n"
+             "    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
+             "    net.compile(optimizer='sgd', loss='mse')\n"
+             "with warnings.catch_warnings(record=True) as seen:\n"
+             "    warnings.simplefilter('always')\n"
+             "    net.fit(np.zeros((4, 3), 'float32'), np.zeros((4, 2), 'float32'), verbose=0)\n"
+             "print(any('mr.Model' in str(w.message) for w in seen))\n")
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_per_example_random_keys_keras_dropout_and_refuses_a_seeded_one():
     """Issues 23 x 26: with per_example_random=True an unseeded Keras Dropout (torch's dropout) draws
     the same masks on 1 and 2 replicas; a seeded one draws from its own generator, which cannot be
