@@ -272,6 +272,11 @@ def _as_object(self: Any, memo: dict) -> Any:
     return copy._reconstruct(self, memo, copyreg.__newobj__, (type(self),), self.__getstate__())
 
 
+def _copy_dynamic_backend(self: Any, memo: dict) -> Any:
+    """copy.deepcopy of Keras's DynamicBackend: a new one for the same backend."""
+    return type(self)(self._backend)
+
+
 def copy_model(module: nn.Module) -> nn.Module | None:
     """An independent copy of a Keras model for another replica (None for other modules): every
     variable a new torch Parameter, the layers' graph and settings the same. Registered with
@@ -280,9 +285,15 @@ def copy_model(module: nn.Module) -> nn.Module | None:
         return None
     check_model(module, "strategy.mirror")
     from keras.src.saving.keras_saveable import KerasSaveable
+    from keras.src.utils.backend_utils import DynamicBackend
 
     with _COPY_LOCK:
         KerasSaveable.__deepcopy__ = _as_object  # type: ignore[attr-defined]
+        # A preprocessing layer's DynamicBackend (RandomFlip.backend, ...) answers every missing attribute
+        # through self._backend, so copy's probe of a bare new instance for __setstate__ recursed without
+        # end (a segmentation fault under the raised limit below; found porting keras.io's "Image
+        # classification from scratch"). It holds only the backend's name: a new one with that name.
+        DynamicBackend.__deepcopy__ = _copy_dynamic_backend  # type: ignore[attr-defined]
         # The copy recurses along the layer graph (a ResNet50's 175 layers and their nodes go deeper
         # than Python's default limit of 1000 frames); frames of Python code, not of the C stack.
         limit = sys.getrecursionlimit()
@@ -293,6 +304,7 @@ def copy_model(module: nn.Module) -> nn.Module | None:
         finally:
             sys.setrecursionlimit(limit)
             del KerasSaveable.__deepcopy__
+            del DynamicBackend.__deepcopy__
 
 
 md.register_copier(copy_model)
