@@ -17,7 +17,10 @@ with the ratios: ours on 1 replica / Keras's fit (target >= 0.95), ours on 1 rep
 step loop (what is ours: fit's machinery and the random mode), the loop in the mode / the loop,
 ours on 2 replicas / the two-thread loop (what is ours on 2 replicas), the two-thread loop / the
 one-thread loop (how a Keras step scales on threads), and the Keras model on 2 replicas / the torch
-twin on 2 replicas (target: 1 within noise).
+twin on 2 replicas (target: 1 within noise). Each row also gives the process's CPU time per
+example (all its threads), which other processes on a loaded machine disturb less than wall time,
+and the same ratios of CPU cost. `--threads 1` gives the one-device contestants one intra-op thread,
+as each replica has on a 2-core machine.
 """
 from __future__ import annotations
 
@@ -181,20 +184,28 @@ def main() -> None:
     for fit in contestants.values():  # warm-up: first calls build functions and touch memory
         fit()
     times: dict[str, list[float]] = {name: [] for name in contestants}
+    cpu: dict[str, list[float]] = {name: [] for name in contestants}  # the process's CPU seconds, all threads
     load = os.getloadavg()
     for _ in range(args.rounds):
         for name, fit in contestants.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fit()
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
     rate = {name: n / statistics.median(ts) for name, ts in times.items()}
     print(f"{n} examples per round ({args.steps} steps of {args.batch}), {args.rounds} rounds, width {args.width}, "
           f"{size}x{size}, {torch.get_num_threads()} thread(s) on one device; torch {torch.__version__}, keras "
           f"{keras.__version__}; load average before "
           f"{load[0]:.1f}, after {os.getloadavg()[0]:.1f}")
-    print(f"  {'contestant':<36}{'examples/s':>12}  (rounds)")
+    # CPU time per example: what a contestant costs, less hurt than wall time by other processes taking
+    # the cores (a 1-thread contestant's wall time is its CPU time plus the time it waited for a core).
+    cost = {name: 1e3 * statistics.median(c) / n for name, c in cpu.items()}
+    print(f"  {'contestant':<36}{'examples/s':>12}{'CPU ms/example':>16}  (rounds, examples/s)")
     for name, ts in times.items():
-        print(f"  {name:<36}{rate[name]:>12.1f}  ({', '.join(f'{n / t:.0f}' for t in ts)})")
+        print(f"  {name:<36}{rate[name]:>12.1f}{cost[name]:>16.2f}  ({', '.join(f'{n / t:.0f}' for t in ts)})")
+    print(f"CPU cost mr.Model(keras) 1 replica / Keras's own fit: {cost[ONE] / cost[KERAS_FIT]:.3f}; / Keras's own "
+          f"step cost: {cost[ONE] / cost[PLAIN]:.3f}; the random mode / the step: {cost[PLAIN_MODE] / cost[PLAIN]:.3f}; "
+          f"2 replicas / the 2-thread step: {cost[TWO] / cost[PLAIN_TWO]:.3f} (above 1: ours)")
     print(f"ratio mr.Model(keras) 1 replica / Keras's own fit: {rate[ONE] / rate[KERAS_FIT]:.3f} (target >= 0.95)")
     print(f"ratio mr.Model(keras) 1 replica / Keras's own step cost: {rate[ONE] / rate[PLAIN]:.3f} (below 1: ours)")
     print(f"ratio Keras's step in the replica random mode / Keras's own step cost: "

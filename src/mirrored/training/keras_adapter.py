@@ -11,8 +11,10 @@ Keras's own update rule, options and state (KerasOptimizer); the variables layer
 are made equal across replicas after every step by the strategy's buffer sync (state_tensors,
 registered with mirrored.distribute): floating-point ones averaged, as tf.keras's sync-on-read MEAN
 variables read, or replica 0's where the variable's aggregation is "only_first_replica", integer ones
-(seed generator states) replica 0's. Keras's own `model.fit` on a model compiled in a strategy's
-scope warns once, naming mr.Model (watch_keras_fit). Keras is never imported here: an object is a
+(seed generator states) replica 0's. BatchNormalization layers that convert_sync_batchnorm flags
+compute their batch statistics over the global batch (a differentiable all-reduce of per-channel
+sums), as tf.keras's synchronized=True, which Keras refuses on torch. Keras's own `model.fit` on a
+model compiled in a strategy's scope warns once, naming mr.Model (watch_keras_fit). Keras is never imported here: an object is a
 Keras one only if `keras` is already in sys.modules. Uses mirrored.distribute's public surface,
 losses.py, metrics.py, optimizers.py and keras.
 """
