@@ -19,7 +19,7 @@ differently. What changes:
 With the defaults (4 epochs of 8 steps) training accuracy reaches ~1.0 while validation accuracy
 stays at chance (0.48): inference uses BatchNormalization's moving statistics, which at Keras's
 momentum 0.99 need a few hundred steps to leave their initial values. Keras's own fit on one device
-prints the same validation figures for this program; train longer (--epochs 40) to see them rise.
+prints the same validation figures for this program; train longer to see them rise.
 """
 from __future__ import annotations
 

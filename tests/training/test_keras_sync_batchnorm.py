@@ -109,3 +109,15 @@ def test_one_replica_is_keras_own_batchnorm_and_a_masked_input_is_refused():
         layer = strategy.mirror(bn)
     with pytest.raises(ValueError, match="mask"):
         strategy.run(lambda: layer(torch.ones(4, 3), training=True, mask=torch.ones(4, dtype=torch.bool)))
+
+
+def test_channels_first_axis_forward_equals_one_device():
+    """BatchNormalization(axis=1) (channels first): the statistics are per channel of dim 1."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((3, 4, 4))
+    net = keras.Model(inp, keras.layers.BatchNormalization(axis=1)(inp))
+    x = np.random.default_rng(1).normal(size=(8, 3, 4, 4)).astype("float32") * np.array([1, 5, 9], "float32")[:, None,
+                                                                                                            None]
+    expected = keras.ops.convert_to_numpy(net(x, training=True))
+    got = _replica_outputs(mr.layers.convert_sync_batchnorm(net), 2, x)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
