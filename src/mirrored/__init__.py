@@ -26,6 +26,8 @@ from mirrored.distribute import (CollectiveAllReduce, CollectiveMismatchError, C
                                  has_strategy, in_cross_replica_context)
 from mirrored._allocator import tune_allocator
 from mirrored.distribute import CommunicationOptions, MultiWorkerMirroredStrategy
+from mirrored.distribute import register_adapter_loader as _register_adapter_loader
+from mirrored.distribute import register_scope_hook as _register_scope_hook
 
 __version__ = "0.1.0"
 
@@ -45,6 +47,19 @@ _NAMESPACES = {
 _LAZY_NAMES = {
     "Model": ("mirrored.training.model", "Model"),
 }
+
+
+def _load_keras_adapter() -> None:
+    """training/'s Keras adapter (copier, state sync, the watch on Keras's own fit), once the program
+    has imported keras: distribute/ may not import training/, and nothing here imports keras."""
+    import sys
+
+    if "keras" in sys.modules:
+        importlib.import_module("mirrored.training.keras_adapter")
+
+
+_register_adapter_loader("keras", _load_keras_adapter)
+_register_scope_hook(_load_keras_adapter)
 
 
 def __getattr__(name: str) -> Any:

@@ -583,6 +583,46 @@ def test_strategy_mirror_alone_keeps_a_keras_models_state_in_sync():
     assert done.stdout.strip().splitlines()[-1] == "in sync"
 
 
+def test_keras_own_fit_warns_in_a_program_that_never_touched_mr_model():
+    """Issue 23: the watch on Keras's own fit was installed only once something imported the Keras
+    adapter (mr.Model, strategy.mirror); a program that compiled and fit a Keras model in our scope
+    and nothing else trained on one device silently. A fresh process, as a user's."""
+    probe = ("import os, warnings; os.environ['KERAS_BACKEND'] = 'torch'\n"
+             "import keras, numpy as np, mirrored as mr\n"
+             "with mr.MirroredStrategy(devices=['cpu:0', 'cpu:1']).scope():\n"
+             "    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
+             "    net.compile(optimizer='sgd', loss='mse')\n"
+             "with warnings.catch_warnings(record=True) as seen:\n"
+             "    warnings.simplefilter('always')\n"
+             "    net.fit(np.zeros((4, 3), 'float32'), np.zeros((4, 2), 'float32'), verbose=0)\n"
+             "print(any('mr.Model' in str(w.message) for w in seen))\n")
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_preprocessing_layers_are_copied_for_the_replicas():
+    """Issue 23 (keras.io's "Image classification from scratch" ported): a model starting with
+    RandomFlip and RandomRotation crashed the process (a segmentation fault) when mr.Model copied it
+    for the replicas: their DynamicBackend recursed in copy. Now the copies train, in sync, and the
+    augmentation runs in training only, as in Keras (predict equals the unaugmented network)."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 8, 3))
+    h = keras.layers.RandomRotation(0.1)(keras.layers.RandomFlip("horizontal")(inp))
+    out = keras.layers.Dense(2, activation="softmax")(keras.layers.Flatten()(h))
+    net = keras.Model(inp, out)
+    x = np.random.default_rng(0).random((16, 8, 8, 3), dtype=np.float32)
+    model = _ours(net, 2, optimizer=keras.optimizers.SGD(learning_rate=0.1), loss="sparse_categorical_crossentropy")
+    model.fit(x, np.arange(16) % 2, batch_size=8, verbose=0)
+    model.check_in_sync()
+    copy = model.replicas[1]
+    assert copy.layers[1].backend is not net.layers[1].backend and copy.layers[1].backend.name == "torch"
+    flat = keras.Model(inp, keras.layers.Dense(2, activation="softmax")(keras.layers.Flatten()(inp)))
+    flat.layers[-1].set_weights(model.replicas[0].layers[-1].get_weights())
+    np.testing.assert_allclose(model.predict(x, verbose=0), keras.ops.convert_to_numpy(flat(x)), atol=1e-6)
+
+
 def test_per_example_random_keys_keras_dropout_and_refuses_a_seeded_one():
     """Issues 23 x 26: with per_example_random=True an unseeded Keras Dropout (torch's dropout) draws
     the same masks on 1 and 2 replicas; a seeded one draws from its own generator, which cannot be

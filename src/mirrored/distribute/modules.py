@@ -11,17 +11,16 @@ check_in_sync. A change that reaches some copies only all the same (through what
 `p.requires_grad = False` on replica 0's parameter) is caught when the replicas' gradients meet, by
 the module's CopyWatch (_copy_watch.py). A layer above may register how a kind of module is
 copied (register_copier) and which of its tensors besides buffers a step changes
-(register_state_tensors): training/'s Keras adapter does, for Keras 3 models. Uses context.py, devices.py, guards.py, rollback.py and
+(register_state_tensors): training/'s Keras adapter does, for Keras 3 models, loaded for a Keras
+model through the loader mirrored/__init__.py registers (register_adapter_loader). Uses context.py, devices.py, guards.py, rollback.py and
 _copy_watch.py.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import inspect
 import itertools
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -63,12 +62,28 @@ def register_copier(copier: Callable[[nn.Module], nn.Module | None]) -> None:
         _COPIERS.append(copier)
 
 
+# Loaders of the adapters for module kinds defined in other packages (a Keras 3 model), by the
+# top-level package of the module's classes. Set by mirrored/__init__.py, which knows both this
+# package and the layer that holds the adapter; this package names neither keras nor training/.
+_ADAPTER_LOADERS: dict[str, Callable[[], None]] = {}
+
+
+def register_adapter_loader(package: str, load: Callable[[], None]) -> None:
+    """Makes copy_module call `load()` (which registers a copier and state finder) before it copies a
+    module one of whose classes is defined in the top-level package `package`, such as "keras"."""
+    _ADAPTER_LOADERS[package] = load
+
+
 def _register_adapters(module: nn.Module) -> None:
-    """Imports training/'s Keras adapter for a Keras module, so that its copier and state finder are
-    registered even when the program used only strategy.mirror (issue 23: without them a custom loop's
-    BatchNormalization statistics drifted apart silently). Keras is already imported if module is one."""
-    if "keras" in sys.modules and any(c.__module__.startswith("keras.") for c in type(module).__mro__):
-        importlib.import_module("mirrored.training.keras_adapter")
+    """Loads the adapter for `module`'s kind, so that its copier and state finder are registered even
+    when the program used only strategy.mirror (issue 23: without them a custom loop's
+    BatchNormalization statistics drifted apart silently)."""
+    if not _ADAPTER_LOADERS:
+        return
+    packages = {c.__module__.partition(".")[0] for c in type(module).__mro__}
+    for package, load in list(_ADAPTER_LOADERS.items()):
+        if package in packages:
+            load()
 
 
 def copy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:

@@ -11,8 +11,10 @@ Keras's own update rule, options and state (KerasOptimizer); the variables layer
 are made equal across replicas after every step by the strategy's buffer sync (state_tensors,
 registered with mirrored.distribute): floating-point ones averaged, as tf.keras's sync-on-read MEAN
 variables read, or replica 0's where the variable's aggregation is "only_first_replica", integer ones
-(seed generator states) replica 0's. Keras's own `model.fit` on a model compiled in a strategy's
-scope warns once, naming mr.Model (watch_keras_fit). Keras is never imported here: an object is a
+(seed generator states) replica 0's. BatchNormalization layers that convert_sync_batchnorm flags
+compute their batch statistics over the global batch (a differentiable all-reduce of per-channel
+sums), as tf.keras's synchronized=True, which Keras refuses on torch. Keras's own `model.fit` on a
+model compiled in a strategy's scope warns once, naming mr.Model (watch_keras_fit). Keras is never imported here: an object is a
 Keras one only if `keras` is already in sys.modules. Uses mirrored.distribute's public surface,
 losses.py, metrics.py, optimizers.py and keras.
 """
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 import mirrored.distribute as md
 from mirrored.training import losses as losses_lib, metrics as metrics_lib, optimizers as optimizers_lib
@@ -45,6 +48,7 @@ def is_keras_model(obj: Any) -> bool:
     if keras is None or not isinstance(obj, keras.layers.Layer):
         return False
     _replica_seeds()
+    _patch_batchnorm()
     return True
 
 
@@ -221,6 +225,88 @@ def _replica_seeds() -> None:
     _SEEDS_PATCHED = True
 
 
+# ---- BatchNormalization over the global batch (issue 23) ---------------------------------------------------
+_GLOBAL_BN = "_mirrored_global_batch"  # the flag convert_sync_batchnorm sets on a layer (copied with it)
+_BN_PATCHED = False
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """The replicas' sum of `local`. Backward: the replicas' sum of the incoming gradients, since every
+    replica's statistics enter every replica's loss (the strategy sums the replicas' gradients). The
+    replica context comes from forward: on CUDA, backward runs on autograd's own device threads."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, replica_ctx: Any) -> Tensor:
+        ctx.replica_ctx = replica_ctx
+        return replica_ctx.all_reduce(md.ReduceOp.SUM, local)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return ctx.replica_ctx.all_reduce(md.ReduceOp.SUM, grad.contiguous()), None
+
+
+def _global_moments(layer: Any, inputs: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and (biased) variance per channel over every replica's part of the batch, by Keras's own
+    formula on one device (E[x^2] - E[x]^2), differentiable through the exchange."""
+    axes = list(layer._reduction_axes)
+    channels = inputs.shape[layer.axis]
+    count = inputs.numel() // channels if channels else 0
+    local = torch.cat([inputs.sum(dim=axes), inputs.square().sum(dim=axes), inputs.new_full((1,), float(count))])
+    # The exchange in float64: the sums of replicas' parts add no rounding of their own.
+    total = _AllReduceSum.apply(local.to(torch.float64), md.get_replica_context())
+    n = total[-1].clamp_min(1)
+    mean = total[:channels] / n
+    variance = total[channels:2 * channels] / n - mean.square()
+    return mean.to(inputs.dtype), variance.to(inputs.dtype)
+
+
+def _patch_batchnorm() -> None:
+    """Makes Keras's BatchNormalization._moments compute global-batch statistics for a flagged layer in
+    a multi-replica step; Keras's own everywhere else (one replica: exactly one device)."""
+    global _BN_PATCHED
+    if _BN_PATCHED:
+        return
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
+
+    keras_moments = BatchNormalization._moments
+
+    def _moments(self: Any, inputs: Any, mask: Any) -> Any:
+        ctx = md.get_replica_context()
+        if not getattr(self, _GLOBAL_BN, False) or ctx is None or ctx.num_replicas_in_sync < 2:
+            return keras_moments(self, inputs, mask)
+        if mask is not None:
+            raise ValueError(f"BatchNormalization {self.name!r} (converted by mr.layers.convert_sync_batchnorm) got "
+                             "a mask: masked statistics over the global batch are not supported. Leave this layer "
+                             "per-replica (do not convert it), or drop the mask before it.")
+        return _global_moments(self, inputs)
+
+    _moments.__doc__ = keras_moments.__doc__
+    BatchNormalization._moments = _moments
+    _BN_PATCHED = True
+
+
+def convert_sync_batchnorm(model: Any) -> Any:
+    """`model` (a Keras layer or model) with every BatchNormalization computing its batch statistics
+    over the global batch of all replicas in training, as tf.keras's BatchNormalization(synchronized=
+    True) under MirroredStrategy; Keras on torch refuses that argument. Changes `model` in place."""
+    keras = _keras()
+    _patch_batchnorm()
+    found = [layer for layer in model._flatten_layers(include_self=True, recursive=True)
+             if isinstance(layer, keras.layers.BatchNormalization)]
+    for layer in found:
+        object.__setattr__(layer, _GLOBAL_BN, True)
+    return model
+
+
+def has_global_batchnorm(module: Any) -> bool:
+    """True for a Keras model holding a layer convert_sync_batchnorm converted (its training forward
+    joins a collective: every replica must call it, also on an empty part of the batch)."""
+    if not is_keras_model(module):
+        return False
+    return any(getattr(layer, _GLOBAL_BN, False) for layer in module._flatten_layers(include_self=True, recursive=True))
+
+
 _COPY_LOCK = threading.Lock()
 _COPY_RECURSION_LIMIT = 100_000
 
@@ -232,6 +318,11 @@ def _as_object(self: Any, memo: dict) -> Any:
     return copy._reconstruct(self, memo, copyreg.__newobj__, (type(self),), self.__getstate__())
 
 
+def _copy_dynamic_backend(self: Any, memo: dict) -> Any:
+    """copy.deepcopy of Keras's DynamicBackend: a new one for the same backend."""
+    return type(self)(self._backend)
+
+
 def copy_model(module: nn.Module) -> nn.Module | None:
     """An independent copy of a Keras model for another replica (None for other modules): every
     variable a new torch Parameter, the layers' graph and settings the same. Registered with
@@ -240,9 +331,15 @@ def copy_model(module: nn.Module) -> nn.Module | None:
         return None
     check_model(module, "strategy.mirror")
     from keras.src.saving.keras_saveable import KerasSaveable
+    from keras.src.utils.backend_utils import DynamicBackend
 
     with _COPY_LOCK:
         KerasSaveable.__deepcopy__ = _as_object  # type: ignore[attr-defined]
+        # A preprocessing layer's DynamicBackend (RandomFlip.backend, ...) answers every missing attribute
+        # through self._backend, so copy's probe of a bare new instance for __setstate__ recursed without
+        # end (a segmentation fault under the raised limit below; found porting keras.io's "Image
+        # classification from scratch"). It holds only the backend's name: a new one with that name.
+        DynamicBackend.__deepcopy__ = _copy_dynamic_backend  # type: ignore[attr-defined]
         # The copy recurses along the layer graph (a ResNet50's 175 layers and their nodes go deeper
         # than Python's default limit of 1000 frames); frames of Python code, not of the C stack.
         limit = sys.getrecursionlimit()
@@ -253,6 +350,7 @@ def copy_model(module: nn.Module) -> nn.Module | None:
         finally:
             sys.setrecursionlimit(limit)
             del KerasSaveable.__deepcopy__
+            del DynamicBackend.__deepcopy__
 
 
 md.register_copier(copy_model)

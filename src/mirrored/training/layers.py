@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 import mirrored.distribute as md
+from mirrored.training import keras_adapter
 
 # The per-replica statistics travel in float64: they are tiny (replicas x (2C + 1) numbers), counts
 # stay exact past float32's 2**24, and the combination adds no rounding of its own.
@@ -148,7 +149,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """`module` with every BatchNorm1d/2d/3d (any torch `_BatchNorm`) replaced by a SyncBatchNorm that
     shares its parameters and buffers (so requires_grad, device and dtype carry over) and its
-    training flag. Like torch.nn.SyncBatchNorm.convert_sync_batchnorm; state_dict keys are unchanged."""
+    training flag. Like torch.nn.SyncBatchNorm.convert_sync_batchnorm; state_dict keys are unchanged.
+    A Keras 3 model's BatchNormalization layers compute global-batch statistics instead (in place)."""
+    if keras_adapter.is_keras_model(module):
+        return keras_adapter.convert_sync_batchnorm(module)
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
         if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
             raise ValueError(f"convert_sync_batchnorm: {type(module).__name__} is not initialised yet; run one "
@@ -175,7 +179,7 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
 def has_sync_batchnorm(module: nn.Module) -> bool:
     """True if `module` holds a SyncBatchNorm (its forward joins a collective, even on an empty batch)."""
-    return any(isinstance(m, SyncBatchNorm) for m in module.modules())
+    return any(isinstance(m, SyncBatchNorm) for m in module.modules()) or keras_adapter.has_global_batchnorm(module)
 
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
