@@ -322,15 +322,18 @@ class DistributedIterator(_GetNext):
             raise ValueError(f"DistributedIterator.set_state: the dataset is a one-shot iterator "
                              f"({type(dataset).__name__}), which cannot be read again from its start; distribute "
                              "a dataset that can be iterated again (an mr.data.Dataset, a list) to restore it.")
-        if state.get("dataset") is not None:
-            if not hasattr(dataset, "set_state"):
-                raise ValueError(f"DistributedIterator.set_state: the state holds a dataset state, but this "
-                                 f"iterator's dataset ({type(dataset).__name__}) has no set_state(); restore into an "
-                                 "iterator of the same dataset.")
-            dataset.set_state(state["dataset"])
+        if state.get("dataset") is not None and not hasattr(dataset, "set_state"):
+            raise ValueError(f"DistributedIterator.set_state: the state holds a dataset state, but this "
+                             f"iterator's dataset ({type(dataset).__name__}) has no set_state(); restore into an "
+                             "iterator of the same dataset.")
+        # The pass running now ends first: its threads (a prefetch) stop and are joined. Closed after the
+        # restore, a prefetch thread that had yet to start its shuffle's pass counted one pass more on top
+        # of the restored count, and the restored pass shuffled as the next one (issue 25).
         close = getattr(self._source, "close", None)
         if close is not None:
             close()
+        if state.get("dataset") is not None:
+            dataset.set_state(state["dataset"])
         self._resume = (dataset, state.get("dataset"))
         self._source, self._ahead, self._parts, self._template = iter(dataset), [], [], None
         self._compared = True  # (the batches the restored pass starts with need not be its first)
