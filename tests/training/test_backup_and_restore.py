@@ -65,8 +65,10 @@ def test_sigkill_mid_epoch_then_resume_gives_the_uninterrupted_weights(tmp_path)
     assert "batches trained: 11" in resumed.stdout, resumed.stdout
     want, got = load_file(plain / "final.safetensors"), load_file(out / "final.safetensors")
     assert want.keys() == got.keys()
-    for key in want:  # the same float operations in the same order: bitwise equal
-        assert (want[key] == got[key]).all(), key
+    # the same float operations in the same order: bitwise equal (the message gives every key's largest
+    # difference, to tell a float-order difference, ~1e-7, from other batches, ~1e-2)
+    diffs = {key: float((want[key] - got[key]).abs().max()) for key in want}
+    assert not any(diffs.values()), (diffs, resumed.stdout, resumed.stderr)
     assert not (out / "backup" / "training_state.safetensors").exists()  # deleted after a finished fit
 
 
