@@ -410,8 +410,9 @@ class Model:
         if not rows:
             return
         penalty = regularization.detach().float() if isinstance(regularization, Tensor) else regularization
-        self._loss_tracker.total.assign_add(share.detach().float() * count + penalty * rows)  # no device sync
-        self._loss_tracker.count.assign_add(rows)
+        with md.WithoutReplicaRandom():  # (the loss tracker draws nothing; a user's metric may, so it keeps it)
+            self._loss_tracker.total.assign_add(share.detach().float() * count + penalty * rows)  # no device sync
+            self._loss_tracker.count.assign_add(rows)
         y = _cast_inputs(_as_labels(y), logits.dtype if logits.is_floating_point() else None)
         for m in self._metrics:
             m.update_state(y, logits.detach(), sw)
@@ -450,7 +451,11 @@ class Model:
                 scaler.update()
             else:
                 opt.optimizer.step()
-            opt.optimizer.zero_grad(set_to_none=True)
+            if type(opt.optimizer).zero_grad is torch.optim.Optimizer.zero_grad:
+                with md.WithoutReplicaRandom():  # (torch's draws nothing: see the optimizer's step)
+                    opt.optimizer.zero_grad(set_to_none=True)
+            else:
+                opt.optimizer.zero_grad(set_to_none=True)
             opt.finish_step(weight=_rows(x), commit=update)  # (an empty part did not update BatchNorm's statistics)
 
     def _regularization(self, net: nn.Module) -> Tensor | float:

@@ -531,7 +531,13 @@ class _KerasSteps:
                 rate = float(options.schedule(self._micro_steps))
                 for group in self.param_groups:
                     group["lr"] = rate
-            result = super().step(closure)  # type: ignore[misc]
+            if closure is None and type(self).__mro__[2].__module__.startswith("torch.optim."):
+                # torch's own optimizers draw no random numbers: their update (~4 torch calls per parameter
+                # on the CPU, even with foreach: the state walk) skips the replica's random mode (issue 27)
+                with md.WithoutReplicaRandom():
+                    result = super().step()  # type: ignore[misc]
+            else:
+                result = super().step(closure)  # type: ignore[misc]
         if options.use_ema:
             self._update_averages()
         self._micro_steps += 1
