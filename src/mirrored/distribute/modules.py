@@ -11,7 +11,7 @@ check_in_sync. A change that reaches some copies only all the same (through what
 `p.requires_grad = False` on replica 0's parameter) is caught when the replicas' gradients meet, by
 the module's CopyWatch (_copy_watch.py). A layer above may register how a kind of module is
 copied (register_copier) and which of its tensors besides buffers a step changes
-(register_state_tensors): training/'s Keras adapter does, for Keras 3 models. Uses context.py, devices.py, guards.py, rollback.py and
+(register_state_tensors): training/'s Keras adapter does, for Keras 3 models. Uses context.py, devices.py, guards.py, random.py, rollback.py and
 _copy_watch.py.
 """
 from __future__ import annotations

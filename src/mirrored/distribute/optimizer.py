@@ -20,7 +20,7 @@ replica's, so every replica gets the same rate, and `attach_lr_scheduler` saves 
 with its own. Inside strategy.run the groups are read-only (with several replicas in the process):
 a scheduler stepped there would step once per replica thread. The gradient all-reduce also compares
 the replicas' module copies (_copy_watch.py), so a change that reached some copies only fails the
-step before any replica updates. Uses context.py, devices.py, guards.py, modules.py, rollback.py,
+step before any replica updates. Uses context.py, devices.py, guards.py, modules.py, random.py, rollback.py,
 _copy_watch.py, _param_groups.py and values.py; the strategy reduces.
 """
 from __future__ import annotations

@@ -12,8 +12,9 @@ restart (the state is (seed, steps), saved in checkpoints) changes what a replic
 
 With per_example_random=True, the dropout family and rrelu draw each example's mask from a counter
 hash of (seed, step, op, index of the example in the global batch), so a run draws the same masks
-on any number of replicas; any other random op in a step is refused by name.
-Uses torch and mirrored._seeds.
+on any number of replicas; any other random op in a step is refused by name. The mode routes every
+torch call of the replica's thread through Python; WithoutReplicaRandom lifts it for mirrored's own
+work in a step, which draws nothing. Uses torch and mirrored._seeds.
 """
 from __future__ import annotations
 
