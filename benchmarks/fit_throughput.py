@@ -37,8 +37,9 @@ def main() -> None:
     parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--scaling", type=_counts, default=None, help="replica counts for fit's curve, e.g. 1,2,4 "
                         "(at the first of --batches)")
-    parser.add_argument("--rows", nargs="+", choices=_bench.ROWS, default=list(_bench.ROWS),
-                        help="the rows to run (fit always runs)")
+    parser.add_argument("--rows", nargs="+", choices=_bench.ROWS + _bench.README_ROWS,
+                        default=list(_bench.ROWS), help="the rows to run (fit always runs; the README rows "
+                        "fit-readme and fit-readme-prefetch only when named)")
     parser.add_argument("--memory-format", choices=["auto", "channels_last", "preserve"], default="auto",
                         help="fit's compile(memory_format=); the other rows run the format fit ran")
     parser.add_argument("--quick", action="store_true", help="512 images, one round (what `mirrored bench` runs)")

@@ -21,6 +21,8 @@ Table 1: the ResNet-20 (fit_throughput.py's model) on 2 CPU replicas, ms of CPU 
 and the wall time per step beside one replica's step timed alone (the limit x 2 replicas).
 Table 2: a model whose compute is negligible (Linear(8, 4), 2 examples per replica) on 1, 2, 4 and 8
 logical CPU replicas: the CPU (GIL-held) time per replica step, by phase, and the wall time per step.
+Table 3: ResNet-20 on 8x8 inputs, 2 examples per replica, on 2 replicas: the CPU time per replica step
+of a real model's structure (BatchNorm buffers, 65 parameters) beside a plain torch loop's step.
 docs/benchmarks.md projects table 2 onto 8 GPUs. Rounds alternate the configurations; medians.
 """
 from __future__ import annotations
@@ -201,6 +203,43 @@ def scaling_table(counts: list[int], steps: int, rounds: int, per_replica: int =
         print(row[: -11] + f"{wall:>11.2f}")
 
 
+def plain_cpu_ms(per_replica: int, steps: int) -> float:
+    """ms of CPU per step of a plain torch loop (ResNet-20, 8x8 inputs, one thread): torch's own Python."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(per_replica, 3, 8, 8, generator=g), torch.randint(0, 10, (per_replica,), generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        net = make_net(channels_last=True)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        for i in range(steps + 3):
+            if i == 3:
+                start = time.thread_time()
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        return (time.thread_time() - start) / steps * 1e3
+    finally:
+        torch.set_num_threads(before)
+
+
+def python_table(steps: int, rounds: int, per_replica: int = 2) -> None:
+    """ResNet-20's structure at negligible compute: what a replica step of fit holds the GIL for."""
+    print(f"\nTable 3: ResNet-20 on 8x8 inputs, {per_replica} examples per replica (compute negligible), 2 CPU "
+          f"replicas, ms of CPU (GIL-held) per REPLICA step; {steps} steps, {rounds} round(s); load average {load()}")
+    width = 26
+    print(f"  {'':<{width}}" + "".join(f"{p:>11}" for p in (*PHASES, "CPU total")) + f"{'wall':>11}")
+    runs, plain = [], []
+    for _ in range(rounds):
+        plain.append(plain_cpu_ms(per_replica, steps))
+        batch = 2 * per_replica
+        runs.append(measure(_model(make_net(), 2), _dataset(batch * steps, batch, (3, 8, 8), 10),
+                            _dataset(batch * 2, batch, (3, 8, 8), 10), steps))
+    print(_row("fit, per replica step", runs, width, per=2)[:-11])
+    print(f"  {'':<{width}}a plain torch loop's step (same model and part, 1 thread): "
+          f"{statistics.median(plain):.2f} ms of CPU; fit's CPU per replica step above it is mirrored's")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256], help="ResNet-20 global batches")
@@ -214,6 +253,7 @@ def main() -> None:
     print(machine())
     resnet_table(args.batches, args.steps, args.rounds)
     scaling_table(args.counts, args.steps * 10, args.rounds)
+    python_table(args.steps * 5, args.rounds)
 
 
 if __name__ == "__main__":

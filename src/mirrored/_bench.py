@@ -46,6 +46,9 @@ from mirrored._cpus import usable_cores
 WARMUP_STEPS = 2
 _WORKER_TIMEOUT_S = 600  # one process row's run; a hung worker fails the table instead of stalling it
 ROWS = ("limit", "independent", "fit", "DDP", "plain")
+# Rows run only when asked for (benchmarks/fit_throughput.py --rows): fit as the README writes it, on
+# Dataset.from_tensor_slices((x, y)).batch(B), without and with .prefetch(AUTOTUNE), metrics=["accuracy"].
+README_ROWS = ("fit-readme", "fit-readme-prefetch")
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -124,6 +127,23 @@ def fit_loop(batches: Batches, replicas: int, steps_per_execution: int = 1, memo
     start = time.perf_counter()
     model.fit(batches, epochs=1, verbose=0)
     return _images(batches) / (time.perf_counter() - start)
+
+
+def fit_readme(batches: Batches, replicas: int, prefetch: bool, memory_format: str = "auto") -> float:
+    """Images/s of Model.fit with metrics=["accuracy"] on the README's pipeline over the same examples:
+    Dataset.from_tensor_slices((x, y)).batch(B), with .prefetch(AUTOTUNE) if `prefetch`."""
+    x, y = torch.cat([b[0] for b in batches]).numpy(), torch.cat([b[1] for b in batches]).numpy()
+
+    def pipeline(n: int) -> mr.data.Dataset:
+        ds = mr.data.Dataset.from_tensor_slices((x[:n], y[:n])).batch(len(batches[0][0]))
+        return ds.prefetch(mr.data.AUTOTUNE) if prefetch else ds
+
+    model = fit_model(replicas, memory_format=memory_format, metrics=["accuracy"])
+    model.fit(pipeline(len(batches[0][0]) * WARMUP_STEPS), epochs=1, verbose=0)
+    data = pipeline(len(x))
+    start = time.perf_counter()
+    model.fit(data, epochs=1, verbose=0)
+    return len(x) / (time.perf_counter() - start)
 
 
 def fit_memory_format(memory_format: str = "auto") -> str:
@@ -218,6 +238,8 @@ def compare(batch: int, replicas: int, images: int, rounds: int, steps_per_execu
         "fit": lambda: fit_loop(data, replicas, steps_per_execution, memory_format),
         "DDP": lambda: processes("ddp", replicas, per_replica, images, cl),
         "plain": lambda: plain_loop(data, usable_cores(), cl),
+        "fit-readme": lambda: fit_readme(data, replicas, False, memory_format),
+        "fit-readme-prefetch": lambda: fit_readme(data, replicas, True, memory_format),
     }
     labels = {
         "limit": f"1 replica's step alone x {replicas}",
@@ -225,8 +247,10 @@ def compare(batch: int, replicas: int, images: int, rounds: int, steps_per_execu
         "fit": f"mirrored fit, {replicas} CPU replicas",
         "DDP": f"DDP (gloo), {replicas} processes x 1 thread",
         "plain": f"plain PyTorch, 1 process, {usable_cores()} threads",
+        "fit-readme": "fit, README pipeline, accuracy",
+        "fit-readme-prefetch": "fit, README pipeline + prefetch, accuracy",
     }
-    chosen = [name for name in ROWS if name in rows or name == "fit"]
+    chosen = [name for name in ROWS + README_ROWS if name in rows or name == "fit"]
     before = load()
     samples: dict[str, list[float]] = {name: [] for name in chosen}
     for _ in range(rounds):

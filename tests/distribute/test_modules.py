@@ -718,3 +718,36 @@ def test_a_lazy_module_is_refused_until_initialised_so_replicas_cannot_start_apa
     mnet = strategy.mirror(net)
     for a, b in zip(mnet.replicas[0].parameters(), mnet.replicas[1].parameters()):
         assert torch.equal(a, b)
+
+
+def test_buffers_replaced_between_steps_are_the_ones_synced():
+    """Regression test for issue 27: sync_buffers keeps how it packs the buffers while they are the same
+    tensors; a buffer replaced on every copy (a new tensor, of another shape too), or one registered
+    after the first step, is synced from then on: after a step each copy holds the replicas' mean."""
+    torch.manual_seed(0)
+    s = md.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with s.scope():
+        mnet = s.mirror(nn.Linear(4, 1))
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+
+    def step(values):
+        rid = md.get_replica_context().replica_id_in_sync_group
+        copy_ = mnet.replicas[rid]
+        with torch.no_grad():
+            for name, value in values.items():
+                getattr(copy_, name).copy_(value * (rid + 1))  # replica r writes (r + 1) * value
+        mnet(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for copy_ in mnet.replicas:
+        copy_.register_buffer("stat", torch.zeros(3))
+    s.run(step, args=({"stat": torch.ones(3)},))
+    for copy_ in mnet.replicas:
+        copy_.stat = torch.zeros(2, 2)  # a new tensor under the same name
+        copy_.register_buffer("extra", torch.zeros(()))
+    s.run(step, args=({"stat": torch.full((2, 2), 2.0), "extra": torch.tensor(4.0)},))
+    for copy_ in mnet.replicas:
+        assert torch.equal(copy_.stat, torch.full((2, 2), 3.0))  # (2 + 4) / 2
+        assert torch.equal(copy_.extra, torch.tensor(6.0))  # (4 + 8) / 2
+    s.check_in_sync(mnet)

@@ -388,3 +388,26 @@ def test_bad_options_are_named():
         model = mr.Model(_net())
     with pytest.raises(ValueError, match=r"fp16.*gradient_accumulation_steps.*bf16"):
         model.compile(optimizer=mr.optimizers.SGD(gradient_accumulation_steps=2), loss="mse", precision="fp16")
+
+
+@pytest.mark.parametrize("momentum, nesterov, weight_decay", [(0.0, False, None), (0.9, False, 1e-4), (0.9, True, None)])
+def test_sgd_update_is_bitwise_torchs_loop_over_the_parameters(momentum, nesterov, weight_decay):
+    """Regression test for issue 27: mr.optimizers.SGD runs torch's foreach update (one call per step of
+    the update instead of ~3 per parameter under the replicas' shared GIL); on the CPU it must give the
+    bits of torch.optim.SGD's default there, the per-parameter loop (foreach=False)."""
+    torch.manual_seed(0)
+    shapes = [(8, 3, 3, 3), (8,), (4, 8), (4,), ()]
+    ref = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    ref_opt = torch.optim.SGD(ref, lr=0.05, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay or 0.0,
+                              foreach=False)
+    opt = mr.optimizers.SGD(learning_rate=0.05, momentum=momentum, nesterov=nesterov,
+                            weight_decay=weight_decay).build(ours)
+    for _ in range(4):
+        grads = [torch.randn(s) for s in shapes]
+        for params, o in ((ref, ref_opt), (ours, opt)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            o.step()
+    for got, want in zip(ours, ref):
+        assert torch.equal(got, want)

@@ -10,7 +10,7 @@ from mirrored.distribute.input import (DistributedDataset, DistributedDatasetsFr
 from mirrored.distribute.modules import (HookHandles, MirroredModule, register_adapter_loader, register_copier,
                                          register_state_tensors)
 from mirrored.distribute.optimizer import MirroredOptimizer
-from mirrored.distribute.random import StrategyRandom
+from mirrored.distribute.random import StrategyRandom, WithoutReplicaRandom
 from mirrored.distribute.multi_worker import CollectiveAllReduce, CommunicationOptions, MultiWorkerMirroredStrategy
 from mirrored.distribute.rollback import StepJournal, current_journal
 from mirrored.distribute.replicas import CollectiveMismatchError, CollectiveTimeoutError
@@ -27,6 +27,7 @@ __all__ = [
     "InputOptions", "Mirrored", "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable",
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "Optional", "OutOfSyncError", "PerReplica", "ReduceOp",
     "ReductionToOneDevice", "ReplicaContext", "StepJournal", "Strategy", "StrategyRandom", "SyncOnReadVariable", "ValueContext", "Variable",
-    "VariableAggregation", "VariableSynchronization", "current_journal", "get_replica_context", "get_strategy", "has_strategy",
-    "in_cross_replica_context", "register_adapter_loader", "register_copier", "register_scope_hook", "register_state_tensors",
+    "VariableAggregation", "VariableSynchronization", "WithoutReplicaRandom", "current_journal", "get_replica_context",
+    "get_strategy", "has_strategy", "in_cross_replica_context", "register_adapter_loader", "register_copier",
+    "register_scope_hook", "register_state_tensors",
 ]

@@ -12,7 +12,8 @@ check_in_sync. A change that reaches some copies only all the same (through what
 the module's CopyWatch (_copy_watch.py). A layer above may register how a kind of module is
 copied (register_copier) and which of its tensors besides buffers a step changes
 (register_state_tensors): training/'s Keras adapter does, for Keras 3 models, loaded for a Keras
-model through the loader mirrored/__init__.py registers (register_adapter_loader). Uses context.py, devices.py, guards.py, rollback.py and
+model through the loader mirrored/__init__.py registers (register_adapter_loader). Uses context.py,
+devices.py, guards.py, random.py, rollback.py and
 _copy_watch.py.
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ from torch.nn.parameter import is_lazy
 from mirrored.distribute import context, guards
 from mirrored.distribute._copy_watch import CopyWatch, copies_difference
 from mirrored.distribute.devices import torch_device
-from mirrored.distribute.rollback import StepJournal, journal_of
+from mirrored.distribute.random import WithoutReplicaRandom
+from mirrored.distribute.rollback import StepJournal, journal_of, modules_in_order
 
 if TYPE_CHECKING:
     from mirrored.distribute.strategy import Strategy
@@ -99,13 +101,25 @@ def copy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
 def _found_state(module: nn.Module) -> list[Tensor]:
     """The tensors registered finders name in `module` (not its buffers): the optimizer syncs them
     after a step, so the copies' CopyWatch does not compare their writes before it."""
-    return [t for finder in _STATE_FINDERS for t, _ in (finder(module) or ())]
+    return [t for t, _ in found_state(module)]
+
+
+def buffers_of(module: nn.Module) -> list[Tensor]:
+    """module.buffers(), read from torch's dicts directly: the same tensors in the same order, without
+    its name strings or a torch call (a mirrored optimizer checks with it, every step, that the
+    buffers it synced last step are still the module's)."""
+    return list({id(b): b for m in modules_in_order(module) for b in m._buffers.values() if b is not None}.values())
 
 
 def state_tensors(module: nn.Module) -> list[tuple[Tensor, str]]:
     """A module copy's tensors that steps change outside the optimizer, with how replicas combine
     them: its buffers (floating point "mean", others "first") and what a registered finder adds."""
-    found = [(b, "mean" if b.is_floating_point() else "first") for b in module.buffers()]
+    return [(b, "mean" if b.is_floating_point() else "first") for b in module.buffers()] + found_state(module)
+
+
+def found_state(module: nn.Module) -> list[tuple[Tensor, str]]:
+    """What registered finders add to state_tensors(module) (a Keras model's moving statistics)."""
+    found = []
     for finder in _STATE_FINDERS:
         extra = finder(module)
         if extra:
@@ -278,17 +292,18 @@ class MirroredModule:
             return self._cross_replica_call(method, args, kwargs)
         rid = ctx.local_replica_id
         copy_ = self.replicas[rid]
-        journal = journal_of(ctx)
-        if journal is not None:  # a failed step puts this copy's gradients and buffers back
-            journal.before_forward(copy_)
-            for t in _found_state(copy_):  # and the state a registered finder names (Keras's moving statistics)
-                journal.before_write(t)
-        # gradient_reduction="mean" weighs replicas by their examples; a forward without grad (an
-        # evaluation between training steps, issue 26) adds no gradient, so it adds no weight either.
-        if self._shared.examples is not None and torch.is_grad_enabled():
-            self._shared.add_examples(rid, journal, args, kwargs)
-        if self._shared.grad_sync is not None and torch.is_grad_enabled():
-            self._shared.grad_sync.before_forward(ctx)
+        with WithoutReplicaRandom():  # (only the module's own forward draws)
+            journal = journal_of(ctx)
+            if journal is not None:  # a failed step puts this copy's gradients and buffers back
+                journal.before_forward(copy_)
+                for t in _found_state(copy_):  # and the state a registered finder names (Keras's moving statistics)
+                    journal.before_write(t)
+            # gradient_reduction="mean" weighs replicas by their examples; a forward without grad (an
+            # evaluation between training steps, issue 26) adds no gradient, so it adds no weight either.
+            if self._shared.examples is not None and torch.is_grad_enabled():
+                self._shared.add_examples(rid, journal, args, kwargs)
+            if self._shared.grad_sync is not None and torch.is_grad_enabled():
+                self._shared.grad_sync.before_forward(ctx)
         return (copy_ if method is None else copy_.forward)(*args, **kwargs)
 
     def _cross_replica_call(self, method: str | None, args: tuple, kwargs: dict) -> Any:

@@ -20,7 +20,7 @@ replica's, so every replica gets the same rate, and `attach_lr_scheduler` saves 
 with its own. Inside strategy.run the groups are read-only (with several replicas in the process):
 a scheduler stepped there would step once per replica thread. The gradient all-reduce also compares
 the replicas' module copies (_copy_watch.py), so a change that reached some copies only fails the
-step before any replica updates. Uses context.py, devices.py, guards.py, modules.py, rollback.py,
+step before any replica updates. Uses context.py, devices.py, guards.py, modules.py, random.py, rollback.py,
 _copy_watch.py, _param_groups.py and values.py; the strategy reduces.
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ from torch import Tensor
 from mirrored.distribute import context, guards
 from mirrored.distribute._copy_watch import CopiesDiffer
 from mirrored.distribute._param_groups import MirroredGroup, ReplicaGroup
-from mirrored.distribute.modules import MirroredModule, HookHandles, state_tensors
+from mirrored.distribute.modules import MirroredModule, HookHandles, buffers_of, found_state
+from mirrored.distribute.random import WithoutReplicaRandom
 from mirrored.distribute.rollback import journal_of
 from mirrored.distribute.values import ReduceOp
 
@@ -100,6 +101,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         # between backward and step() (clip_grad_norm_, a logged gradient norm) sees the reduced ones.
         self._sync = [_BackwardSync() for _ in self.replicas]
         self._tokens: dict[int, Tensor] = {}  # per replica: what _meet() sends
+        self._buffer_plans: dict[int, tuple[tuple[int, ...], list[_BufferGroup]]] = {}  # per replica, see _buffer_groups
         self._syncs_in_backward = self._mean and strategy.num_replicas_in_sync > 1
         if self._syncs_in_backward:
             module._shared.grad_sync = self  # the latest "mean" optimizer of a module syncs it
@@ -191,6 +193,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """All-reduces the calling replica's gradients in place of its `.grad`s (what step() does first).
         With gradient_reduction="sum" a loop that clips the reduced gradients calls it, then step()
         (which does not reduce them again); with "mean" it is done when backward ends, as in DDP."""
+        with WithoutReplicaRandom():
+            self._reduce_gradients()
+
+    def _reduce_gradients(self) -> None:
         ctx = self._replica()
         self._refuse_in_no_sync(ctx, "reduce_gradients")
         if self._settle(ctx):
@@ -352,6 +358,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
         the update and rolls back only what follows it. A step that only accumulated gradients locally
         is not committed: no meeting made every replica take it, so a failure rolls it back too.
         `step()` calls it; a loop that steps `self.optimizer` itself calls it after."""
+        with WithoutReplicaRandom():
+            self._finish_step(weight, commit)
+
+    def _finish_step(self, weight: float | None, commit: bool) -> None:
         self.sync_buffers(weight)
         ctx = self._replica()
         journal = journal_of(ctx)
@@ -369,17 +379,14 @@ class MirroredOptimizer(torch.optim.Optimizer):
         did not update its statistics and does not count, and uneven parts count by their size, which
         gives a single device's update of the running mean on the whole batch. State a module keeps
         outside its buffers (a Keras model's moving statistics) is synced too (modules.state_tensors)."""
+        with WithoutReplicaRandom():
+            self._sync_buffers(weight)
+
+    def _sync_buffers(self, weight: float | None) -> None:
         ctx = self._replica()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             return
-        # Packed: one flat tensor per device (floats, as float64) and per device and integer dtype, so a
-        # ResNet's ~60 buffers cost a handful of torch ops per step instead of ~4 per buffer.
-        groups: dict[tuple, list[Tensor]] = {}
-        for b, how in state_tensors(self._module.replicas[ctx.local_replica_id]):
-            if how == "mean" and b.is_floating_point():
-                groups.setdefault((True, b.device), []).append(b)
-            elif not b.is_complex() and b.dtype != torch.bool:  # replica 0's
-                groups.setdefault((False, b.device, b.dtype), []).append(b)
+        groups = self._buffer_groups(ctx.local_replica_id)
         if not groups:  # (the same on every replica: no meeting at all)
             return
         first = ctx.replica_id_in_sync_group == 0
@@ -392,23 +399,43 @@ class MirroredOptimizer(torch.optim.Optimizer):
         w = 1.0 if weight is None else float(weight)
         with torch.no_grad():
             sent, kept = [], []
-            for (is_float, *_), bufs in groups.items():
-                flat = torch.cat([b.reshape(-1) for b in bufs])
-                if is_float:
+            for group in groups:
+                flat = group.pack()
+                if group.is_float:
                     kept.append(flat.double())  # (exact: every float dtype widens to float64 exactly)
                     sent.append(kept[-1] * w)
                 else:
                     kept.append(None)
                     sent.append(flat if first else torch.zeros_like(flat))
-            if any(is_float for is_float, *_ in groups):
+            if any(group.is_float for group in groups):
                 sent.append(torch.tensor(w, dtype=torch.float64, device=sent[0].device))
             summed = self._strategy.all_reduce_tensors(ctx, ReduceOp.SUM, sent, check_shapes=False)
             total = summed[-1]  # > 0: a step has examples (torch.where keeps a device sync out of the step)
-            for bufs, value, old in zip(groups.values(), summed, kept):
+            for group, value, old in zip(groups, summed, kept):
                 if old is not None:
                     value = torch.where(total > 0, value / total, old)
-                for b, part in zip(bufs, value.split([b.numel() for b in bufs])):
-                    b.copy_(part.view(b.shape))
+                group.unpack(value)
+
+    def _buffer_groups(self, rid: int) -> list[_BufferGroup]:
+        """Replica `rid`'s state tensors (modules.state_tensors) packed by kind and device for the sync,
+        worked out again only when they are not the same tensors as last step. Issue 27: the walk and
+        the ~4 torch calls per buffer it saves were a third of the step's own work."""
+        module = self._module.replicas[rid]
+        buffers, extra = buffers_of(module), found_state(module)
+        key = (tuple(map(id, buffers)), tuple((id(t), how) for t, how in extra))
+        cached = self._buffer_plans.get(rid)
+        if cached is not None and cached[0] == key:  # (ids hold: the plan keeps its tensors alive)
+            return cached[1]
+        found: dict[tuple, list[Tensor]] = {}
+        # (as modules.state_tensors: floating-point buffers averaged, others replica 0's, then the finders')
+        for b, how in [(b, "mean" if b.is_floating_point() else "first") for b in buffers] + extra:
+            if how == "mean" and b.is_floating_point():
+                found.setdefault((True, b.device), []).append(b)
+            elif not b.is_complex() and b.dtype != torch.bool:  # replica 0's
+                found.setdefault((False, b.device, b.dtype), []).append(b)
+        groups = [_BufferGroup(is_float, bufs) for (is_float, *_), bufs in found.items()]
+        self._buffer_plans[rid] = (key, groups)
+        return groups
 
     def no_sync(self) -> Any:
         """The module's no_sync() (DDP's name): gradients accumulate locally, step() after it reduces once."""
@@ -549,6 +576,38 @@ def _is_mean(reduction: str | ReduceOp) -> bool:
 def _dense(t: Tensor) -> bool:
     """Whether t can be scaled in place: no element shares memory with another (an expanded gradient does)."""
     return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+
+
+class _BufferGroup:
+    """Buffers of one kind (floating point, averaged; or one integer dtype, replica 0's) on one device,
+    packed into one flat tensor and written back with one torch call each way where their shapes allow:
+    1-d buffers (BatchNorm's statistics) are concatenated, 0-d ones (its num_batches_tracked) stacked."""
+
+    __slots__ = ("is_float", "bufs", "how", "numels", "shapes")
+
+    def __init__(self, is_float: bool, bufs: list[Tensor]):
+        self.is_float, self.bufs = is_float, bufs
+        dims = {b.dim() for b in bufs}
+        self.how = "cat" if dims == {1} else "stack" if dims == {0} else "reshape"
+        self.numels = [b.numel() for b in bufs]
+        self.shapes = [b.shape for b in bufs]
+
+    def pack(self) -> Tensor:
+        if self.how == "cat":
+            return torch.cat(self.bufs)
+        if self.how == "stack":
+            return torch.stack(self.bufs)
+        return torch.cat([b.reshape(-1) for b in self.bufs])
+
+    def unpack(self, flat: Tensor) -> None:
+        """Copies `flat` (pack()'s layout, any dtype) into the buffers, cast to each one's dtype."""
+        if self.how == "cat":
+            parts = list(flat.split(self.numels))
+        elif self.how == "stack":
+            parts = list(flat.unbind())
+        else:
+            parts = [part.view(shape) for part, shape in zip(flat.split(self.numels), self.shapes)]
+        torch._foreach_copy_(self.bufs, parts)
 
 
 class _BackwardSync:

@@ -12,8 +12,9 @@ restart (the state is (seed, steps), saved in checkpoints) changes what a replic
 
 With per_example_random=True, the dropout family and rrelu draw each example's mask from a counter
 hash of (seed, step, op, index of the example in the global batch), so a run draws the same masks
-on any number of replicas; any other random op in a step is refused by name.
-Uses torch and mirrored._seeds.
+on any number of replicas; any other random op in a step is refused by name. The mode routes every
+torch call of the replica's thread through Python; WithoutReplicaRandom lifts it for mirrored's own
+work in a step, which draws nothing. Uses torch and mirrored._seeds.
 """
 from __future__ import annotations
 
@@ -191,6 +192,26 @@ class ReplicaRandom(TorchFunctionMode):
         key = derive_seed(self._seed, self._step, self._ops, 0x5EED)
         self._ops += 1
         return keyed_bits(key, self._first_example, self._examples, per_example, x.device)
+
+
+class WithoutReplicaRandom:
+    """`with WithoutReplicaRandom():` mirrored's own work in a replica step (its reductions, buffer sync
+    and step journal, which draw nothing) runs without the replica's ReplicaRandom on top of torch's
+    function-mode stack: the mode routes every torch call through Python (~1 us each, ~1,000 calls
+    per ResNet-20 step; issue 27). A mode the caller entered above it stays, and so does this one."""
+
+    __slots__ = ("_mode",)
+
+    def __enter__(self) -> None:
+        self._mode = None
+        depth = torch._C._len_torch_function_stack()
+        if depth and isinstance(torch._C._get_function_stack_at(depth - 1), ReplicaRandom):
+            self._mode = torch._C._pop_torch_function_stack()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._mode is not None:
+            torch._C._push_on_torch_function_stack(self._mode)
+            self._mode = None
 
 
 def _always(args: tuple, kwargs: dict) -> bool:

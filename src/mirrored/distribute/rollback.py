@@ -35,8 +35,8 @@ class _ModuleNote:
         self.grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         # Only a module in training mode updates its buffers in forward (BatchNorm's statistics).
         self.buffers = buffers if module.training else []
-        with torch.no_grad():
-            self.saved = [b.clone() for b in self.buffers]
+        with torch.no_grad():  # (one torch call for all of them: a call per buffer cost ~3 us, issue 27)
+            self.saved = list(torch._foreach_clone(self.buffers)) if self.buffers else []
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -46,9 +46,9 @@ class _ModuleNote:
                 b.copy_(saved)
 
 
-def _parameters_and_buffers(module: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
-    """The parameters and buffers of `module` and of every module inside it (each module once, in
-    module.modules() order)."""
+def modules_in_order(module: nn.Module) -> list[nn.Module]:
+    """`module` and every module inside it, each once, in module.modules() order (read from torch's
+    dicts: module.modules() builds a name string per module)."""
     modules: list[nn.Module] = []
     seen: set[int] = set()
     stack = [module]
@@ -58,6 +58,13 @@ def _parameters_and_buffers(module: nn.Module) -> tuple[list[Tensor], list[Tenso
             seen.add(id(m))
             modules.append(m)
             stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+    return modules
+
+
+def _parameters_and_buffers(module: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """The parameters and buffers of `module` and of every module inside it (each module once, in
+    module.modules() order)."""
+    modules = modules_in_order(module)
     return ([p for m in modules for p in m._parameters.values() if p is not None],
             [b for m in modules for b in m._buffers.values() if b is not None])
 

@@ -279,7 +279,10 @@ class SGD(Optimizer):
                          global_clipnorm=global_clipnorm, use_ema=use_ema, ema_momentum=ema_momentum,
                          ema_overwrite_frequency=ema_overwrite_frequency,
                          gradient_accumulation_steps=gradient_accumulation_steps, momentum=momentum,
-                         nesterov=nesterov, weight_decay=weight_decay or 0.0)
+                         nesterov=nesterov, weight_decay=weight_decay or 0.0, foreach=True)
+        # foreach=True: torch defaults to a Python loop over the parameters on the CPU (~3 torch calls each,
+        # held under the GIL that replica threads share); its foreach path does the same arithmetic in one
+        # call per step of the update, bit for bit (issue 27; tests/training/test_optimizers.py checks).
         self._settings = {"weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov}
 
     def get_config(self) -> dict[str, Any]:
@@ -516,17 +519,25 @@ class _KerasSteps:
         self._ready = None
         result = None
         if ready:
-            grads = [p.grad for p in self._params() if p.grad is not None]
-            with torch.no_grad():
-                if options.accumulation_steps > 1:
-                    for g in grads:
-                        g.div_(options.accumulation_steps)
-                _clip(grads, options)
+            if (options.accumulation_steps > 1 or options.clipnorm is not None or options.clipvalue is not None
+                    or options.global_clipnorm is not None):  # (else no gradient is read: issue 27)
+                grads = [p.grad for p in self._params() if p.grad is not None]
+                with torch.no_grad():
+                    if options.accumulation_steps > 1:
+                        for g in grads:
+                            g.div_(options.accumulation_steps)
+                    _clip(grads, options)
             if options.schedule is not None:
                 rate = float(options.schedule(self._micro_steps))
                 for group in self.param_groups:
                     group["lr"] = rate
-            result = super().step(closure)  # type: ignore[misc]
+            if closure is None and type(self).__mro__[2].__module__.startswith("torch.optim."):
+                # torch's own optimizers draw no random numbers: their update (~4 torch calls per parameter
+                # on the CPU, even with foreach: the state walk) skips the replica's random mode (issue 27)
+                with md.WithoutReplicaRandom():
+                    result = super().step()  # type: ignore[misc]
+            else:
+                result = super().step(closure)  # type: ignore[misc]
         if options.use_ema:
             self._update_averages()
         self._micro_steps += 1
