@@ -269,3 +269,38 @@ def test_conv3d_fit_runs_channels_last_3d_and_matches_the_plain_ncdhw_loop():
     for (name, got), ref in zip(model.module.named_parameters(), want.parameters()):
         torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL, msg=name)
     model.check_in_sync()
+
+
+def test_a_custom_loop_checkpoint_is_contiguous_and_a_restore_keeps_channels_last(tmp_path):
+    """Issue 29: tf.train.Checkpoint-style files of a mirrored module (weights and momentum buffers)
+    hold the standard layout and load into a plain NCHW module; reading one back into a channels_last
+    module copies values in place, so its convolutions stay channels_last."""
+    x, y = _data()
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        mnet = strategy.mirror(_net())
+        mopt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
+
+    def step(xb, yb):
+        loss = F.cross_entropy(mnet(xb), yb, reduction="none")
+        mr.losses.compute_average_loss(loss, global_batch_size=GLOBAL_BATCH).backward()
+        mopt.step()
+
+    for xb, yb in strategy.experimental_distribute_dataset(
+            mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)):
+        strategy.run(step, args=(xb, yb))
+    path = mr.train.Checkpoint(model=mnet, optimizer=mopt).write(str(tmp_path / "ckpt"))
+    tensors = safetensors.torch.load_file(path)  # (read by safetensors alone)
+    assert tensors and all(t.is_contiguous() for t in tensors.values())
+    plain = _net()
+    plain.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
+    with torch.no_grad():
+        for got, ref in zip(plain.parameters(), mnet.values[0].parameters()):
+            assert torch.equal(got, ref)
+    with strategy.scope():
+        other = strategy.mirror(_net())  # (the initial weights: the read must bring the trained ones)
+    mr.train.Checkpoint(model=other).read(path)
+    for copy_ in other.values:
+        assert all(w.is_contiguous(memory_format=torch.channels_last) for w in _conv_weights(copy_) if w.shape[-1] > 1)
+        for got, ref in zip(copy_.parameters(), plain.parameters()):
+            assert torch.equal(got, ref)
