@@ -34,6 +34,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -236,9 +237,11 @@ def main() -> None:
             rows["strategy.run no-op, us per call|TF, eager"] = lambda: tf.ask(f"run eager {args.calls}")
         before = _bench.load()
         samples: dict[str, list[Any]] = {key: [] for key in rows}
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             for key, measure in rows.items():
                 samples[key].append(measure())
+            # (each round's values as they come, on stderr: a run cut short still leaves its rounds)
+            print(f"round {r + 1}: {json.dumps({k: v[-1] for k, v in samples.items()})}", file=sys.stderr, flush=True)
     finally:
         if tf is not None:
             tf.close()
