@@ -1,4 +1,4 @@
-"""`mirrored` against TensorFlow 2.21's MirroredStrategy on the same machine: Keras fit and a no-op run.
+"""`mirrored` against TensorFlow 2.21 on the same machine: Keras fit on one device and on MirroredStrategy.
 
     .venv/bin/python benchmarks/vs_tensorflow.py --tf-python /tmp/tfbench/bin/python
     .venv/bin/python benchmarks/vs_tensorflow.py            # without TensorFlow: our rows only
@@ -20,7 +20,8 @@ Rows, each round in turn, medians and ranges:
           2 processes     2 independent processes at once, 1 thread each, each training its half of
                           every batch in the format fit ran, never communicating (_bench's row)
           TF, one device  Keras 3 on TF, the same ResNet-20 built in Keras (NHWC), no strategy, TF's
-                          default threads on every core
+                          default threads on every core (the 2 logical CPU devices the next row
+                          needs share one process-wide thread pool, so this row keeps all of it)
           TF, Mirrored    the same under tf.distribute.MirroredStrategy over 2 logical CPU devices
   run   microseconds per strategy.run of a no-op on 2 replicas: ours, and TF's inside a tf.function
         (graph) and eagerly
