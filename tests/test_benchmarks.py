@@ -80,7 +80,10 @@ def test_vs_tensorflow_without_tensorflow_says_so_and_prints_our_rows(tmp_path):
     out = _run("vs_tensorflow.py", "--tf-python", str(tmp_path / "no-python"), "--batches", "8", "--images", "8",
                "--calls", "5", "--rounds", "1")
     assert re.search(r"^TensorFlow: not run \(.*no-python.*\)", out, re.M), out
-    assert re.search(r"^fit, global batch 8\s+mirrored\s+[0-9.]+ \([0-9]+-[0-9]+\)\s+1\.00x$", out, re.M), out
+    assert re.search(r"^fit, global batch 8\s+mirrored\s+[0-9.]+ \([0-9]+-[0-9]+\)\s+1\.00x\s+[0-9.]+ \([0-9]+-[0-9]+\)"
+                     r"\s+1\.00x$", out, re.M), out
+    assert re.search(r"^fit, global batch 8\s+2 processes\s+[0-9.]+ ", out, re.M), out
+    assert re.search(r"^target, fit, global batch 8: mirrored / 2 processes >= 0\.95x: (met|MISSED)", out, re.M), out
     assert re.search(r"^strategy\.run no-op, us per call\s+mirrored\s+[0-9.]+ ", out, re.M), out
     assert "TF 2.21" not in out, out
 

@@ -32,3 +32,18 @@ def test_keras_fit_benchmark_prints_every_row_and_both_ratios():
     assert re.search(r"^CPU cost mr.Model\(keras\) 1 replica / Keras's own fit: [0-9.]+", proc.stdout, re.M), out
     assert re.search(r"^ratio mr.Model\(keras\) 1 replica / Keras's own fit: [0-9.]+", proc.stdout, re.M), out
     assert re.search(r"^ratio mr.Model\(keras\) / mr.Model\(torch\), 2 replicas: [0-9.]+", proc.stdout, re.M), out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_keras_conv_layout_benchmark_checks_its_variants_and_prints_every_row():
+    """benchmarks/keras_conv_layout.py (issue 29): every variant computes Keras's own values (the
+    script refuses otherwise) and every row is printed with its ratio to Keras as is."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "keras_conv_layout.py"), "--batch", "2",
+                           "--steps", "1", "--rounds", "1"], cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "KERAS_BACKEND": "torch"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for label in ("keras", "kernel OHWI", "one copy", "torch CL", "torch NCHW", "torch ResNet-20"):
+        assert re.search(rf"^  {re.escape(label)}\s+[0-9.]+ \([0-9.]+-[0-9.]+\)\s+[0-9.]+$", proc.stdout, re.M), out
+    assert "Keras ResNet-20, training step" in proc.stdout, out

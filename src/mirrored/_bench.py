@@ -162,6 +162,12 @@ def _free_port() -> int:
 def processes(kind: str, replicas: int, per_replica: int, images: int, channels_last: bool = False) -> float:
     """Images/s of `replicas` worker processes of `kind` ("ddp" or "independent"): the images all of
     them trained on, over the slowest one's time from their common start."""
+    results = run_workers(kind, replicas, per_replica, images, channels_last)
+    return sum(r["images"] for r in results) / max(r["seconds"] for r in results)
+
+
+def run_workers(kind: str, replicas: int, per_replica: int, images: int, channels_last: bool = False) -> list[dict]:
+    """Each worker's {"images", "seconds", "cpu_seconds"} (wall and CPU time of its timed steps)."""
     port = _free_port()
     argv = [sys.executable, "-m", "mirrored._bench", "--worker", kind, "--world", str(replicas), "--port", str(port),
             "--per-replica", str(per_replica), "--images", str(images)] + (["--channels-last"] if channels_last else [])
@@ -179,7 +185,7 @@ def processes(kind: str, replicas: int, per_replica: int, images: int, channels_
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return sum(r["images"] for r in results) / max(r["seconds"] for r in results)
+    return results
 
 
 def worker(kind: str, rank: int, world: int, port: int, per_replica: int, images: int,
@@ -196,10 +202,10 @@ def worker(kind: str, rank: int, world: int, port: int, per_replica: int, images
             net = torch.nn.parallel.DistributedDataParallel(net)
         _train(net, batches[:WARMUP_STEPS])
         dist.barrier()  # (the independent workers meet only here: everyone starts together)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         _train(net, batches)
-        seconds = time.perf_counter() - start
-        print(json.dumps({"images": _images(batches), "seconds": seconds}), flush=True)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+        print(json.dumps({"images": _images(batches), "seconds": seconds, "cpu_seconds": cpu_seconds}), flush=True)
     finally:
         dist.destroy_process_group()
 

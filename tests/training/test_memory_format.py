@@ -221,3 +221,86 @@ def test_the_profiler_says_which_format_ran(capsys):
         assert profiler.summary()["memory_format"] == ran
         profiler.print_summary()
         assert f"convolutions in {ran} memory" in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore:MirroredStrategy. 3 CPU replicas share")
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_evaluate_and_predict_run_channels_last_and_match_the_plain_nchw_module(replicas):
+    """Issue 29: the inference paths convert too, and give the user's NCHW module's outputs."""
+    x, y = _data()
+    plain = _net()  # the same initial weights, NCHW, never converted
+    with torch.no_grad():
+        logits = plain(x)
+    want_loss = F.cross_entropy(logits, y).item()  # 3 equal batches: the mean of their means
+    want_accuracy = (logits.argmax(1) == y).double().mean().item()
+    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = mr.Model(_net())  # (logits: mirrored's loss strings read logits)
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    assert model.memory_format == "channels_last"
+    loss, accuracy = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
+    np.testing.assert_allclose(loss, want_loss, rtol=RTOL)
+    assert accuracy == pytest.approx(want_accuracy)
+    np.testing.assert_allclose(model.predict(x, batch_size=GLOBAL_BATCH, verbose=0), logits.numpy(), rtol=RTOL,
+                               atol=ATOL)
+
+
+def test_conv3d_fit_runs_channels_last_3d_and_matches_the_plain_ncdhw_loop():
+    """Issue 29: 3-D convolutions get channels_last_3d, with the NCDHW loop's weights up to reassociation."""
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(N_EXAMPLES, 2, 4, 5, 5, generator=g), torch.randint(0, 3, (N_EXAMPLES,), generator=g)
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 4, 2), nn.ReLU(),
+                             nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(4, 3))
+
+    want = _plain_torch(net(), x, y)
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = mr.Model(net())
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                      loss="sparse_categorical_crossentropy")
+    model.fit(mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH), epochs=EPOCHS, verbose=0)
+    assert model.memory_format == "channels_last_3d"
+    for copy_ in model.replicas:
+        assert all(m.weight.is_contiguous(memory_format=torch.channels_last_3d) and not m.weight.is_contiguous()
+                   for m in copy_.modules() if isinstance(m, nn.Conv3d))
+    for (name, got), ref in zip(model.module.named_parameters(), want.parameters()):
+        torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL, msg=name)
+    model.check_in_sync()
+
+
+def test_a_custom_loop_checkpoint_is_contiguous_and_a_restore_keeps_channels_last(tmp_path):
+    """Issue 29: tf.train.Checkpoint-style files of a mirrored module (weights and momentum buffers)
+    hold the standard layout and load into a plain NCHW module; reading one back into a channels_last
+    module copies values in place, so its convolutions stay channels_last."""
+    x, y = _data()
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        mnet = strategy.mirror(_net())
+        mopt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
+
+    def step(xb, yb):
+        loss = F.cross_entropy(mnet(xb), yb, reduction="none")
+        mr.losses.compute_average_loss(loss, global_batch_size=GLOBAL_BATCH).backward()
+        mopt.step()
+
+    for xb, yb in strategy.experimental_distribute_dataset(
+            mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)):
+        strategy.run(step, args=(xb, yb))
+    path = mr.train.Checkpoint(model=mnet, optimizer=mopt).write(str(tmp_path / "ckpt"))
+    tensors = safetensors.torch.load_file(path)  # (read by safetensors alone)
+    assert tensors and all(t.is_contiguous() for t in tensors.values())
+    plain = _net()
+    plain.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
+    with torch.no_grad():
+        for got, ref in zip(plain.parameters(), mnet.values[0].parameters()):
+            assert torch.equal(got, ref)
+    with strategy.scope():
+        other = strategy.mirror(_net())  # (the initial weights: the read must bring the trained ones)
+    mr.train.Checkpoint(model=other).read(path)
+    for copy_ in other.values:
+        assert all(w.is_contiguous(memory_format=torch.channels_last) for w in _conv_weights(copy_) if w.shape[-1] > 1)
+        for got, ref in zip(copy_.parameters(), plain.parameters()):
+            assert torch.equal(got, ref)
