@@ -133,10 +133,11 @@ def measure(model: mr.Model, data: Any, warmup: Any, steps: int) -> dict[str, fl
     return {k: v / steps * 1e3 for k, v in out.items()}
 
 
-def alone_step_ms(per_replica: int, steps: int) -> float:
-    """One replica's step timed alone: its batch, one intra-op thread, a plain torch loop (the limit)."""
+def _plain_steps(per_replica: int, size: int, steps: int, clock) -> list[float]:
+    """`clock()` around each of `steps` steps of a plain torch loop (ResNet-20, channels_last, one
+    intra-op thread) on `per_replica` images of size x size, after one untimed warm-up step."""
     g = torch.Generator().manual_seed(1)
-    x, y = torch.rand(per_replica, 3, 32, 32, generator=g), torch.randint(0, 10, (per_replica,), generator=g)
+    x, y = torch.rand(per_replica, 3, size, size, generator=g), torch.randint(0, 10, (per_replica,), generator=g)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -144,15 +145,20 @@ def alone_step_ms(per_replica: int, steps: int) -> float:
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         times = []
         for i in range(steps + 1):
-            start = time.perf_counter()
+            start = clock()
             opt.zero_grad(set_to_none=True)
             torch.nn.functional.cross_entropy(net(x), y).backward()
             opt.step()
             if i:
-                times.append(time.perf_counter() - start)
+                times.append(clock() - start)
+        return times
     finally:
         torch.set_num_threads(before)
-    return statistics.median(times) * 1e3
+
+
+def alone_step_ms(per_replica: int, steps: int) -> float:
+    """One replica's step timed alone: its batch, one intra-op thread, a plain torch loop (the limit)."""
+    return statistics.median(_plain_steps(per_replica, 32, steps, time.perf_counter)) * 1e3
 
 
 def _row(label: str, runs: list[dict[str, float]], width: int, per: int = 1) -> str:
@@ -205,22 +211,7 @@ def scaling_table(counts: list[int], steps: int, rounds: int, per_replica: int =
 
 def plain_cpu_ms(per_replica: int, steps: int) -> float:
     """ms of CPU per step of a plain torch loop (ResNet-20, 8x8 inputs, one thread): torch's own Python."""
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.rand(per_replica, 3, 8, 8, generator=g), torch.randint(0, 10, (per_replica,), generator=g)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        net = make_net(channels_last=True)
-        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-        for i in range(steps + 3):
-            if i == 3:
-                start = time.thread_time()
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(net(x), y).backward()
-            opt.step()
-        return (time.thread_time() - start) / steps * 1e3
-    finally:
-        torch.set_num_threads(before)
+    return sum(_plain_steps(per_replica, 8, steps, time.thread_time)) / steps * 1e3
 
 
 def python_table(steps: int, rounds: int, per_replica: int = 2) -> None:

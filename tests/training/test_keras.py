@@ -556,6 +556,14 @@ def test_seeded_keras_dropout_draws_a_mask_per_replica_and_replica_0_draws_keras
             np.testing.assert_array_equal(x, y)
 
 
+def _last_line_of_fresh_process(probe: str) -> str:
+    """The last line `probe` prints, run in a fresh Python process on Keras's torch backend."""
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
 def test_strategy_mirror_alone_keeps_a_keras_models_state_in_sync():
     """Issue 23: a program that only calls strategy.mirror(keras_model) (never mr.Model) gets the Keras
     adapter's copier and state sync too; BatchNormalization's moving statistics used to drift apart
@@ -577,10 +585,7 @@ def test_strategy_mirror_alone_keeps_a_keras_models_state_in_sync():
              "s.run(step, args=(s.experimental_distribute_values_from_function(part),))\n"
              "s.check_in_sync(m)\n"
              "print('in sync')\n")
-    env = {**os.environ, "KERAS_BACKEND": "torch"}
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "in sync"
+    assert _last_line_of_fresh_process(probe) == "in sync"
 
 
 def test_keras_own_fit_warns_in_a_program_that_never_touched_mr_model():
@@ -596,10 +601,7 @@ def test_keras_own_fit_warns_in_a_program_that_never_touched_mr_model():
              "    warnings.simplefilter('always')\n"
              "    net.fit(np.zeros((4, 3), 'float32'), np.zeros((4, 2), 'float32'), verbose=0)\n"
              "print(any('mr.Model' in str(w.message) for w in seen))\n")
-    env = {**os.environ, "KERAS_BACKEND": "torch"}
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "True"
+    assert _last_line_of_fresh_process(probe) == "True"
 
 
 def test_preprocessing_layers_are_copied_for_the_replicas():
