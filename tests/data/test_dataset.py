@@ -609,6 +609,18 @@ def test_map_error_names_the_element_and_leaves_no_thread(parallel):
     assert pipeline_threads() == []
 
 
+@pytest.mark.parametrize("parallel", [None, 2])
+def test_a_failing_map_closes_the_threaded_stages_above_it_while_its_error_is_kept(parallel):
+    """A map's upstream is closed when the map ends, not when the garbage collector drops it: a kept
+    exception (pytest's, a notebook's sys.last_value) holds the frames that hold the upstream, and
+    the threads of a parallel map above stayed alive with it (found in review of the Map refactor)."""
+    ds = Dataset.range(1000).map(lambda x: x, num_parallel_calls=2).map(_fails_at_17, num_parallel_calls=parallel)
+    with pytest.raises(KeyError) as info:
+        list(ds)
+    assert info.value is not None  # (the exception, its traceback and frames are still referenced here)
+    assert pipeline_threads() == []
+
+
 def test_nondeterministic_map_error_still_raises():
     ds = Dataset.range(40).map(_fails_at_17, num_parallel_calls=2, deterministic=False)
     with pytest.raises(KeyError) as info:

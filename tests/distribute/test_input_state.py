@@ -74,6 +74,23 @@ def test_states_that_do_not_fit_are_refused():
         other.set_state({"dataset": _pipeline().get_state(), "drawn": 0})
 
 
+@pytest.mark.parametrize("wrong", ["another pipeline's state", "too many batches"])
+def test_a_refused_state_leaves_the_iterator_where_it_was(wrong):
+    """set_state ends the running pass before it restores (issue 25); a state the dataset refuses then
+    left the iterator on a closed pass, which ended early as if the epoch were over (found in review)."""
+    strategy = _strategy(2)
+    def first_pass():
+        return iter(strategy.experimental_distribute_dataset(mr.data.Dataset.range(16).shuffle(16, seed=2).batch(4)))
+    reference = _rest(first_pass())
+    it = first_pass()
+    first = _rest([next(it)])
+    bad = ({"dataset": _pipeline().get_state(), "drawn": 0} if wrong == "another pipeline's state"
+           else {"dataset": it.get_state()["dataset"], "drawn": 9})
+    with pytest.raises(ValueError):
+        it.set_state(bad)
+    assert first + _rest(it) == reference  # this pass's four batches, once each, in order
+
+
 def test_a_prefetch_thread_that_starts_late_does_not_move_the_restored_pass(monkeypatch):
     """Issue 25 (a fit resumed by BackupAndRestore ended off the uninterrupted run's weights, in 1
     full-suite run of 6): set_state restored the dataset's state, then closed the pass that iter() had

@@ -94,6 +94,26 @@ def map_in_flight(workers: int) -> int:
     return max(8, 4 * workers)
 
 
+class _Indexed:
+    """(index, element) pairs of `source`; closing them closes `source` (closing an enumerate does
+    nothing, which left the stages above a failed map - their threads, their open files - to the
+    garbage collector)."""
+
+    __slots__ = ("_source", "_pairs")
+
+    def __init__(self, source: Iterator[Any]):
+        self._source, self._pairs = source, enumerate(source)
+
+    def __iter__(self) -> "_Indexed":
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        return next(self._pairs)
+
+    def close(self) -> None:
+        close_iterator(self._source)
+
+
 class Map(Node):
     """fn over each element, in order; on num_parallel_calls worker threads when given."""
 
@@ -114,7 +134,7 @@ class Map(Node):
 
     def iterate(self, probe: bool) -> Iterator[Any]:
         call = self._call(probe)
-        upstream = enumerate(self.inputs[0].iterate(probe))
+        upstream = _Indexed(self.inputs[0].iterate(probe))
         if self.workers is None or probe:
             return self._sequential(upstream, call)
         return threaded_iter(upstream, call, num_workers=self.workers, max_in_flight=map_in_flight(self.workers),

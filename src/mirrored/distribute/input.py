@@ -329,9 +329,18 @@ class DistributedIterator(_GetNext):
         # The pass running now ends first: its threads (a prefetch) stop and are joined. Closed after the
         # restore, a prefetch thread that had yet to start its shuffle's pass counted one pass more on top
         # of the restored count, and the restored pass shuffled as the next one (issue 25).
+        previous = self.get_state()
         close = getattr(self._source, "close", None)
         if close is not None:
             close()
+        try:
+            self._restore(dataset, state)
+        except BaseException:  # a state the dataset refused: back on the pass it was on, then the error
+            self._restore(dataset, previous)
+            raise
+
+    def _restore(self, dataset: Any, state: dict[str, Any]) -> None:
+        """Opens the pass `state` was taken in and reads past the batches it had handed out."""
         if state.get("dataset") is not None:
             dataset.set_state(state["dataset"])
         self._resume = (dataset, state.get("dataset"))
@@ -343,6 +352,7 @@ class DistributedIterator(_GetNext):
                                  f"pass, but the dataset ran out after {i}; restore into an iterator of the same "
                                  "dataset.")
         self._step = state["drawn"]
+
 
 class Optional:
     """A value that may be missing (tf.experimental.Optional): `has_value()`, then `get_value()`. What
