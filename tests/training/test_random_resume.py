@@ -201,7 +201,8 @@ def test_a_checkpoint_saves_each_strategys_random_state_once_and_plain_modules_i
     """Issue 26: two strategies' mirrored modules in one Checkpoint each get their strategy's state
     ("<first name>.random"); the optimizer of the same strategy adds none (and alone reads its strategy's
     from a file of one strategy); a plain torch module reads
-    the file back without an unused entry; a file without the state restores with a warning."""
+    the file back without an unused entry; a file without the state restores with a warning; a file that
+    holds none of a strategy's objects leaves its random state alone (a warm start; found in review)."""
     from mirrored.training import checkpoint
 
     a, net_a, batch_a = _two_replicas(1)
@@ -235,7 +236,13 @@ def test_a_checkpoint_saves_each_strategys_random_state_once_and_plain_modules_i
     assert (c.random_state.seed, c.random_state.steps) == (1, 2)
 
     plain = {"gen": nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5)), "disc": nn.Sequential(nn.Linear(4, 8))}
-    mr.train.Checkpoint(gen=plain["gen"], disc=plain["disc"]).read(path).expect_partial()
+    plain_path = mr.train.Checkpoint(gen=net_a, disc=net_b).write(str(tmp_path / "no_optimizer"))
+    mr.train.Checkpoint(gen=plain["gen"], disc=plain["disc"]).read(plain_path).assert_consumed()  # no unused .random
+
+    # a warm start from weights saved under another name reads nothing of that strategy: its seed stays
+    f, net_f, _ = _two_replicas(43)
+    mr.train.Checkpoint(backbone=net_f).read(single).expect_partial()
+    assert (f.random_state.seed, f.random_state.steps) == (43, 0)
     old = mr.train.Checkpoint(model=nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))).write(str(tmp_path / "old"))
     e, net_e, _ = _two_replicas(7)
     with pytest.warns(UserWarning, match=r"holds no entry 'model.random'.*not match an uninterrupted run"):

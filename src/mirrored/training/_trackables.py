@@ -280,16 +280,22 @@ def random_entries(found: list[tuple[str, Any, Any]], saved: Mapping[str, Any] |
     the strategy's object whose path sorts first; reading (`saved`: the file's entries), the first such
     path the file holds, or, where both sides have one strategy, the file's one random state that no
     object here claims (a file of (model, optimizer) read into the optimizer alone, or one saved with
-    random=strategy.random_state read without it)."""
+    random=strategy.random_state read without it). A strategy none of whose objects the file holds (a
+    warm start from other weights) keeps its own seed: its random state is read only with its objects."""
     covered = {id(obj) for _, _, obj in found if isinstance(obj, md.StrategyRandom)}
     paths: dict[int, list[str]] = {}
     states: dict[int, md.StrategyRandom] = {}
+    in_file: set[int] = set()
     for path, _, obj in sorted(found, key=lambda entry: entry[0]):
         strategy = _strategy_of(obj)
         if strategy is None or id(strategy.random_state) in covered:
             continue
         states[id(strategy.random_state)] = strategy.random_state
         paths.setdefault(id(strategy.random_state), []).append(f"{path}.random")
+        if saved is not None and path in saved:
+            in_file.add(id(strategy.random_state))
+    if saved is not None:
+        paths = {key: candidates for key, candidates in paths.items() if key in in_file}
     claimed = {path for path, _, _ in found}
     unclaimed = [p for p, entry in (saved or {}).items() if p not in claimed and _holds_random_state(entry)]
     entries = []
