@@ -252,9 +252,12 @@ def _global_moments(layer: Any, inputs: Tensor) -> tuple[Tensor, Tensor]:
     axes = list(layer._reduction_axes)
     channels = inputs.shape[layer.axis]
     count = inputs.numel() // channels if channels else 0
-    local = torch.cat([inputs.sum(dim=axes), inputs.square().sum(dim=axes), inputs.new_full((1,), float(count))])
-    # The exchange in float64: the sums of replicas' parts add no rounding of their own.
-    total = _AllReduceSum.apply(local.to(torch.float64), md.get_replica_context())
+    # The exchange in float64: the sums of replicas' parts add no rounding of their own, and the count
+    # stays exact past float32's 2**24.
+    f64 = torch.float64
+    local = torch.cat([inputs.sum(dim=axes).to(f64), inputs.square().sum(dim=axes).to(f64),
+                       inputs.new_full((1,), float(count), dtype=f64)])
+    total = _AllReduceSum.apply(local, md.get_replica_context())
     n = total[-1].clamp_min(1)
     mean = total[:channels] / n
     variance = total[channels:2 * channels] / n - mean.square()
