@@ -411,3 +411,31 @@ def test_sgd_update_is_bitwise_torchs_loop_over_the_parameters(momentum, nestero
             o.step()
     for got, want in zip(ours, ref):
         assert torch.equal(got, want)
+
+
+def test_a_users_step_hook_runs_in_the_replicas_random_mode():
+    """Issue 27 lifts the replica random mode around torch's own update, which draws nothing; a step hook
+    of the user's may draw (gradient noise), so with one registered the mode stays (found in review:
+    the hook ran without it, drawing from torch's one generator in thread order)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from mirrored.distribute.random import ReplicaRandom
+
+    seen = []
+
+    def hook(optimizer, args, kwargs):
+        depth = torch._C._len_torch_function_stack()
+        seen.append(bool(depth) and isinstance(torch._C._get_function_stack_at(depth - 1), ReplicaRandom))
+
+    handle = register_optimizer_step_pre_hook(hook)
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # (torch then wraps SGD.step itself in hooks)
+    try:
+        x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+        with mr.MirroredStrategy(devices=["cpu:0", "cpu:1"], seed=1).scope():
+            model = mr.Model(torch.nn.Linear(3, 2))
+            model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                          loss="sparse_categorical_crossentropy")
+        model.fit(mr.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
+    finally:
+        handle.remove()
+    assert seen and all(seen), seen
