@@ -114,7 +114,7 @@ def buffers_of(module: nn.Module) -> list[Tensor]:
 def state_tensors(module: nn.Module) -> list[tuple[Tensor, str]]:
     """A module copy's tensors that steps change outside the optimizer, with how replicas combine
     them: its buffers (floating point "mean", others "first") and what a registered finder adds."""
-    return [(b, "mean" if b.is_floating_point() else "first") for b in module.buffers()] + found_state(module)
+    return [(b, "mean" if b.is_floating_point() else "first") for b in buffers_of(module)] + found_state(module)
 
 
 def found_state(module: nn.Module) -> list[tuple[Tensor, str]]:

@@ -38,7 +38,7 @@ from torch import Tensor
 from mirrored.distribute import context, guards
 from mirrored.distribute._copy_watch import CopiesDiffer
 from mirrored.distribute._param_groups import MirroredGroup, ReplicaGroup
-from mirrored.distribute.modules import MirroredModule, HookHandles, buffers_of, found_state
+from mirrored.distribute.modules import MirroredModule, HookHandles, state_tensors
 from mirrored.distribute.random import WithoutReplicaRandom
 from mirrored.distribute.rollback import journal_of
 from mirrored.distribute.values import ReduceOp
@@ -420,15 +420,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """Replica `rid`'s state tensors (modules.state_tensors) packed by kind and device for the sync,
         worked out again only when they are not the same tensors as last step. Issue 27: the walk and
         the ~4 torch calls per buffer it saves were a third of the step's own work."""
-        module = self._module.replicas[rid]
-        buffers, extra = buffers_of(module), found_state(module)
-        key = (tuple(map(id, buffers)), tuple((id(t), how) for t, how in extra))
+        tensors = state_tensors(self._module.replicas[rid])
+        key = tuple((id(t), how) for t, how in tensors)
         cached = self._buffer_plans.get(rid)
         if cached is not None and cached[0] == key:  # (ids hold: the plan keeps its tensors alive)
             return cached[1]
         found: dict[tuple, list[Tensor]] = {}
-        # (as modules.state_tensors: floating-point buffers averaged, others replica 0's, then the finders')
-        for b, how in [(b, "mean" if b.is_floating_point() else "first") for b in buffers] + extra:
+        for b, how in tensors:
             if how == "mean" and b.is_floating_point():
                 found.setdefault((True, b.device), []).append(b)
             elif not b.is_complex() and b.dtype != torch.bool:  # replica 0's
