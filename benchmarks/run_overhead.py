@@ -153,7 +153,7 @@ def pieces(strategy: mr.MirroredStrategy) -> dict[str, Callable[[], object]]:
         with strategy._guard(noop):
             pass
 
-    random_modes = strategy._random_modes(args, kwargs, strategy_module._SHARED)
+    random_modes = strategy._random_modes(args, kwargs, strategy_module._SHARED, 0)
     task = strategy._replica_task(noop, args, kwargs, strategy_module._SHARED, step, journals, (), random_modes)
 
     def replica_wrapper() -> None:  # the task a replica thread runs around fn, with fn a no-op

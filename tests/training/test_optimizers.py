@@ -413,10 +413,11 @@ def test_sgd_update_is_bitwise_torchs_loop_over_the_parameters(momentum, nestero
         assert torch.equal(got, want)
 
 
-def test_a_users_step_hook_runs_in_the_replicas_random_mode():
+def test_a_users_step_hook_that_draws_runs_in_the_replicas_random_mode():
     """Issue 27 lifts the replica random mode around torch's own update, which draws nothing; a step hook
     of the user's may draw (gradient noise), so with one registered the mode stays (found in review:
-    the hook ran without it, drawing from torch's one generator in thread order)."""
+    the hook ran without it, drawing from torch's one generator in thread order). (A step of fit whose
+    first step drew nothing runs without the mode at all: this hook draws in every step.)"""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from mirrored.distribute.random import ReplicaRandom
@@ -426,6 +427,7 @@ def test_a_users_step_hook_runs_in_the_replicas_random_mode():
     def hook(optimizer, args, kwargs):
         depth = torch._C._len_torch_function_stack()
         seen.append(bool(depth) and isinstance(torch._C._get_function_stack_at(depth - 1), ReplicaRandom))
+        torch.rand(1)  # gradient noise, say
 
     handle = register_optimizer_step_pre_hook(hook)
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # (torch then wraps SGD.step itself in hooks)

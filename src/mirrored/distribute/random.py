@@ -13,8 +13,12 @@ restart (the state is (seed, steps), saved in checkpoints) changes what a replic
 With per_example_random=True, the dropout family and rrelu draw each example's mask from a counter
 hash of (seed, step, op, index of the example in the global batch), so a run draws the same masks
 on any number of replicas; any other random op in a step is refused by name. The mode routes every
-torch call of the replica's thread through Python; WithoutReplicaRandom lifts it for mirrored's own
-work in a step, which draws nothing. Uses torch and mirrored._seeds.
+torch call of the replica's thread through Python, which slows a replica step by a few percent on a
+CPU (issue 27), so a step function whose first step drew nothing runs without it (`StrategyRandom.quiet`),
+watched by `DefaultGenerators`: torch's default generators are the only way to draw without a
+generator, so a step that drew anyway moved them, and the step is redone with the mode (the replicas'
+meetings check before any update is applied; see strategy.run). WithoutReplicaRandom lifts the mode
+for mirrored's own work in a step, which draws nothing. Uses torch and mirrored._seeds.
 """
 from __future__ import annotations
 
@@ -65,6 +69,11 @@ def keyed_bits(key: int, first_example: int, examples: int, per_example: int, de
     return _mix32_(cols ^ row_key)
 
 
+class DrewWithoutMode(Exception):
+    """A step run without the replica random mode drew from a default generator before its update:
+    strategy.run rolls it back and runs it again with the mode (never reaches the caller)."""
+
+
 class StrategyRandom:
     """A strategy's randomness: its seed and the number of steps (strategy.run calls) it ran.
     get_state()/set_state() put it in checkpoints, so a resumed run draws what the first would have."""
@@ -74,6 +83,10 @@ class StrategyRandom:
         self.per_example = per_example
         self.steps = 0
         self.seed_given = seed is not None  # by the strategy's seed= or set_state(); else decided at first use
+        # Step functions (keys from step_key) whose first step drew nothing, and those seen drawing: the
+        # first run without the mode, the second always with it (a function does not go quiet again).
+        self._quiet: set[Any] = set()
+        self._drawing: set[Any] = set()
 
     @property
     def seed(self) -> int:
@@ -102,8 +115,85 @@ class StrategyRandom:
         self.steps += 1
         return step
 
+    def quiet(self, key: Any) -> bool:
+        """Whether the step function `key` (step_key) runs without the replica random mode: its first
+        step, run with it, drew nothing."""
+        return key in self._quiet
+
+    def observed(self, key: Any, modes: list[ReplicaRandom]) -> None:
+        """A step of `key` ran with `modes`: if none of them drew, `key` runs without them from now on
+        (unless it drew before, or per_example_random keys every draw)."""
+        if self.per_example or key in self._drawing:
+            return
+        if any(m.drew for m in modes):
+            self._drawing.add(key)
+        elif len(self._quiet) < _QUIET_KEPT:
+            self._quiet.add(key)
+
+    def drew(self, key: Any) -> None:
+        """A step of `key` drew without the mode: it runs with it from now on."""
+        self._quiet.discard(key)
+        self._drawing.add(key)
+
     def __repr__(self) -> str:
         return f"StrategyRandom(seed={self._seed}, steps={self.steps}, per_example={self.per_example})"
+
+
+_QUIET_KEPT = 1024  # step functions remembered as quiet; past it, new ones keep the mode (only slower)
+
+
+_WATCHED_STEPS: set[Any] = set()  # code objects of watched_step functions
+
+
+def watched_step(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a step function (fit's) that may run without the replica random mode once its first step
+    drew nothing: everything it changes before its update is in the step journal, and it calls
+    StepJournal.before_update() first, so a step caught drawing before then can be rolled back and
+    run again with the mode. A custom loop's function gives no such promise: it keeps the mode."""
+    _WATCHED_STEPS.add(fn.__code__)
+    return fn
+
+
+def is_watched_step(key: Any) -> bool:
+    """Whether the step function of `key` (step_key) is a watched_step."""
+    return type(key) is tuple and key[0] in _WATCHED_STEPS
+
+
+def step_key(fn: Callable[..., Any]) -> Any:
+    """What identifies a step function across strategy.run calls: its code and the object a method is
+    bound to (fit makes a new bound method each step). Two functions that share a key share one
+    verdict; a wrong one costs a redone step, never a draw in thread order (DefaultGenerators)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        return id(fn)
+    return code, id(getattr(fn, "__self__", None))
+
+
+class DefaultGenerators:
+    """The states of torch's default generators that replicas on `devices` would draw from without a
+    generator (the CPU one; each CUDA device's once CUDA is initialized), to tell whether a step
+    without the replica random mode drew (~2 us per look). `watchable(devices)` is False for other
+    device types: their steps keep the mode."""
+
+    __slots__ = ("_generators", "_states")
+
+    def __init__(self, devices: list[torch.device]):
+        cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+        self._generators = [torch.default_generator]
+        if cuda and torch.cuda.is_initialized():
+            self._generators += [torch.cuda.default_generators[i] for i in cuda]
+        self._states = self._read()
+
+    @staticmethod
+    def watchable(devices: list[torch.device]) -> bool:
+        return all(d.type in ("cpu", "cuda") for d in devices)
+
+    def _read(self) -> list[bytes]:
+        return [g.get_state().numpy().tobytes() for g in self._generators]
+
+    def moved(self) -> bool:
+        """Whether any of them drew since this object was made (or a CUDA device initialized since)."""
+        return self._read() != self._states
 
 
 class ReplicaRandom(TorchFunctionMode):
@@ -125,6 +215,7 @@ class ReplicaRandom(TorchFunctionMode):
         self._first_example, self._examples = first_example, examples
         self._generators: dict[tuple[str, int], torch.Generator] = {}
         self._ops = 0  # random ops keyed so far in this step (per_example)
+        self.drew = False  # whether the step drew through this mode (StrategyRandom.observed)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This replica's generator on `device` for this step, seeded on first use."""
@@ -145,6 +236,8 @@ class ReplicaRandom(TorchFunctionMode):
         if kind is None:
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = dict(kwargs) if kwargs else {}
+        if kwargs.get("generator") is None and (kind is _INJECT or _BORROW_DRAWS.get(func, _always)(args, kwargs)):
+            self.drew = True  # (a call with its own generator, or dropout in eval, needs no mode)
         if self._per_example:
             keyed = _KEYED.get(func)
             if keyed is not None:
@@ -293,7 +386,21 @@ def _fractional_draws(args: tuple, kwargs: dict) -> bool:
     return kwargs.get("_random_samples") is None and not (len(args) > 5 and args[5] is not None)
 
 
+def _dropout_draws(training_default: bool, training_at: int = 2, p_at: int = 1):
+    def draws(args: tuple, kwargs: dict) -> bool:
+        training = args[training_at] if len(args) > training_at else kwargs.get("training", kwargs.get(
+            "train", training_default))
+        p = args[p_at] if len(args) > p_at else kwargs.get("p", 0.5)
+        return bool(training) and not (isinstance(p, (int, float)) and p == 0)
+    return draws
+
+
 _BORROW_DRAWS: dict[Any, Callable[[tuple, dict], bool]] = {
+    **{f: _dropout_draws(True) for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d)},
+    **{f: _dropout_draws(False) for f in (F.alpha_dropout, F.feature_alpha_dropout)},
+    **{f: _dropout_draws(True) for f in (torch.dropout, torch.dropout_, torch.feature_dropout, torch.feature_dropout_,
+                                           torch.alpha_dropout, torch.alpha_dropout_, torch.feature_alpha_dropout,
+                                           torch.feature_alpha_dropout_, torch.native_dropout)},
     torch.lstm: _rnn_draws, torch.gru: _rnn_draws, torch.rnn_tanh: _rnn_draws, torch.rnn_relu: _rnn_draws,
     F.scaled_dot_product_attention: _sdpa_draws, F.multi_head_attention_forward: _mha_draws,
     F.fractional_max_pool2d: _fractional_draws, F.fractional_max_pool3d: _fractional_draws,

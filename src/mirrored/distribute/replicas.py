@@ -58,7 +58,7 @@ class Rendezvous:
     one lock."""
 
     __slots__ = ("_devices", "_n", "_timeout_s", "_mutex", "_gates", "_waiting", "_generation", "_slots", "_whats",
-                 "_arrived", "_combining", "_result", "_done", "error")
+                 "_arrived", "_combining", "_result", "_done", "error", "check")
 
     def __init__(self, devices: Sequence[Device], timeout_s: float):
         self._devices = tuple(devices)
@@ -75,6 +75,9 @@ class Rendezvous:
         self._result: Any = None
         self._done: set[int] = set()
         self.error: BaseException | None = None  # why this step failed, once it has
+        # Called by the last replica to arrive at each meeting, before its outcome: raising fails the step
+        # (strategy.run's watch over a step without the replica random mode).
+        self.check: Callable[[], None] | None = None
 
     def exchange(self, replica_id: int, value: Any, what: str,
                  combine: Callable[[list[Any]], Any] | None = None) -> Any:
@@ -103,6 +106,12 @@ class Rendezvous:
                         f"replicas made different collective calls ({calls}). Every replica must make the same "
                         "merge_call()/all_reduce() calls in the same order."))
                     raise _Released(what)
+                if self.check is not None:
+                    try:
+                        self.check()
+                    except BaseException as e:
+                        self._fail(e)
+                        raise _Released(what) from None
                 if combine is None:
                     return self._publish(slots)
                 self._combining = True

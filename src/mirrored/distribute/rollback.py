@@ -72,9 +72,10 @@ def _parameters_and_buffers(module: nn.Module) -> tuple[list[Tensor], list[Tenso
 class StepJournal:
     """What one replica's step changed first, to put back if the step fails."""
 
-    __slots__ = ("_modules", "_tensors", "_grads_only", "_others")
+    __slots__ = ("_modules", "_tensors", "_grads_only", "_others", "updating")
 
     def __init__(self) -> None:
+        self.updating = False  # whether this step began to apply an update (before_update)
         self._modules: dict[int, _ModuleNote] = {}
         self._tensors: dict[int, tuple[Tensor, Tensor]] = {}
         self._others: dict[int, Callable[[], None]] = {}
@@ -98,6 +99,12 @@ class StepJournal:
         step count, say)."""
         if id(obj) not in self._others:
             self._others[id(obj)] = save()
+
+    def before_update(self) -> None:
+        """The step is about to change what no journal notes (the weights, by an optimizer's update):
+        from here a failure can roll the step back only as far as commit() says, and it cannot be run
+        again (strategy.run redoes a step that drew without the replica random mode only before it)."""
+        self.updating = True
 
     def commit(self) -> None:
         """The step's update is applied (on every replica): buffers, metrics and variables changed so

@@ -178,6 +178,7 @@ class Strategy:
             raise TypeError(f"{type(self).__name__}(cross_device_ops={cross_device_ops!r}): expected a "
                             "CrossDeviceOps such as mr.ReductionToOneDevice() or mr.NcclAllReduce().")
         self._devices = tuple(devices)
+        self._watchable: bool | None = None  # whether a step without the replica random mode can be watched
         self._cross_device_ops = cross_device_ops or default_for(self._devices)
         if len(self._devices) > 1:
             self._cross_device_ops.check_devices(self._devices)
@@ -255,13 +256,24 @@ class Strategy:
         split = _argument_split(args, kwargs, len(self._devices))
         if self._pool is None:
             return self._run_inline(fn, args, kwargs, split)
-        step = replicas.Rendezvous(self._devices, self._timeout_s)
-        journals = [rollback.StepJournal() for _ in self._devices]
         modes = _caller_modes()
-        random_modes = self._random_modes(args, kwargs, split)
-        task = self._replica_task(fn, args, kwargs, split, step, journals, modes, random_modes)
+        number = self._random_step()
+        key = replica_random.step_key(fn)
+        quiet = self._quiet(key)
         with self._guard(fn):  # refuses plain torch optimizers and modules that the threads would share
-            outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
+            while True:
+                step = replicas.Rendezvous(self._devices, self._timeout_s)
+                journals = [rollback.StepJournal() for _ in self._devices]
+                random_modes = None if quiet else self._random_modes(args, kwargs, split, number)
+                watch = self._watch_draws(step, journals) if quiet else None
+                task = self._replica_task(fn, args, kwargs, split, step, journals, modes, random_modes)
+                outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
+                if watch is not None and self._drew_without_mode(fn, key, number, watch, step, outcome, journals):
+                    quiet = False  # redo the step with the mode: what it drew in thread order is undone
+                    continue
+                break
+        if random_modes is not None and not outcome.errors and step.error is None:
+            self._random.observed(key, random_modes)
         if outcome.errors or step.error is not None:
             self._roll_back(journals, outcome.finished)
             if outcome.interrupted is not None:
@@ -275,9 +287,8 @@ class Strategy:
             self._roll_back(journals, outcome.finished)
             raise
 
-    def _random_modes(self, args: tuple, kwargs: dict, split: int) -> list[replica_random.ReplicaRandom]:
-        """Each local replica's randomness for the step about to run (random.py); with
-        per_example_random, where each replica's part of the global batch starts."""
+    def _random_step(self) -> int:
+        """Counts the step about to run (random.py) and returns its number."""
         state = self._random
         if not state.seed_given and self.num_workers > 1:
             # seed=None: the chief's seed on every worker, so that a restore from the chief's backup (which
@@ -285,7 +296,59 @@ class Strategy:
             mine = state.seed
             high, low = self.chief_ints([mine >> 32, mine & 0xFFFFFFFF], "the replicas' random seed (the chief's)")
             state.set_state({"seed": (high << 32) | low, "steps": state.steps})
-        number, seed, first = state.begin_step(), state.seed, self.first_replica_id
+        return state.begin_step()
+
+    def _quiet(self, key: Any) -> bool:
+        """Whether step function `key` runs without the replica random mode (random.py): it is one of
+        fit's (watched_step), its first step drew nothing, and a draw would show on torch's default
+        generators of this process alone (one worker; cpu and cuda devices), so that the replicas'
+        meetings can catch one before an update."""
+        if not (self._random.quiet(key) and replica_random.is_watched_step(key)) or self.num_workers > 1:
+            return False
+        if self._watchable is None:
+            self._watchable = replica_random.DefaultGenerators.watchable([torch_device(d) for d in self._devices])
+        return self._watchable
+
+    def _watch_draws(self, step: replicas.Rendezvous, journals: list[rollback.StepJournal]
+                     ) -> replica_random.DefaultGenerators:
+        """Watches a step run without the mode: at each meeting of the replicas (every replica's draws
+        so far are in), a draw from a default generator before any update was applied fails the step
+        with DrewWithoutMode, which strategy.run rolls back and redoes with the mode."""
+        watch = replica_random.DefaultGenerators([torch_device(d) for d in self._devices])
+
+        def check() -> None:
+            if watch.moved() and not any(j.updating for j in journals):
+                raise replica_random.DrewWithoutMode()
+        step.check = check
+        return watch
+
+    def _drew_without_mode(self, fn: Callable[..., Any], key: Any, number: int, watch: replica_random.DefaultGenerators,
+                           step: replicas.Rendezvous, outcome: replicas.Outcome,
+                           journals: list[rollback.StepJournal]) -> bool:
+        """After a step run without the mode: whether it drew and is to be redone with it (rolled back
+        here). A draw after an update was applied cannot be undone: the step stands, with a warning."""
+        redo = isinstance(step.error, replica_random.DrewWithoutMode)
+        if not redo and (outcome.errors or step.error is not None or not watch.moved()):
+            return False
+        self._random.drew(key)
+        if redo or not any(j.updating for j in journals):
+            if outcome.interrupted is None and all(outcome.finished):
+                self._roll_back(journals, outcome.finished)
+                return True
+            return False  # (interrupted: raised as it is; redone by nobody)
+        logger.warning(
+            "step %d of %s drew random numbers from torch's default generator after its update was applied, "
+            "running without the replica random mode (a step function whose first step drew nothing runs "
+            "without it); those draws came in thread order, so this one step is not reproducible. It runs "
+            "with the mode from now on. Draw in the first step too, or before the optimizer's update.",
+            number, getattr(fn, "__qualname__", None) or repr(fn))
+        return False
+
+    def _random_modes(self, args: tuple, kwargs: dict, split: int, number: int) -> list[replica_random.ReplicaRandom]:
+        """Each local replica's randomness for step `number` (random.py); with per_example_random,
+        where each replica's part of the global batch starts."""
+        state = self._random
+        seed, first = state.seed, self.first_replica_id
         n = len(self._devices)
         if not state.per_example:
             return [replica_random.ReplicaRandom(seed, number, first + i) for i in range(n)]
@@ -301,7 +364,7 @@ class Strategy:
 
     def _replica_task(self, fn: Callable[..., Any], args: tuple, kwargs: dict, split: int, step: replicas.Rendezvous,
                       journals: list[rollback.StepJournal], modes: tuple[Any, ...],
-                      random_modes: list[replica_random.ReplicaRandom]) -> Callable[[int], Any]:
+                      random_modes: list[replica_random.ReplicaRandom] | None) -> Callable[[int], Any]:
         """What each replica thread runs for one strategy.run: fn in the replica's context, with its
         arguments, the caller's modes and its journal; a failure releases the other replicas."""
         def task(replica_id: int) -> Any:
@@ -315,7 +378,8 @@ class Strategy:
             try:
                 try:
                     call_args, call_kwargs = _replica_arguments(replica_id, args, kwargs, split)
-                    with random_modes[replica_id]:  # the replica's own generators (random.py)
+                    # The replica's own generators (random.py); none for a step function that draws nothing.
+                    with random_modes[replica_id] if random_modes is not None else nullcontext():
                         if modes:
                             with _entered(modes):
                                 result = fn(*call_args, **call_kwargs)
@@ -357,7 +421,7 @@ class Strategy:
                 call_args, call_kwargs = _replica_arguments(0, args, kwargs, split)
                 if self._is_default:
                     return fn(*call_args, **call_kwargs)
-                with self._random_modes(args, kwargs, split)[0]:  # as on replica threads (random.py)
+                with self._random_modes(args, kwargs, split, self._random_step())[0]:  # as on replica threads
                     return fn(*call_args, **call_kwargs)
             finally:
                 stack.pop()

@@ -30,6 +30,7 @@ from mirrored.training import callbacks as callbacks_lib
 from mirrored.training import checkpoint, checkpoint_checks, epochs as epochs_lib, losses, metrics as metrics_lib, optimizers
 from mirrored.training import jit, keras_adapter
 from mirrored.training._trackables import LossScale
+from mirrored.distribute.random import watched_step
 from mirrored.training.layers import has_sync_batchnorm
 
 logger = logging.getLogger(__name__)
@@ -421,6 +422,7 @@ class Model:
             else:
                 m.update_state(y, logits.detach(), sw)
 
+    @watched_step  # (runs without the replica random mode where it draws nothing)
     def _train_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
         ctx = md.get_replica_context()
         # Called through the mirror, which notes this replica's gradients and buffers first: a failed
@@ -450,6 +452,9 @@ class Model:
             update = opt.optimizer.accumulate_gradients()
             if update:
                 opt.reduce_gradients()
+            journal = md.current_journal()
+            if journal is not None:  # the weights change now: a step caught drawing later is not run again
+                journal.before_update()
             if scaler is not None:
                 scaler.step(opt.optimizer)
                 scaler.update()
@@ -471,6 +476,7 @@ class Model:
         fn = getattr(net, "regularization_loss", None)
         return fn() if callable(fn) else 0.0
 
+    @watched_step  # (runs without the replica random mode where it draws nothing)
     def _test_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
         ctx = md.get_replica_context()
         net = self._net.module
@@ -480,6 +486,7 @@ class Model:
                 if share is not None:
                     self._track(y, logits, share, sw, count, self._regularization(net))
 
+    @watched_step  # (runs without the replica random mode where it draws nothing)
     def _predict_replica(self, x: Any) -> Tensor:
         """This replica's outputs; for an empty part (a short last batch), no rows of the shape and
         dtype of the others' rows, so that the parts concatenate (across workers too). Only when no
