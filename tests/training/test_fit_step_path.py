@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from _plain_replicas import batchnorm_data, replicas_by_hand  # tests/training/_plain_replicas.py
 
 import mirrored as mr
 from mirrored.distribute import rollback
@@ -18,8 +18,7 @@ N_EXAMPLES, GLOBAL_BATCH, EPOCHS = 22, 8, 2  # batches 8, 8, 6: on 3 replicas 3/
 
 
 def _data():
-    g = torch.Generator().manual_seed(3)
-    return torch.randn(N_EXAMPLES, 6, generator=g) * 2 + 1, torch.randint(0, 4, (N_EXAMPLES,), generator=g)
+    return batchnorm_data(3, N_EXAMPLES)
 
 
 def _net():
@@ -28,64 +27,22 @@ def _net():
                                torch.nn.Linear(16, 4))
 
 
-def _parts(batch: int, replicas: int) -> list[int]:
-    """TF's split of a global batch: replicas in order take ceil(batch / replicas) until it runs out."""
-    per, sizes = -(-batch // replicas), []
-    for _ in range(replicas):
-        sizes.append(min(per, batch - sum(sizes)))
-    return sizes
-
-
-def _reference(net, x, y, replicas):
-    """Plain PyTorch playing `replicas` replicas on one module: each part runs forward in training mode
-    on its own examples (BatchNorm normalises with the part's statistics) from the same running
-    statistics; the loss is the parts' summed cross-entropies over the global batch, so one backward
-    sums their gradients; the running statistics become the parts' average weighted by their sizes."""
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    bn = net[1]
-    losses = []
-    for _ in range(EPOCHS):
-        epoch_loss, seen = 0.0, 0
-        for i in range(0, N_EXAMPLES, GLOBAL_BATCH):
-            xb, yb = x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]
-            start = (bn.running_mean.clone(), bn.running_var.clone())
-            total, stats, offset = 0.0, [], 0
-            for size in _parts(len(xb), replicas):
-                # (new tensors, not copy_: autograd holds the ones the previous part's forward used)
-                bn.running_mean, bn.running_var = start[0].clone(), start[1].clone()
-                logits = net(xb[offset:offset + size])
-                total = total + F.cross_entropy(logits, yb[offset:offset + size], reduction="sum")
-                stats.append((size, bn.running_mean.double(), bn.running_var.double()))
-                offset += size
-            bn.num_batches_tracked.sub_(replicas - 1)  # every replica counted the same one step
-            bn.running_mean = (sum(n * m for n, m, _ in stats) / len(xb)).float()
-            bn.running_var = (sum(n * v for n, _, v in stats) / len(xb)).float()
-            loss = total / len(xb)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            epoch_loss += loss.item() * len(xb)
-            seen += len(xb)
-        losses.append(epoch_loss / seen)
-    return losses
-
-
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_fit_with_batchnorm_matches_plain_torch_playing_the_replicas(replicas):
     """Regression test for issue 15: the step path's bookkeeping (step journal, metric reads, buffer
     sync) is rewritten for speed; the trained weights and statistics must stay those of the math."""
     x, y = _data()
-    ref = _net()
-    want_losses = _reference(ref, x, y, replicas)
+    ref, want_losses = replicas_by_hand(_net, x, y, replicas, GLOBAL_BATCH, EPOCHS)
     strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
     with strategy.scope():
         model = mr.Model(_net())
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
                       loss="sparse_categorical_crossentropy")
     history = model.fit(mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH), epochs=EPOCHS, verbose=0)
-    # Float reassociation only: the replicas' gradients are summed in another order than one backward
-    # over both parts sums them, and the statistics are averaged in float64 either way; a few ulps per
-    # step through 6 steps of momentum SGD (a wrong split, weighting or missed update is >1e-3 off).
+    # Float reassociation only: the reference runs on this thread's intra-op threads and each replica on
+    # one, so a matmul's sums may split otherwise (test_fit_overhead.py pins one thread and asks for the
+    # bits); a few ulps per step through 6 steps of momentum SGD (a wrong split, weighting or missed
+    # update is >1e-3 off).
     for (name, got), want in zip(model.module.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
     np.testing.assert_allclose(history.history["loss"], want_losses, rtol=1e-5)

@@ -588,6 +588,32 @@ def test_strategy_mirror_alone_keeps_a_keras_models_state_in_sync():
     assert _last_line_of_fresh_process(probe) == "in sync"
 
 
+
+@pytest.mark.parametrize("mirror", ["mr.Model(net)", "mr.MirroredStrategy(devices=['cpu:0', 'cpu:1']).mirror(net)"],
+                         ids=["mr.Model", "strategy.mirror"])
+def test_is_keras_model_is_pure_and_mirroring_outside_a_scope_installs_the_replica_seeds(mirror):
+    """Review leftover 4: the predicate is_keras_model installed the per-replica Keras seeds (and the
+    global-batch BatchNormalization) as a side effect; now a Keras model's adoption does (mr.Model,
+    strategy.mirror's copies), also outside any strategy's scope. A fresh process: the patches are
+    process-wide, and another test may have installed them."""
+    probe = ("import os; os.environ['KERAS_BACKEND'] = 'torch'\n"
+             "import keras, mirrored as mr\n"
+             "from keras.src.random import seed_generator\n"
+             "from keras.src.layers.normalization.batch_normalization import BatchNormalization as BN\n"
+             "from mirrored.training import keras_adapter\n"
+             "keras_next, keras_moments = seed_generator.SeedGenerator.next, BN._moments\n"
+             "net = keras.Sequential([keras.Input((3,)), keras.layers.Dropout(0.5, seed=1), keras.layers.Dense(2)])\n"
+             "assert keras_adapter.is_keras_model(net)\n"
+             "print('pure' if (seed_generator.SeedGenerator.next, BN._moments) == (keras_next, keras_moments)\n"
+             "      else 'patched by the predicate')\n"
+             f"m = {mirror}\n"
+             "print(seed_generator.SeedGenerator.next is not keras_next and BN._moments is not keras_moments)\n")
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["pure", "True"], done.stdout
+
+
 def test_keras_own_fit_warns_in_a_program_that_never_touched_mr_model():
     """Issue 23: the watch on Keras's own fit was installed only once something imported the Keras
     adapter (mr.Model, strategy.mirror); a program that compiled and fit a Keras model in our scope

@@ -121,3 +121,17 @@ def test_channels_first_axis_forward_equals_one_device():
     expected = keras.ops.convert_to_numpy(net(x, training=True))
     got = _replica_outputs(mr.layers.convert_sync_batchnorm(net), 2, x)
     np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("mirrored_by", ["mr.Model", "strategy.mirror"])
+def test_convert_after_mirroring_is_refused_naming_the_fix(mirrored_by):
+    """Review leftover 1: converting a Keras model already mirrored flagged replica 0's layers alone, and
+    the next fit failed on mismatched collectives without naming the cause. Now refused at the call,
+    with the replica count and the fix, and no replica's layer is flagged."""
+    net = _net()
+    strategy = _strategy(2)
+    with strategy.scope():
+        mirrored = mr.Model(net) if mirrored_by == "mr.Model" else strategy.mirror(net)
+    with pytest.raises(ValueError, match=r"already mirrored on 2 replica.*Convert before mirroring"):
+        mr.layers.convert_sync_batchnorm(net)
+    assert not any(mr.training.keras_adapter.has_global_batchnorm(copy) for copy in mirrored.replicas)

@@ -473,3 +473,43 @@ def test_sync_batchnorm_on_cuda_matches_batchnorm(affine):  # pragma: no cover -
         for name in ("weight", "bias"):
             total = sum(getattr(m, name).grad.cpu() for m in mbn.replicas)
             torch.testing.assert_close(total, getattr(ref, name).grad.cpu(), rtol=1e-4, atol=1e-4)
+
+
+def _bn_mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize("passed", ["module of mr.Model", "module of strategy.mirror", "MirroredModule", "submodule"])
+def test_convert_after_mirroring_is_refused_naming_the_fix(passed):
+    """Review leftover 1: converting a module already mirrored changed replica 0's copy alone, and the
+    next fit failed with a CollectiveMismatchError that did not name the cause. Now refused at the call,
+    with the replica count and the fix, and no copy changes."""
+    net = _bn_mlp()
+    strategy = _strategy(2)
+    with strategy.scope():
+        mnet = mr.Model(net)._net if passed == "module of mr.Model" else strategy.mirror(net)
+    target = {"MirroredModule": mnet, "submodule": net[1]}.get(passed, net)
+    with pytest.raises(ValueError, match=r"already mirrored on 2 replica.*Convert before mirroring"):
+        convert_sync_batchnorm(target)
+    assert [type(copy_[1]) for copy_ in mnet.values] == [torch.nn.BatchNorm1d] * 2
+
+
+def test_convert_is_allowed_again_once_the_mirror_is_gone():
+    """The refusal lasts as long as the mirror: a module whose mr.Model was dropped converts as a plain one."""
+    net = _bn_mlp()
+    with _strategy(2).scope():
+        model = mr.Model(net)
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(torch.randn(8, 4), torch.randint(0, 3, (8,)), batch_size=8, verbose=0)  # (then kept by cycles till gc)
+    with pytest.raises(ValueError, match="already mirrored"):
+        convert_sync_batchnorm(net)
+    del model
+    assert isinstance(convert_sync_batchnorm(net)[1], SyncBatchNorm)
+
+
+def test_convert_of_an_mr_model_names_the_fix():
+    with _strategy(2).scope():
+        model = mr.Model(_bn_mlp())
+    with pytest.raises(TypeError, match=r"expected a torch.nn.Module.*mr.Model\(mr.layers.convert_sync_batchnorm"):
+        convert_sync_batchnorm(model)

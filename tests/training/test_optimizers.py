@@ -441,3 +441,62 @@ def test_a_users_step_hook_that_draws_runs_in_the_replicas_random_mode():
     finally:
         handle.remove()
     assert seen and all(seen), seen
+
+
+def _count_step_hooks(run_steps) -> dict[str, dict[int, int]]:
+    """Calls of torch's global step pre/post hooks and of the optimizers' own pre/post hooks during
+    run_steps(register_own), by kind, per optimizer object."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    calls: dict[str, dict[int, int]] = {k: {} for k in ("global pre", "global post", "own pre", "own post")}
+
+    def counter(kind):
+        def hook(optimizer, args, kwargs):
+            calls[kind][id(optimizer)] = calls[kind].get(id(optimizer), 0) + 1
+        return hook
+
+    def register_own(opt):
+        return [opt.register_step_pre_hook(counter("own pre")), opt.register_step_post_hook(counter("own post"))]
+
+    handles = [register_optimizer_step_pre_hook(counter("global pre")),
+               register_optimizer_step_post_hook(counter("global post"))]
+    try:
+        run_steps(register_own)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def test_step_hooks_run_once_per_replica_step_as_for_a_plain_torch_optimizer():
+    """Review leftover 3: torch wraps a class's step() in its hooks once an instance is built, so the
+    mr.optimizers subclass's step() and the torch SGD.step() its update calls both ran them: every
+    global and own hook twice per step. Reference: a plain torch.optim.SGD on one device, whose hooks
+    run once per step(); each replica's optimizer must see the same."""
+    x, y = _data()
+
+    def plain(register_own):
+        net = _net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)  # (built first: torch then wraps SGD.step itself)
+        register_own(opt)
+        for xb, yb in zip(x.split(BATCH), y.split(BATCH)):
+            F.cross_entropy(net(xb), yb).backward()
+            opt.step()
+            opt.zero_grad()
+
+    replica_optimizers: list[int] = []
+
+    def fit(register_own):
+        with _strategy(2).scope():
+            model = mr.Model(_net())
+            model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                          loss="sparse_categorical_crossentropy")
+        register_own(model.mirrored_optimizer)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        replica_optimizers.extend(id(opt) for opt in model.mirrored_optimizer.values)
+
+    want = _count_step_hooks(plain)
+    assert all(list(per_opt.values()) == [N // BATCH] for per_opt in want.values()), want
+    got = _count_step_hooks(fit)
+    for kind, per_opt in got.items():
+        assert per_opt == {opt: N // BATCH for opt in replica_optimizers}, (kind, per_opt)

@@ -7,8 +7,8 @@ from mirrored.distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCo
                                                   NcclAllReduce, ReductionToOneDevice)
 from mirrored.distribute.input import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator,
                                       InputContext, InputOptions, Optional)
-from mirrored.distribute.modules import (HookHandles, MirroredModule, register_adapter_loader, register_copier,
-                                         register_state_tensors)
+from mirrored.distribute.modules import (HookHandles, MirroredModule, mirror_holding, register_adapter_loader,
+                                         register_copier, register_state_tensors)
 from mirrored.distribute.optimizer import MirroredOptimizer
 from mirrored.distribute.random import StrategyRandom, WithoutReplicaRandom
 from mirrored.distribute.multi_worker import CollectiveAllReduce, CommunicationOptions, MultiWorkerMirroredStrategy
@@ -28,6 +28,6 @@ __all__ = [
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "Optional", "OutOfSyncError", "PerReplica", "ReduceOp",
     "ReductionToOneDevice", "ReplicaContext", "StepJournal", "Strategy", "StrategyRandom", "SyncOnReadVariable", "ValueContext", "Variable",
     "VariableAggregation", "VariableSynchronization", "WithoutReplicaRandom", "current_journal", "get_replica_context",
-    "get_strategy", "has_strategy", "in_cross_replica_context", "register_adapter_loader", "register_copier",
+    "get_strategy", "has_strategy", "in_cross_replica_context", "mirror_holding", "register_adapter_loader", "register_copier",
     "register_scope_hook", "register_state_tensors",
 ]

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import inspect
 import itertools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +97,26 @@ def copy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
         if copied is not None:
             return copied
     return copy.deepcopy(module, memo)
+
+
+# Each live mirror's copies, by copy, with the mirror (weakly both ways: a mirror dropped releases its
+# copies), so that a layer above can refuse to change one replica's copy alone (mirror_holding).
+_MIRRORS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _remember_copies(mirror: MirroredModule) -> None:
+    for copy_ in mirror.replicas:
+        _MIRRORS[copy_] = weakref.ref(mirror)
+
+
+def mirror_holding(module: nn.Module) -> MirroredModule | None:
+    """The live MirroredModule one of whose copies is or contains `module` (the module given to
+    strategy.mirror is replica 0's copy), else None: a change to `module` alone would reach one replica."""
+    for copy_, ref in list(_MIRRORS.items()):
+        mirror = ref()
+        if mirror is not None and (copy_ is module or any(m is module for m in copy_.modules())):
+            return mirror
+    return None
 
 
 def _found_state(module: nn.Module) -> list[Tensor]:
@@ -228,6 +249,7 @@ class MirroredModule:
         object.__setattr__(self, "replicas", tuple(copies))
         object.__setattr__(self, "_shared", _Shared(copies, devices))
         self._shared.layout = layout
+        _remember_copies(self)
 
     @classmethod
     def _of(cls, strategy: Strategy, copies: Any, shared: _Shared) -> MirroredModule:
@@ -370,8 +392,9 @@ class MirroredModule:
         not copied: a strategy owns threads)."""
         copies = [copy_module(m, memo) for m in self.replicas]
         guards.allow_modules(copies)
-        return MirroredModule._of(self._strategy, copies,
-                                  _Shared(copies, self._strategy.extended.worker_devices))
+        mirror = MirroredModule._of(self._strategy, copies, _Shared(copies, self._strategy.extended.worker_devices))
+        _remember_copies(mirror)
+        return mirror
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a MirroredModule cannot be pickled (it holds a strategy's replicas): save "

@@ -273,6 +273,30 @@ def _holds_random_state(entry: Any) -> bool:
     return isinstance(state, dict) and set(state) == {"seed", "steps", "per_example_random"}
 
 
+def named_random_at(found: list[tuple[str, Any, Any]], saved: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """`found` with each random state given by name (random=strategy.random_state) that the file lacks read
+    where the file holds that strategy's state instead: under "<path>.random" of one of the strategy's
+    objects here (the implicit entry of a file saved without random=), else the file's one random state
+    that no object here claims. Dropped where another entry here already reads it (an mr.Model's)."""
+    claimed = {path for path, _, _ in found}
+    unclaimed = [p for p, entry in saved.items() if p not in claimed and _holds_random_state(entry)]
+    named = [obj for path, _, obj in found if isinstance(obj, md.StrategyRandom) and path not in saved]
+    out = []
+    for path, kind, obj in found:
+        if not isinstance(obj, md.StrategyRandom) or path in saved:
+            out.append((path, kind, obj))
+            continue
+        if any(o is obj and p in saved for p, _, o in found):
+            continue  # read by that entry
+        own = [f"{p}.random" for p, _, o in sorted(found, key=lambda entry: entry[0])
+               if _strategy_of(o) is not None and _strategy_of(o).random_state is obj]
+        at = next((p for p in own if p in unclaimed), None)
+        if at is None and len(named) == 1 and len(unclaimed) == 1:  # one each side: the same run's
+            at = unclaimed[0]
+        out.append((at or path, kind, obj))
+    return out
+
+
 def random_entries(found: list[tuple[str, Any, Any]], saved: Mapping[str, Any] | None = None
                    ) -> list[tuple[str, Any, Any]]:
     """An entry for the random state of each strategy whose mirrored objects are among `found`, unless one

@@ -45,11 +45,16 @@ def _keras() -> Any:
 def is_keras_model(obj: Any) -> bool:
     """Whether `obj` is a Keras 3 layer or model (checked without importing keras)."""
     keras = _keras()
-    if keras is None or not isinstance(obj, keras.layers.Layer):
-        return False
+    return keras is not None and isinstance(obj, keras.layers.Layer)
+
+
+def adopt() -> None:
+    """Installs, once per process, what the replicas of a Keras model need of Keras's own code: a random
+    stream per replica (_replica_seeds) and global-batch BatchNormalization (_patch_batchnorm). Called
+    where a Keras model is taken in (mr.Model, its copies for other replicas); a scope's entry installs
+    the first too (keras.random in a loop whose model is not a Keras one)."""
     _replica_seeds()
     _patch_batchnorm()
-    return True
 
 
 def _is_keras(obj: Any, kind: str) -> bool:
@@ -191,7 +196,7 @@ def _replica_seeds() -> None:
     keras = _keras()
     if _SEEDS_PATCHED or keras is None:
         return
-    from keras.src.random import seed_generator  # (keras is imported: is_keras_model saw a Keras model)
+    from keras.src.random import seed_generator  # (keras is imported: _keras() found it)
     from mirrored._seeds import derive_seed
 
     keras_next = seed_generator.SeedGenerator.next
@@ -333,6 +338,7 @@ def copy_model(module: nn.Module) -> nn.Module | None:
     if not is_keras_model(module):
         return None
     check_model(module, "strategy.mirror")
+    adopt()
     from keras.src.saving.keras_saveable import KerasSaveable
     from keras.src.utils.backend_utils import DynamicBackend
 

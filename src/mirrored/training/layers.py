@@ -11,6 +11,7 @@ BatchNorm. Uses the public surface of `mirrored.distribute`.
 """
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -150,9 +151,44 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """`module` with every BatchNorm1d/2d/3d (any torch `_BatchNorm`) replaced by a SyncBatchNorm that
     shares its parameters and buffers (so requires_grad, device and dtype carry over) and its
     training flag. Like torch.nn.SyncBatchNorm.convert_sync_batchnorm; state_dict keys are unchanged.
-    A Keras 3 model's BatchNormalization layers compute global-batch statistics instead (in place)."""
+    A Keras 3 model's BatchNormalization layers compute global-batch statistics instead (in place).
+    Refused on a module already mirrored: only replica 0's copy would change."""
+    _refuse_mirrored(module)
     if keras_adapter.is_keras_model(module):
         return keras_adapter.convert_sync_batchnorm(module)
+    return _convert(module)
+
+
+def _refuse_mirrored(module: Any) -> None:
+    """Raises for a module strategy.mirror (or mr.Model) already copied: converting replica 0's copy
+    alone makes its BatchNorms all-reduce where the others' do not, and the next step fails on the
+    mismatched collectives without naming this cause."""
+    if isinstance(module, md.MirroredModule):
+        mirror = module
+    elif isinstance(module, nn.Module):
+        if md.mirror_holding(module) is not None:
+            gc.collect()  # a dropped mr.Model lives on in reference cycles until the collector runs
+        mirror = md.mirror_holding(module)
+    elif keras_adapter.is_keras_model(module):
+        return  # (another backend than torch: mr.Model and strategy.mirror refuse it, naming the fix)
+    else:
+        raise TypeError(f"convert_sync_batchnorm({type(module).__name__}): expected a torch.nn.Module or a Keras "
+                        "model. For an mr.Model, convert the module before wrapping it: "
+                        "mr.Model(mr.layers.convert_sync_batchnorm(net)).")
+    if mirror is None:
+        return
+    n = len(mirror.values)
+    whose = "this module" if mirror.values[0] is module or mirror is module else \
+        f"this module is inside {type(mirror.values[0]).__name__}, which"
+    raise ValueError(
+        f"convert_sync_batchnorm({type(module).__name__}): {whose} is already mirrored on {n} replica(s) "
+        "(by strategy.mirror or mr.Model), so only replica 0's copy would change and the replicas' "
+        "BatchNorm exchanges would no longer match. Convert before mirroring: "
+        "mr.Model(mr.layers.convert_sync_batchnorm(net)) or strategy.mirror(mr.layers.convert_sync_batchnorm(net)) "
+        "in `with strategy.scope():`.")
+
+
+def _convert(module: nn.Module) -> nn.Module:
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
         if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
             raise ValueError(f"convert_sync_batchnorm: {type(module).__name__} is not initialised yet; run one "
@@ -171,7 +207,7 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
             sync.qconfig = module.qconfig
         return sync
     for name, child in module.named_children():
-        new = convert_sync_batchnorm(child)
+        new = _convert(child)
         if new is not child:
             setattr(module, name, new)
     return module

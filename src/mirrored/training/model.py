@@ -155,6 +155,7 @@ class Model:
         self._keras = keras_adapter.is_keras_model(module)
         if self._keras:
             keras_adapter.check_model(module)
+            keras_adapter.adopt()
         if not isinstance(module, nn.Module):
             raise TypeError(f"mr.Model({type(module).__name__}): expected a torch.nn.Module.")
         strategy = md.get_strategy()

@@ -546,13 +546,22 @@ class _KerasSteps:
                 # on the CPU, even with foreach: the state walk) skips the replica's random mode (issue 27).
                 # A step hook of the user's (gradient noise, say) may draw: then the mode stays.
                 with md.WithoutReplicaRandom():
-                    result = super().step()  # type: ignore[misc]
+                    result = self._update()
             else:
-                result = super().step(closure)  # type: ignore[misc]
+                result = self._update(closure)
         if options.use_ema:
             self._update_averages()
         self._micro_steps += 1
         return result
+
+    def _update(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The torch class's own step, without the hook wrapper torch puts on a class's step() once an
+        instance of it is built: this step() is wrapped already, so the hooks would run twice."""
+        update = super().step  # type: ignore[misc]
+        func = getattr(update, "__func__", None)
+        if getattr(func, "hooked", False):  # (torch's profile_hook_step, made with functools.wraps)
+            update = func.__wrapped__.__get__(self)
+        return update() if closure is None else update(closure)
 
     def _note_for_rollback(self) -> None:
         """Inside strategy.run, notes the accumulated gradients, step count and averages before this step

@@ -155,7 +155,8 @@ class Checkpoint:
     The random state (seed, steps run) of each strategy whose mirrored modules, optimizers or variables
     are tracked is saved too, as "<path>.random" of its object whose name sorts first, so a resumed
     custom loop draws the dropout masks the uninterrupted one would have; two strategies get an entry
-    each. A file without it (an older mirrored's) restores with a warning.
+    each, and random=strategy.random_state reads it too. A file without it (an older mirrored's)
+    restores with a warning.
     """
 
     def __init__(self, root: Any = None, **kwargs: Any):
@@ -192,6 +193,8 @@ class Checkpoint:
         """What is saved: the trackables' entries, and the random state of each strategy of a mirrored
         object among them (its replicas' dropout masks), read at the path `saved` (a file's entries) has."""
         found = [entry for name, obj in self._trackables.items() for entry in _trackables.entries(name, obj)]
+        if isinstance(saved, dict):  # a random= state the file holds implicitly: read from there
+            found = _trackables.named_random_at(found, saved)
         return found + _trackables.random_entries(found, saved if isinstance(saved, dict) else None)
 
     # ---- writing --------------------------------------------------------------------------------
