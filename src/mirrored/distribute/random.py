@@ -23,6 +23,7 @@ for mirrored's own work in a step, which draws nothing. Uses torch and mirrored.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -71,7 +72,13 @@ def keyed_bits(key: int, first_example: int, examples: int, per_example: int, de
 
 class DrewWithoutMode(Exception):
     """A step run without the replica random mode drew from a default generator before its update:
-    strategy.run rolls it back and runs it again with the mode (never reaches the caller)."""
+    strategy.run rolls it back and runs it again with the mode (it reaches the caller only if a replica
+    did not stop in time to be rolled back)."""
+
+    def __init__(self) -> None:
+        super().__init__("a step of fit run without the replica random mode drew random numbers from torch's "
+                         "default generator; it was to be run again with the mode, but a replica did not stop "
+                         "in time to roll it back, so the replicas may differ: restore a checkpoint.")
 
 
 class StrategyRandom:
@@ -83,10 +90,12 @@ class StrategyRandom:
         self.per_example = per_example
         self.steps = 0
         self.seed_given = seed is not None  # by the strategy's seed= or set_state(); else decided at first use
-        # Step functions (keys from step_key) whose first step drew nothing, and those seen drawing: the
-        # first run without the mode, the second always with it (a function does not go quiet again).
-        self._quiet: set[Any] = set()
-        self._drawing: set[Any] = set()
+        # Per object a watched step method is bound to (an mr.Model), the codes of its step methods whose
+        # first step drew nothing (they run without the mode) and of those seen drawing (always with it:
+        # a method does not go quiet again). Weak: a verdict goes with its model, and a new model at a
+        # dead one's address starts afresh.
+        self._quiet: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
+        self._drawing: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
 
     @property
     def seed(self) -> int:
@@ -115,65 +124,59 @@ class StrategyRandom:
         self.steps += 1
         return step
 
-    def quiet(self, key: Any) -> bool:
-        """Whether the step function `key` (step_key) runs without the replica random mode: its first
-        step, run with it, drew nothing."""
-        return key in self._quiet
+    def quiet(self, key: StepKey | None) -> bool:
+        """Whether the step method of `key` (step_key) runs without the replica random mode: its first
+        step, run with the mode, drew nothing."""
+        return key is not None and key[0] in self._quiet.get(key[1], ())
 
-    def observed(self, key: Any, modes: list[ReplicaRandom]) -> None:
+    def observed(self, key: StepKey | None, modes: list[ReplicaRandom]) -> None:
         """A step of `key` ran with `modes`: if none of them drew, `key` runs without them from now on
         (unless it drew before, or per_example_random keys every draw)."""
-        if self.per_example or key in self._drawing:
+        if key is None or self.per_example or key[0] in self._drawing.get(key[1], ()):
             return
-        if any(m.drew for m in modes):
-            self._drawing.add(key)
-        elif len(self._quiet) < _QUIET_KEPT:
-            self._quiet.add(key)
+        verdicts = self._drawing if any(m.drew for m in modes) else self._quiet
+        verdicts.setdefault(key[1], set()).add(key[0])
 
-    def drew(self, key: Any) -> None:
+    def drew(self, key: StepKey) -> None:
         """A step of `key` drew without the mode: it runs with it from now on."""
-        self._quiet.discard(key)
-        self._drawing.add(key)
+        self._quiet.get(key[1], set()).discard(key[0])
+        self._drawing.setdefault(key[1], set()).add(key[0])
 
     def __repr__(self) -> str:
         return f"StrategyRandom(seed={self._seed}, steps={self.steps}, per_example={self.per_example})"
 
 
-_QUIET_KEPT = 1024  # step functions remembered as quiet; past it, new ones keep the mode (only slower)
-
-
-_WATCHED_STEPS: set[Any] = set()  # code objects of watched_step functions
+_WATCHED_STEPS: set[Any] = set()  # code objects of watched_step methods
+StepKey = tuple[Any, Any]  # (code of a watched step method, the object it is bound to)
 
 
 def watched_step(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Marks a step function (fit's) that may run without the replica random mode once its first step
+    """Marks a step method (fit's) that may run without the replica random mode once its first step
     drew nothing: everything it changes before its update is in the step journal, and it calls
-    StepJournal.before_update() first, so a step caught drawing before then can be rolled back and
-    run again with the mode. A custom loop's function gives no such promise: it keeps the mode."""
+    StepJournal.before_update() before it changes the weights, so a step caught drawing before then
+    can be rolled back and run again with the mode. A custom loop's function gives no such promise:
+    it keeps the mode."""
     _WATCHED_STEPS.add(fn.__code__)
     return fn
 
 
-def is_watched_step(key: Any) -> bool:
-    """Whether the step function of `key` (step_key) is a watched_step."""
-    return type(key) is tuple and key[0] in _WATCHED_STEPS
-
-
-def step_key(fn: Callable[..., Any]) -> Any:
-    """What identifies a step function across strategy.run calls: its code and the object a method is
-    bound to (fit makes a new bound method each step). Two functions that share a key share one
-    verdict; a wrong one costs a redone step, never a draw in thread order (DefaultGenerators)."""
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    if code is None:
-        return id(fn)
-    return code, id(getattr(fn, "__self__", None))
+def step_key(fn: Callable[..., Any]) -> StepKey | None:
+    """The key of a watched_step method bound to an object (fit makes a new bound method each step, so
+    the key is its code and the object); None for any other function, which keeps the mode."""
+    code = getattr(getattr(fn, "__func__", None), "__code__", None)
+    owner = getattr(fn, "__self__", None)
+    if code not in _WATCHED_STEPS or owner is None:
+        return None
+    return code, owner
 
 
 class DefaultGenerators:
     """The states of torch's default generators that replicas on `devices` would draw from without a
-    generator (the CPU one; each CUDA device's once CUDA is initialized), to tell whether a step
-    without the replica random mode drew (~2 us per look). `watchable(devices)` is False for other
-    device types: their steps keep the mode."""
+    generator (the CPU one; each CUDA device's, if CUDA is initialized when it is made: a replica's
+    device is, after its first step), to tell whether a step without the replica random mode drew
+    (~2 us per look). They are process-wide, so another thread's draw (a map function calling
+    torch.rand) looks like the step's. `watchable(devices)` is False for other device types: their
+    steps keep the mode."""
 
     __slots__ = ("_generators", "_states")
 
@@ -192,7 +195,7 @@ class DefaultGenerators:
         return [g.get_state().numpy().tobytes() for g in self._generators]
 
     def moved(self) -> bool:
-        """Whether any of them drew since this object was made (or a CUDA device initialized since)."""
+        """Whether any of them drew since this object was made."""
         return self._read() != self._states
 
 

@@ -260,6 +260,7 @@ class Strategy:
         number = self._random_step()
         key = replica_random.step_key(fn)
         quiet = self._quiet(key)
+        interrupted = None
         with self._guard(fn):  # refuses plain torch optimizers and modules that the threads would share
             while True:
                 step = replicas.Rendezvous(self._devices, self._timeout_s)
@@ -269,9 +270,13 @@ class Strategy:
                 task = self._replica_task(fn, args, kwargs, split, step, journals, modes, random_modes)
                 outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
                 if watch is not None and self._drew_without_mode(fn, key, number, watch, step, outcome, journals):
-                    quiet = False  # redo the step with the mode: what it drew in thread order is undone
+                    # Redo the step with the mode: what it drew in thread order is undone. A first Ctrl-C
+                    # that came meanwhile (finish the step, then stop) is raised once the redo finished.
+                    quiet, interrupted = False, outcome.interrupted
                     continue
                 break
+        if interrupted is not None and outcome.interrupted is None:
+            outcome = outcome._replace(interrupted=interrupted)
         if random_modes is not None and not outcome.errors and step.error is None:
             self._random.observed(key, random_modes)
         if outcome.errors or step.error is not None:
@@ -298,12 +303,12 @@ class Strategy:
             state.set_state({"seed": (high << 32) | low, "steps": state.steps})
         return state.begin_step()
 
-    def _quiet(self, key: Any) -> bool:
+    def _quiet(self, key: replica_random.StepKey | None) -> bool:
         """Whether step function `key` runs without the replica random mode (random.py): it is one of
         fit's (watched_step), its first step drew nothing, and a draw would show on torch's default
         generators of this process alone (one worker; cpu and cuda devices), so that the replicas'
         meetings can catch one before an update."""
-        if not (self._random.quiet(key) and replica_random.is_watched_step(key)) or self.num_workers > 1:
+        if not self._random.quiet(key) or self.num_workers > 1:
             return False
         if self._watchable is None:
             self._watchable = replica_random.DefaultGenerators.watchable([torch_device(d) for d in self._devices])
@@ -322,7 +327,7 @@ class Strategy:
         step.check = check
         return watch
 
-    def _drew_without_mode(self, fn: Callable[..., Any], key: Any, number: int, watch: replica_random.DefaultGenerators,
+    def _drew_without_mode(self, fn: Callable[..., Any], key: replica_random.StepKey, number: int, watch: replica_random.DefaultGenerators,
                            step: replicas.Rendezvous, outcome: replicas.Outcome,
                            journals: list[rollback.StepJournal]) -> bool:
         """After a step run without the mode: whether it drew and is to be redone with it (rolled back
@@ -332,15 +337,17 @@ class Strategy:
             return False
         self._random.drew(key)
         if redo or not any(j.updating for j in journals):
-            if outcome.interrupted is None and all(outcome.finished):
+            failed = [e for e in outcome.errors.values() if not isinstance(e, replicas._Released)]
+            if all(outcome.finished) and not failed:
                 self._roll_back(journals, outcome.finished)
                 return True
-            return False  # (interrupted: raised as it is; redone by nobody)
+            return False  # (a replica stuck, or a failure of its own: raised as it is; redone by nobody)
         logger.warning(
-            "step %d of %s drew random numbers from torch's default generator after its update was applied, "
-            "running without the replica random mode (a step function whose first step drew nothing runs "
-            "without it); those draws came in thread order, so this one step is not reproducible. It runs "
-            "with the mode from now on. Draw in the first step too, or before the optimizer's update.",
+            "step %d of %s ran without the replica random mode (its first step drew nothing), and torch's "
+            "default generator moved after the update was applied: a draw there (a step hook adding noise), "
+            "or another thread's (a map function calling torch.rand without a generator). Draws of the step "
+            "after its update came in thread order, so this one step may not be reproducible; it runs with "
+            "the mode from now on. Draw from the first step on, or give such draws a generator.",
             number, getattr(fn, "__qualname__", None) or repr(fn))
         return False
 

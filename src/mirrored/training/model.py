@@ -423,6 +423,10 @@ class Model:
             else:
                 m.update_state(y, logits.detach(), sw)
 
+    def _train_group(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
+        """_train_replica on several batches, as a step function that keeps the replica random mode."""
+        self._train_replica(batches, global_counts)
+
     @watched_step  # (runs without the replica random mode where it draws nothing)
     def _train_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
         ctx = md.get_replica_context()
@@ -454,8 +458,8 @@ class Model:
             if update:
                 opt.reduce_gradients()
             journal = md.current_journal()
-            if journal is not None:  # the weights change now: a step caught drawing later is not run again
-                journal.before_update()
+            if journal is not None and (update or _averages_weights(opt.optimizer)):
+                journal.before_update()  # the weights change now: a step caught drawing later is not run again
             if scaler is not None:
                 scaler.step(opt.optimizer)
                 scaler.update()
@@ -631,7 +635,10 @@ class Model:
             batch_logs = _reads_batch_logs(cbs)
             for step, group in epoch_iterator.steps():
                 cbs.on_train_batch_begin(step)
-                strategy.run(self._train_replica, args=([_unpack(b) for b, _ in group], [n for _, n in group]))
+                # A group of several batches (steps_per_execution) updates between them, so a draw caught
+                # in a later one could not be redone: a group runs in the random mode (_train_group).
+                strategy.run(self._train_replica if len(group) == 1 else self._train_group,
+                             args=([_unpack(b) for b, _ in group], [n for _, n in group]))
                 if batch_logs:  # (a read of every metric across replicas, while they wait; else once per epoch)
                     logs = self._logs()
                 cbs.on_train_batch_end(step + len(group) - 1, {**logs, "num_examples": sum(n for _, n in group)})
@@ -998,6 +1005,12 @@ def _optimizer_from_config(cfg: dict[str, Any], path: str) -> optimizers.Optimiz
                          "and compile(...) again; the weights load either way.")
     cfg = {k: v for k, v in cfg.items() if k != "name"}
     return optimizers.Optimizer(torch_cls, cfg.pop("learning_rate"), str(name), **cfg)
+
+
+def _averages_weights(optimizer: Any) -> bool:
+    """Whether `optimizer` keeps a moving average of the weights (use_ema), which it may write into them
+    in a step that only accumulates gradients."""
+    return bool(getattr(getattr(optimizer, "_options", None), "use_ema", False))
 
 
 def _draws_nothing(metric: Any) -> bool:
