@@ -129,7 +129,7 @@ class StrategyRandom:
         step, run with the mode, drew nothing."""
         return key is not None and key[0] in self._quiet.get(key[1], ())
 
-    def observed(self, key: StepKey | None, modes: list[ReplicaRandom]) -> None:
+    def _observed(self, key: StepKey | None, modes: list[ReplicaRandom]) -> None:
         """A step of `key` ran with `modes`: if none of them drew, `key` runs without them from now on
         (unless it drew before, or per_example_random keys every draw)."""
         if key is None or self.per_example or key[0] in self._drawing.get(key[1], ()):
@@ -137,7 +137,7 @@ class StrategyRandom:
         verdicts = self._drawing if any(m.drew for m in modes) else self._quiet
         verdicts.setdefault(key[1], set()).add(key[0])
 
-    def drew(self, key: StepKey) -> None:
+    def _drew(self, key: StepKey) -> None:
         """A step of `key` drew without the mode: it runs with it from now on."""
         self._quiet.get(key[1], set()).discard(key[0])
         self._drawing.setdefault(key[1], set()).add(key[0])
@@ -218,7 +218,7 @@ class ReplicaRandom(TorchFunctionMode):
         self._first_example, self._examples = first_example, examples
         self._generators: dict[tuple[str, int], torch.Generator] = {}
         self._ops = 0  # random ops keyed so far in this step (per_example)
-        self.drew = False  # whether the step drew through this mode (StrategyRandom.observed)
+        self.drew = False  # whether the step drew through this mode (StrategyRandom._observed)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This replica's generator on `device` for this step, seeded on first use."""

@@ -278,7 +278,7 @@ class Strategy:
         if interrupted is not None and outcome.interrupted is None:
             outcome = outcome._replace(interrupted=interrupted)
         if random_modes is not None and not outcome.errors and step.error is None:
-            self._random.observed(key, random_modes)
+            self._random._observed(key, random_modes)
         if outcome.errors or step.error is not None:
             self._roll_back(journals, outcome.finished)
             if outcome.interrupted is not None:
@@ -335,7 +335,7 @@ class Strategy:
         redo = isinstance(step.error, replica_random.DrewWithoutMode)
         if not redo and (outcome.errors or step.error is not None or not watch.moved()):
             return False
-        self._random.drew(key)
+        self._random._drew(key)
         if redo or not any(j.updating for j in journals):
             failed = [e for e in outcome.errors.values() if not isinstance(e, replicas._Released)]
             if all(outcome.finished) and not failed:
