@@ -89,12 +89,13 @@ def _modes(probe: Probe, replica: int) -> list[bool]:
     return [on for rid, on in probe.shared.log if rid == replica]
 
 
-def test_a_model_that_draws_nothing_runs_its_steps_after_the_first_without_the_mode(monkeypatch):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_model_that_draws_nothing_runs_its_steps_after_the_first_without_the_mode(monkeypatch, replicas):
     probe = Probe()
-    weights = _fit(probe)
-    for rid in (0, 1):  # the first step with the mode (it finds out the model draws nothing), then none
+    weights = _fit(probe, replicas=replicas)
+    for rid in range(replicas):  # the first step with the mode (it finds out the model draws nothing), then none
         assert _modes(probe, rid) == [True, False, False, False, False]
-    reference = _fit(Probe(), always_mode=True, monkeypatch=monkeypatch)
+    reference = _fit(Probe(), replicas=replicas, always_mode=True, monkeypatch=monkeypatch)
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
 
 
@@ -110,10 +111,11 @@ def test_evaluate_and_predict_run_without_the_mode_after_their_first_step():
     assert _modes(probe, 0) == [True, False, False, True, False, False]
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("replicas", [1, 2, 3])
 def test_a_model_that_starts_drawing_later_draws_what_it_draws_with_the_mode_throughout(monkeypatch, replicas):
     # Dropout from the third step on: that step runs without the mode, is caught drawing at the
-    # gradient all-reduce (before any update), rolled back and run again with the mode.
+    # gradient all-reduce (on one replica, on the caller's thread: right before the update), rolled
+    # back and run again with the mode.
     probe = Probe(draw_from=3)
     weights = _fit(probe, replicas=replicas)
     assert _modes(probe, 0) == [True, False, False, True, True, True]  # step 3 twice: without, then with it
@@ -157,14 +159,16 @@ def test_a_custom_loop_keeps_the_mode_on_every_step():
 
 @pytest.mark.parametrize("options", [{"gradient_accumulation_steps": 2}, {"use_ema": True, "ema_overwrite_frequency": 2},
                                      {"steps_per_execution": 2}], ids=["accumulation", "ema", "steps_per_execution"])
-def test_a_late_draw_with_accumulation_ema_or_groups_equals_the_mode_throughout(monkeypatch, options):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_late_draw_with_accumulation_ema_or_groups_equals_the_mode_throughout(monkeypatch, options, replicas):
     # A step that only accumulates has no meeting: its draw is caught at its end, before any update,
     # and redone (found in review: it was reported as drawing after the update). A group of batches
     # updates between them, so it keeps the mode.
+    options = dict(options)
     spe = options.pop("steps_per_execution", 1)
     first = 4 if spe > 1 else 3  # (the second batch of a group; a step that only accumulates)
-    weights = _fit(Probe(draw_from=first), steps=6, steps_per_execution=spe, **options)
-    reference = _fit(Probe(draw_from=first), steps=6, steps_per_execution=spe, always_mode=True,
+    weights = _fit(Probe(draw_from=first), steps=6, replicas=replicas, steps_per_execution=spe, **options)
+    reference = _fit(Probe(draw_from=first), steps=6, replicas=replicas, steps_per_execution=spe, always_mode=True,
                      monkeypatch=monkeypatch, **options)
     for k in reference:
         assert torch.equal(weights[k], reference[k]), k

@@ -198,6 +198,11 @@ class DefaultGenerators:
         """Whether any of them drew since this object was made."""
         return self._read() != self._states
 
+    def refuse_moved(self) -> None:
+        """Raises DrewWithoutMode if any of them drew (a check before an update: StepJournal.check)."""
+        if self.moved():
+            raise DrewWithoutMode()
+
 
 class ReplicaRandom(TorchFunctionMode):
     """One replica's randomness for one step, active on its thread while its function runs.

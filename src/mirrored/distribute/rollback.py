@@ -72,10 +72,13 @@ def _parameters_and_buffers(module: nn.Module) -> tuple[list[Tensor], list[Tenso
 class StepJournal:
     """What one replica's step changed first, to put back if the step fails."""
 
-    __slots__ = ("_modules", "_tensors", "_grads_only", "_others", "updating")
+    __slots__ = ("_modules", "_tensors", "_grads_only", "_others", "updating", "check")
 
     def __init__(self) -> None:
         self.updating = False  # whether this step began to apply an update (before_update)
+        # Called by before_update first: raising there fails the step before the weights change (the
+        # watch over a step on the caller's thread without the replica random mode, strategy.py).
+        self.check: Callable[[], None] | None = None
         self._modules: dict[int, _ModuleNote] = {}
         self._tensors: dict[int, tuple[Tensor, Tensor]] = {}
         self._others: dict[int, Callable[[], None]] = {}
@@ -104,6 +107,8 @@ class StepJournal:
         """The step is about to change what no journal notes (the weights, by an optimizer's update):
         from here a failure can roll the step back only as far as commit() says, and it cannot be run
         again (strategy.run redoes a step that drew without the replica random mode only before it)."""
+        if self.check is not None and not self.updating:
+            self.check()
         self.updating = True
 
     def commit(self) -> None:

@@ -342,6 +342,11 @@ class Strategy:
                 self._roll_back(journals, outcome.finished)
                 return True
             return False  # (a replica stuck, or a failure of its own: raised as it is; redone by nobody)
+        self._warn_late_draw(fn, number)
+        return False
+
+    @staticmethod
+    def _warn_late_draw(fn: Callable[..., Any], number: int) -> None:
         logger.warning(
             "step %d of %s ran without the replica random mode (its first step drew nothing), and torch's "
             "default generator moved after the update was applied: a draw there (a step hook adding noise), "
@@ -349,7 +354,6 @@ class Strategy:
             "after its update came in thread order, so this one step may not be reproducible; it runs with "
             "the mode from now on. Draw from the first step on, or give such draws a generator.",
             number, getattr(fn, "__qualname__", None) or repr(fn))
-        return False
 
     def _random_modes(self, args: tuple, kwargs: dict, split: int, number: int) -> list[replica_random.ReplicaRandom]:
         """Each local replica's randomness for step `number` (random.py); with per_example_random,
@@ -416,19 +420,49 @@ class Strategy:
         return watch
 
     def _run_inline(self, fn: Callable[..., Any], args: tuple, kwargs: dict, split: int) -> Any:
-        """One replica on the caller's thread (the default and one-device strategies, one device)."""
+        """One replica on the caller's thread (the default and one-device strategies, one device). A step
+        of fit's whose first step drew nothing runs without the random mode, watched as on replica
+        threads; with no meeting to check at, the check comes before the update (before_update)."""
         ctx = ReplicaContext(self, 0) if not self._is_default else self._default_replica_context
-        journal = rollback.StepJournal()
-        ctx._journal = journal
         _inline_runs.depth = getattr(_inline_runs, "depth", 0) + 1
+        try:
+            if self._is_default:
+                return self._inline_attempt(ctx, fn, args, kwargs, split, rollback.StepJournal(), None)
+            number, key = self._random_step(), replica_random.step_key(fn)
+            if self._quiet(key):
+                journal = rollback.StepJournal()
+                watch = replica_random.DefaultGenerators([torch_device(self._devices[0])])
+                journal.check = watch.refuse_moved
+                try:
+                    result = self._inline_attempt(ctx, fn, args, kwargs, split, journal, None)
+                except replica_random.DrewWithoutMode:
+                    self._random._drew(key)  # (rolled back: run again with the mode, below)
+                else:
+                    if not watch.moved():
+                        return result
+                    self._random._drew(key)
+                    if journal.updating:
+                        self._warn_late_draw(fn, number)
+                        return result
+                    journal.rollback()
+            mode = self._random_modes(args, kwargs, split, number)[0]
+            result = self._inline_attempt(ctx, fn, args, kwargs, split, rollback.StepJournal(), mode)
+            self._random._observed(key, [mode])
+            return result
+        finally:
+            _inline_runs.depth -= 1
+
+    def _inline_attempt(self, ctx: ReplicaContext, fn: Callable[..., Any], args: tuple, kwargs: dict, split: int,
+                        journal: rollback.StepJournal, mode: replica_random.ReplicaRandom | None) -> Any:
+        """fn on the caller's thread in replica context `ctx`, noting in `journal`, in `mode` if given; a
+        failure puts back what it changed."""
+        ctx._journal = journal
         stack = context._stack()
         try:
             stack.append(context._Frame(self, ctx))  # as in run(): context.push costs more than the rest
             try:
                 call_args, call_kwargs = _replica_arguments(0, args, kwargs, split)
-                if self._is_default:
-                    return fn(*call_args, **call_kwargs)
-                with self._random_modes(args, kwargs, split, self._random_step())[0]:  # as on replica threads
+                with mode if mode is not None else nullcontext():  # as on replica threads
                     return fn(*call_args, **call_kwargs)
             finally:
                 stack.pop()
@@ -436,7 +470,6 @@ class Strategy:
             journal.rollback()
             raise
         finally:
-            _inline_runs.depth -= 1
             ctx._journal = None
 
     def _roll_back(self, journals: list[rollback.StepJournal], finished: list[bool]) -> None:
