@@ -162,8 +162,10 @@ def watched_step(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def step_key(fn: Callable[..., Any]) -> StepKey | None:
     """The key of a watched_step method bound to an object (fit makes a new bound method each step, so
-    the key is its code and the object); None for any other function, which keeps the mode."""
-    code = getattr(getattr(fn, "__func__", None), "__code__", None)
+    the key is its code and the object); None for any other function, which keeps the mode. A wrapper
+    made with functools.wraps (a benchmark's timer) counts as what it wraps."""
+    func = getattr(fn, "__func__", None)
+    code = getattr(getattr(func, "__wrapped__", func), "__code__", None)
     owner = getattr(fn, "__self__", None)
     if code not in _WATCHED_STEPS or owner is None:
         return None
