@@ -3,19 +3,22 @@
     .venv/bin/python benchmarks/keras_fit.py                          # batch 64, 10 steps, 3 rounds
     .venv/bin/python benchmarks/keras_fit.py --batch 8 --steps 2 --rounds 1 --width 4   # a smoke run
 
-Seven contestants train the same small ResNet-style network (conv-BN-ReLU blocks with a residual add,
+Eight contestants train the same small ResNet-style network (conv-BN-ReLU blocks with a residual add,
 global pooling, a softmax head; 32x32x3 inputs) on the same synthetic data, each for `--steps` steps
 of `--batch` global examples per round: Keras's own `model.fit` on one device (torch backend);
 "Keras's own step cost", a plain loop of what Keras's torch trainer does per step (forward with
 training=True, the Keras loss, backward, the Keras optimizer's apply) without fit's machinery; the
 same loop inside a replica's random-number mode (the TorchFunctionMode every replica step runs
 under, distribute/random.py), which shows what that mode costs a Keras step alone;
-`mr.Model(keras_model)` on 1 replica; the same on 2 CPU replicas; and `mr.Model(torch module)` of
-the equivalent torch network (the twin) on 2 CPU replicas. Rounds alternate the contestants, after a
+`mr.Model(keras_model)` on 1 replica; the plain step on two threads that never meet, and on two
+threads that wait for each other after every backward (where the all-reduce would be, nothing
+exchanged); `mr.Model(keras_model)` on 2 CPU replicas; and `mr.Model(torch module)` of the
+equivalent torch network (the twin) on 2 CPU replicas. Rounds alternate the contestants, after a
 warm-up of each, so a loaded machine slows all of them alike; the median of the rounds is printed,
 with the ratios: ours on 1 replica / Keras's fit (target >= 0.95), ours on 1 replica / the plain
 step loop (what is ours: fit's machinery and the random mode), the loop in the mode / the loop,
-ours on 2 replicas / the two-thread loop (what is ours on 2 replicas), the two-thread loop / the
+ours on 2 replicas / the two-thread loop (what is ours on 2 replicas) and / the meeting two-thread
+loop (what is ours beyond meeting at all), the meeting loop / the other one, the two-thread loop / the
 one-thread loop (how a Keras step scales on threads), and the Keras model on 2 replicas / the torch
 twin on 2 replicas (target: 1 within noise). Each row also gives the process's CPU time per
 example (all its threads), which other processes on a loaded machine disturb less than wall time,
@@ -44,6 +47,7 @@ from mirrored.distribute.random import ReplicaRandom  # noqa: E402 - the mode a 
 CLASSES = 10
 KERAS_FIT, PLAIN, PLAIN_MODE = "Keras's own fit, 1 device", "Keras's own step cost", "  the same in the random mode"
 PLAIN_TWO = "Keras's step, 2 threads, no exchange"
+PLAIN_MEET = "  the same, meeting every step"
 ONE, TWO, TORCH_TWO = "mr.Model(keras), 1 replica", "mr.Model(keras), 2 replicas", "mr.Model(torch), 2 replicas"
 
 
@@ -137,10 +141,12 @@ def main() -> None:
                         opt.apply([v.value.grad for v in weights], weights)
         return run
 
-    def plain_threads():
+    def plain_threads(meet: bool):
         """Two threads, each running plain_loop's step on its half of every batch with its own model and
         1 intra-op thread, with no exchange at all: what 2 replicas cost without mirrored (the GIL's
-        share of a Keras step shows here)."""
+        share of a Keras step shows here). With `meet`, the threads wait for each other after backward
+        every step (a barrier where the gradient all-reduce would be, nothing exchanged): what a
+        synchronous step costs by itself when the GIL makes the threads' progress uneven."""
         halves = []
         for half in range(2):
             net, opt = keras_net(args.width, size), sgd()
@@ -149,6 +155,7 @@ def main() -> None:
                     for i in range(0, n, args.batch)]
             halves.append((net, opt, rows))
         loss_fn = keras.losses.SparseCategoricalCrossentropy()
+        barrier = threading.Barrier(2, timeout=300)
 
         def work(net, opt, rows):
             torch.set_num_threads(1)
@@ -157,6 +164,8 @@ def main() -> None:
                 loss = loss_fn(yb, net(xb, training=True))
                 net.zero_grad()
                 loss.backward()
+                if meet:
+                    barrier.wait()
                 with torch.no_grad():
                     opt.apply([v.value.grad for v in weights], weights)
 
@@ -177,7 +186,8 @@ def main() -> None:
         PLAIN: plain_loop(False),
         PLAIN_MODE: plain_loop(True),
         ONE: lambda: one.fit(x_hwc, y, batch_size=args.batch, shuffle=False, verbose=0),
-        PLAIN_TWO: plain_threads(),
+        PLAIN_TWO: plain_threads(False),
+        PLAIN_MEET: plain_threads(True),
         TWO: lambda: two.fit(x_hwc, y, batch_size=args.batch, shuffle=False, verbose=0),
         TORCH_TWO: lambda: torch_two.fit(x_chw, y, batch_size=args.batch, shuffle=False, verbose=0),
     }
@@ -213,6 +223,10 @@ def main() -> None:
     print(f"ratio Keras's own fit / Keras's own step cost: {rate[KERAS_FIT] / rate[PLAIN]:.3f} (Keras's fit machinery)")
     print(f"ratio mr.Model(keras) 2 replicas / Keras's step on 2 threads: {rate[TWO] / rate[PLAIN_TWO]:.3f} "
           "(below 1: ours)")
+    print(f"ratio mr.Model(keras) 2 replicas / Keras's step on 2 threads meeting every step: "
+          f"{rate[TWO] / rate[PLAIN_MEET]:.3f} (below 1: ours)")
+    print(f"ratio Keras's step on 2 threads meeting every step / never meeting: {rate[PLAIN_MEET] / rate[PLAIN_TWO]:.3f} "
+          "(what a synchronous step costs by itself)")
     print(f"ratio Keras's step on 2 threads / on 1: {rate[PLAIN_TWO] / rate[PLAIN]:.3f} (2 would be perfect scaling)")
     print(f"ratio mr.Model(keras) / mr.Model(torch), 2 replicas: {rate[TWO] / rate[TORCH_TWO]:.3f} (target ~1)")
 
