@@ -99,9 +99,10 @@ def test_a_model_that_draws_nothing_runs_its_steps_after_the_first_without_the_m
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
 
 
-def test_evaluate_and_predict_run_without_the_mode_after_their_first_step():
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_evaluate_and_predict_run_without_the_mode_after_their_first_step(replicas):
     probe = Probe()
-    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
     with strategy.scope():
         model = mr.Model(nn.Sequential(nn.Linear(5, 3), probe))
         model.compile(optimizer="sgd", loss="mse")
@@ -126,10 +127,15 @@ def test_a_model_that_starts_drawing_later_draws_what_it_draws_with_the_mode_thr
         assert torch.equal(weights[k], reference[k]), k
 
 
-def test_a_draw_after_the_update_is_reported_and_the_mode_comes_back(caplog):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_draw_after_the_update_is_reported_and_the_mode_comes_back(caplog, replicas):
     # A draw after the update cannot be undone (the weights changed): the step stands, a warning says
     # so, and the function runs with the mode from then on.
-    handles = []
+    handles, iterations = [], []
+
+    class Iterations(mr.callbacks.Callback):  # the step stands: applied once, never redone after its update
+        def on_train_end(self, logs=None):
+            iterations.append(int(self.model.optimizer.iterations))
 
     class Noisy(mr.callbacks.Callback):  # from the third step, torch's step hooks draw (gradient noise, say)
         def on_train_batch_begin(self, batch, logs=None):
@@ -139,12 +145,13 @@ def test_a_draw_after_the_update_is_reported_and_the_mode_comes_back(caplog):
     probe = Probe()
     try:
         with caplog.at_level(logging.WARNING, logger="mirrored"):
-            _fit(probe, callbacks=[Noisy()])
+            _fit(probe, replicas=replicas, callbacks=[Noisy(), Iterations()])
     finally:
         for handle in handles:
             handle.remove()
     assert _modes(probe, 0) == [True, False, False, True, True]
     assert any("moved after the update was applied" in r.getMessage() for r in caplog.records)
+    assert iterations == [5]
 
 
 def test_a_custom_loop_keeps_the_mode_on_every_step():
@@ -158,7 +165,9 @@ def test_a_custom_loop_keeps_the_mode_on_every_step():
 
 
 @pytest.mark.parametrize("options", [{"gradient_accumulation_steps": 2}, {"use_ema": True, "ema_overwrite_frequency": 2},
-                                     {"steps_per_execution": 2}], ids=["accumulation", "ema", "steps_per_execution"])
+                                     {"gradient_accumulation_steps": 2, "use_ema": True, "ema_overwrite_frequency": 2},
+                                     {"steps_per_execution": 2}],
+                         ids=["accumulation", "ema", "accumulation-ema", "steps_per_execution"])
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_a_late_draw_with_accumulation_ema_or_groups_equals_the_mode_throughout(monkeypatch, options, replicas):
     # A step that only accumulates has no meeting: its draw is caught at its end, before any update,

@@ -423,6 +423,13 @@ class Model:
             else:
                 m.update_state(y, logits.detach(), sw)
 
+    def _watchable_steps(self) -> bool:
+        """Whether every weight change of a train step follows a meeting of the replicas, where a step
+        run without the random mode is checked: not with use_ema and gradient accumulation, whose
+        averages may be written into the weights in a step that only accumulates, with no meeting."""
+        options = getattr(self._mopt.optimizer, "_options", None)
+        return not (getattr(options, "use_ema", False) and getattr(options, "accumulation_steps", 1) > 1)
+
     def _train_group(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
         """_train_replica on several batches, as a step function that keeps the replica random mode."""
         self._train_replica(batches, global_counts)
@@ -637,7 +644,7 @@ class Model:
                 cbs.on_train_batch_begin(step)
                 # A group of several batches (steps_per_execution) updates between them, so a draw caught
                 # in a later one could not be redone: a group runs in the random mode (_train_group).
-                strategy.run(self._train_replica if len(group) == 1 else self._train_group,
+                strategy.run(self._train_replica if len(group) == 1 and self._watchable_steps() else self._train_group,
                              args=([_unpack(b) for b, _ in group], [n for _, n in group]))
                 if batch_logs:  # (a read of every metric across replicas, while they wait; else once per epoch)
                     logs = self._logs()
