@@ -327,9 +327,9 @@ class Strategy:
         step.check = check
         return watch
 
-    def _drew_without_mode(self, fn: Callable[..., Any], key: replica_random.StepKey, number: int, watch: replica_random.DefaultGenerators,
-                           step: replicas.Rendezvous, outcome: replicas.Outcome,
-                           journals: list[rollback.StepJournal]) -> bool:
+    def _drew_without_mode(self, fn: Callable[..., Any], key: replica_random.StepKey, number: int,
+                           watch: replica_random.DefaultGenerators, step: replicas.Rendezvous,
+                           outcome: replicas.Outcome, journals: list[rollback.StepJournal]) -> bool:
         """After a step run without the mode: whether it drew and is to be redone with it (rolled back
         here). A draw after an update was applied cannot be undone: the step stands, with a warning."""
         redo = isinstance(step.error, replica_random.DrewWithoutMode)
