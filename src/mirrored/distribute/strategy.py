@@ -178,7 +178,9 @@ class Strategy:
             raise TypeError(f"{type(self).__name__}(cross_device_ops={cross_device_ops!r}): expected a "
                             "CrossDeviceOps such as mr.ReductionToOneDevice() or mr.NcclAllReduce().")
         self._devices = tuple(devices)
-        self._watchable: bool | None = None  # whether a step without the replica random mode can be watched
+        self._torch_devices = [torch_device(d) for d in self._devices]
+        # Whether a step without the replica random mode can be watched (random.DefaultGenerators).
+        self._watchable = replica_random.DefaultGenerators.watchable(self._torch_devices)
         self._cross_device_ops = cross_device_ops or default_for(self._devices)
         if len(self._devices) > 1:
             self._cross_device_ops.check_devices(self._devices)
@@ -308,18 +310,14 @@ class Strategy:
         fit's (watched_step), its first step drew nothing, and a draw would show on torch's default
         generators of this process alone (one worker; cpu and cuda devices), so that the replicas'
         meetings can catch one before an update."""
-        if not self._random.quiet(key) or self.num_workers > 1:
-            return False
-        if self._watchable is None:
-            self._watchable = replica_random.DefaultGenerators.watchable([torch_device(d) for d in self._devices])
-        return self._watchable
+        return self._watchable and self._random.quiet(key) and self.num_workers == 1
 
     def _watch_draws(self, step: replicas.Rendezvous, journals: list[rollback.StepJournal]
                      ) -> replica_random.DefaultGenerators:
         """Watches a step run without the mode: at each meeting of the replicas (every replica's draws
         so far are in), a draw from a default generator before any update was applied fails the step
         with DrewWithoutMode, which strategy.run rolls back and redoes with the mode."""
-        watch = replica_random.DefaultGenerators([torch_device(d) for d in self._devices])
+        watch = replica_random.DefaultGenerators(self._torch_devices)
 
         def check() -> None:
             if watch.moved() and not any(j.updating for j in journals):
@@ -431,7 +429,7 @@ class Strategy:
             number, key = self._random_step(), replica_random.step_key(fn)
             if self._quiet(key):
                 journal = rollback.StepJournal()
-                watch = replica_random.DefaultGenerators([torch_device(self._devices[0])])
+                watch = replica_random.DefaultGenerators(self._torch_devices)
                 journal.check = watch.refuse_moved
                 try:
                     result = self._inline_attempt(ctx, fn, args, kwargs, split, journal, None)
