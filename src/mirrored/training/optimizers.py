@@ -451,15 +451,6 @@ def warn_if_instance_changed(optimizer: Any, stacklevel: int = 2) -> None:
 # One replica's torch optimizer with Keras's options. Every replica applies the same all-reduced
 # gradients with the same options, so each computes the same clipping, average and count.
 
-def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether step() runs hooks besides the update: the optimizer's own or torch's global ones."""
-    from torch.optim import optimizer as torch_optimizer
-    return bool(getattr(optimizer, "_optimizer_step_pre_hooks", None) or
-                getattr(optimizer, "_optimizer_step_post_hooks", None) or
-                getattr(torch_optimizer, "_global_optimizer_pre_hooks", None) or
-                getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
-
-
 class _KerasSteps:
     """Mixed into a subclass of the recipe's torch optimizer class (so it is still, e.g., a torch.optim.SGD):
     step() applies gradient accumulation, clipping, the schedule and EMA around the class's own step."""
@@ -540,11 +531,11 @@ class _KerasSteps:
                 rate = float(options.schedule(self._micro_steps))
                 for group in self.param_groups:
                     group["lr"] = rate
-            if (closure is None and type(self).__mro__[2].__module__.startswith("torch.optim.")
-                    and not _has_step_hooks(self)):
+            if closure is None and type(self).__mro__[2].__module__.startswith("torch.optim."):
                 # torch's own optimizers draw no random numbers: their update (~4 torch calls per parameter
                 # on the CPU, even with foreach: the state walk) skips the replica's random mode (issue 27).
-                # A step hook of the user's (gradient noise, say) may draw: then the mode stays.
+                # _update runs no step hooks (a user's may draw: gradient noise): they run around this
+                # step(), in the mode.
                 with md.WithoutReplicaRandom():
                     result = self._update()
             else:
