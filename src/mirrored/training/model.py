@@ -427,8 +427,8 @@ class Model:
         """Whether every weight change of a train step follows a meeting of the replicas, where a step
         run without the random mode is checked: not with use_ema and gradient accumulation, whose
         averages may be written into the weights in a step that only accumulates, with no meeting."""
-        options = getattr(self._mopt.optimizer, "_options", None)
-        return not (getattr(options, "use_ema", False) and getattr(options, "accumulation_steps", 1) > 1)
+        optimizer = self._mopt.optimizer
+        return not (_averages_weights(optimizer) and getattr(optimizer._options, "accumulation_steps", 1) > 1)
 
     def _train_group(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
         """_train_replica on several batches, as a step function that keeps the replica random mode."""
