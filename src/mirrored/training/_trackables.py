@@ -273,13 +273,18 @@ def _holds_random_state(entry: Any) -> bool:
     return isinstance(state, dict) and set(state) == {"seed", "steps", "per_example_random"}
 
 
+def _unclaimed_random_states(found: list[tuple[str, Any, Any]], saved: Mapping[str, Any]) -> list[str]:
+    """The paths of the file's random states (`saved`: its entries) that no entry of `found` reads."""
+    claimed = {path for path, _, _ in found}
+    return [p for p, entry in saved.items() if p not in claimed and _holds_random_state(entry)]
+
+
 def named_random_at(found: list[tuple[str, Any, Any]], saved: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """`found` with each random state given by name (random=strategy.random_state) that the file lacks read
     where the file holds that strategy's state instead: under "<path>.random" of one of the strategy's
     objects here (the implicit entry of a file saved without random=), else the file's one random state
     that no object here claims. Dropped where another entry here already reads it (an mr.Model's)."""
-    claimed = {path for path, _, _ in found}
-    unclaimed = [p for p, entry in saved.items() if p not in claimed and _holds_random_state(entry)]
+    unclaimed = _unclaimed_random_states(found, saved)
     named = [obj for path, _, obj in found if isinstance(obj, md.StrategyRandom) and path not in saved]
     out = []
     for path, kind, obj in found:
@@ -320,8 +325,7 @@ def random_entries(found: list[tuple[str, Any, Any]], saved: Mapping[str, Any] |
             in_file.add(id(strategy.random_state))
     if saved is not None:
         paths = {key: candidates for key, candidates in paths.items() if key in in_file}
-    claimed = {path for path, _, _ in found}
-    unclaimed = [p for p, entry in (saved or {}).items() if p not in claimed and _holds_random_state(entry)]
+    unclaimed = _unclaimed_random_states(found, saved or {})
     entries = []
     for key, candidates in paths.items():
         path = next((p for p in candidates if p in unclaimed), candidates[0])
