@@ -94,22 +94,28 @@ def test_fit_is_bitwise_reproducible_and_backup_and_restore_resumes_mid_epoch(ex
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fit", [False, True], ids=["loop", "fit"])
 def test_per_example_random_gives_one_run_on_1_2_and_3_replicas(example, fit):
-    """160 examples in batches of 64 (the last of 32: 11/11/10 on 3 replicas), 6 steps. Measured at
-    most 6e-8 apart, but for one of fit's 1.2M weights on 3 replicas at 1.0e-5: float reassociation
-    of the gradient sum, which Adadelta (lr 1.0) scales up where a gradient nearly cancels. Without
-    the mode the masks depend on the replica count: 3e-2 apart. In NCHW memory ("preserve"): oneDNN's
-    channels_last kernels sum a convolution's weight gradient in another order for each per-replica
-    batch (4-6e-6 relative to NCHW, measured), which Adadelta carries to ~1e-3 in 12 steps - a
-    different reduction order, not different masks; the masks are keyed by logical index either way."""
+    """160 examples in batches of 64 (the last of 32: 11/11/10 on 3 replicas), 6 steps, in NCHW memory
+    ("preserve"). The masks are keyed by the example's place in the global batch, so the runs differ
+    only by float reassociation of the gradient sums - which Adadelta (lr 1.0) amplifies to ~1e-3
+    wherever a gradient element nearly cancels and its sign flips (its step is ~lr * sqrt(eps / acc)
+    whatever the gradient's size). So the check counts the weights that differ: measured 0 of 1.2M on
+    2 replicas, 0.06% on 3 in the loop on an AVX-512 machine (oneDNN sums a convolution's weight
+    gradient in another order per batch size there; 0 with ONEDNN_MAX_CPU_ISA=AVX2). Without the mode
+    the masks depend on the replica count: 81-82% of the weights differ."""
     extra = ["--per-example-random", "--memory-format", "preserve", *(["--fit"] if fit else [])]
     one = _run(example, "--replicas", "1", *extra)["weights"]
     for replicas in ("2", "3"):
         got = _run(example, "--replicas", replicas, *extra)["weights"]
-        for name, want in one.items():
-            torch.testing.assert_close(got[name], want, rtol=1e-4, atol=5e-5,
-                                       msg=lambda m, name=name: f"{replicas} replicas, {name}: {m}")
+        assert _fraction_differing(got, one) < 0.005, f"{replicas} replicas"
     per_replica = _run(example, "--replicas", "2", *extra[1:])["weights"]
-    assert max((per_replica[k] - one[k]).abs().max().item() for k in one) > 1e-3
+    assert _fraction_differing(per_replica, one) > 0.5
+
+
+def _fraction_differing(got: dict, want: dict) -> float:
+    """The fraction of all weights further apart than rtol 1e-4, atol 5e-5."""
+    assert got.keys() == want.keys()
+    bad = sum(int((~torch.isclose(got[k], want[k], rtol=1e-4, atol=5e-5)).sum()) for k in want)
+    return bad / sum(v.numel() for v in want.values())
 
 
 @pytest.mark.timeout(300)
