@@ -49,17 +49,19 @@ _LAZY_NAMES = {
 }
 
 
-def _load_keras_adapter() -> None:
-    """training/'s Keras adapter (copier, state sync, the watch on Keras's own fit), once the program
-    has imported keras: distribute/ may not import training/, and nothing here imports keras."""
+def _install_keras_adapter() -> None:
+    """Installs training/'s Keras adapter (keras_adapter.install: copier, state sync, Keras's random
+    streams and BatchNormalization per replica) once the program has imported keras; distribute/ calls
+    it before it mirrors a Keras model and at a scope's entry, since it may not import training/, and
+    nothing here imports keras."""
     import sys
 
     if "keras" in sys.modules:
-        importlib.import_module("mirrored.training.keras_adapter")
+        importlib.import_module("mirrored.training.keras_adapter").install()
 
 
-_register_adapter_loader("keras", _load_keras_adapter)
-_register_scope_hook(_load_keras_adapter)
+_register_adapter_loader("keras", _install_keras_adapter)
+_register_scope_hook(_install_keras_adapter)
 
 
 def __getattr__(name: str) -> Any:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from torch.utils.hooks import RemovableHandle
 
 from mirrored.distribute.values import Nested, ReduceOp
 
@@ -68,20 +71,21 @@ def enter_scope(strategy: Strategy) -> Iterator[None]:
         )
     keep = frame.replica_context if frame is not None and frame.strategy is strategy else None
     with push(strategy, keep):
-        for hook in _SCOPE_HOOKS:
+        for hook in list(_SCOPE_HOOKS.values()):
             hook()
         yield
 
 
 # Called on every entry of a strategy's scope, inside it: a layer above (training/'s Keras adapter)
 # registers what it must do then, since this package may not import it.
-_SCOPE_HOOKS: list[Callable[[], None]] = []
+_SCOPE_HOOKS: OrderedDict[int, Callable[[], None]] = OrderedDict()  # (RemovableHandle refers to it weakly)
 
 
-def register_scope_hook(hook: Callable[[], None]) -> None:
-    """Runs `hook()` at every entry of a strategy's scope (inside it) from now on."""
-    if hook not in _SCOPE_HOOKS:
-        _SCOPE_HOOKS.append(hook)
+def register_scope_hook(hook: Callable[[], None]) -> RemovableHandle:
+    """Runs `hook()` at every entry of a strategy's scope (inside it) until the handle's remove()."""
+    handle = RemovableHandle(_SCOPE_HOOKS)
+    _SCOPE_HOOKS[handle.id] = hook
+    return handle
 
 
 def get_strategy() -> Strategy:

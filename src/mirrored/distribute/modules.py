@@ -23,12 +23,14 @@ import copy
 import inspect
 import itertools
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
+from torch.utils.hooks import RemovableHandle
 
 from mirrored.distribute import context, guards
 from mirrored.distribute._copy_watch import CopyWatch, copies_difference
@@ -44,25 +46,28 @@ if TYPE_CHECKING:
 # variables are Parameters with requires_grad=False), registered by the layer that knows the module
 # kind, since this package may not import it. Each returns [(tensor, "mean" | "first")], or None for
 # a module that is not of its kind.
-_STATE_FINDERS: list[Callable[[nn.Module], list[tuple[Tensor, str]] | None]] = []
+_STATE_FINDERS: OrderedDict[int, Callable[[nn.Module], list[tuple[Tensor, str]] | None]] = OrderedDict()  # (RemovableHandle refers to it weakly)
 
 
-def register_state_tensors(finder: Callable[[nn.Module], list[tuple[Tensor, str]] | None]) -> None:
+def register_state_tensors(finder: Callable[[nn.Module], list[tuple[Tensor, str]] | None]) -> RemovableHandle:
     """Makes sync_buffers also sync the tensors `finder(copy)` names: "mean" ones averaged across the
-    replicas (weighted as buffers are), "first" ones set to replica 0's."""
-    if finder not in _STATE_FINDERS:
-        _STATE_FINDERS.append(finder)
+    replicas (weighted as buffers are), "first" ones set to replica 0's; until the handle's remove()."""
+    handle = RemovableHandle(_STATE_FINDERS)
+    _STATE_FINDERS[handle.id] = finder
+    return handle
 
 
 # Copiers for module kinds that copy.deepcopy does not copy as objects (a Keras model pickles itself
 # through its saving library), registered the same way; each returns the copy, or None.
-_COPIERS: list[Callable[[nn.Module], nn.Module | None]] = []
+_COPIERS: OrderedDict[int, Callable[[nn.Module], nn.Module | None]] = OrderedDict()  # (RemovableHandle refers to it weakly)
 
 
-def register_copier(copier: Callable[[nn.Module], nn.Module | None]) -> None:
-    """Makes the replicas' copies of a module come from `copier(module)` where it returns one."""
-    if copier not in _COPIERS:
-        _COPIERS.append(copier)
+def register_copier(copier: Callable[[nn.Module], nn.Module | None]) -> RemovableHandle:
+    """Makes the replicas' copies of a module come from `copier(module)` where it returns one; until
+    the handle's remove()."""
+    handle = RemovableHandle(_COPIERS)
+    _COPIERS[handle.id] = copier
+    return handle
 
 
 # Loaders of the adapters for module kinds defined in other packages (a Keras 3 model), by the
@@ -92,7 +97,7 @@ def _register_adapters(module: nn.Module) -> None:
 def copy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
     """An independent copy of `module`: a registered copier's, else copy.deepcopy's (with `memo`)."""
     _register_adapters(module)
-    for copier in _COPIERS:
+    for copier in list(_COPIERS.values()):
         copied = copier(module)
         if copied is not None:
             return copied
@@ -141,7 +146,7 @@ def state_tensors(module: nn.Module) -> list[tuple[Tensor, str]]:
 def found_state(module: nn.Module) -> list[tuple[Tensor, str]]:
     """What registered finders add to state_tensors(module) (a Keras model's moving statistics)."""
     found = []
-    for finder in _STATE_FINDERS:
+    for finder in list(_STATE_FINDERS.values()):
         extra = finder(module)
         if extra:
             found.extend(extra)

@@ -11,7 +11,7 @@ import math
 import os
 import tempfile
 
-from mirrored.training import checkpoint, checkpoint_checks, tracking
+from mirrored.training import adapters, checkpoint, checkpoint_checks, tracking
 from mirrored.training._callback import (NOT_METRICS, Callback, Logs, StepCounter, check_mode, check_save_freq,
                                          improved, monitor_value, resolve_mode, say, writes_checkpoints)
 
@@ -51,11 +51,8 @@ class ModelCheckpoint(Callback):
     def on_train_begin(self, logs: Logs | None = None) -> None:
         """Resolves the monitor's mode (save_best_only) and restarts the step count; a ".keras" path is
         refused here, before any step, for a model that is not a Keras model (Model.save would refuse it)."""
-        keras_path = self.filepath.lower().endswith(".keras") and not self.save_weights_only
-        if keras_path and not getattr(self.model, "_keras", False):
-            raise ValueError(f"ModelCheckpoint({self.filepath!r}): \".keras\" is Keras's archive, written for Keras "
-                             f"models; this model is the torch module {type(self.model.module).__name__}. Name the "
-                             "files *.safetensors (Model.load reads them back).")
+        if adapters.is_archive(self.filepath) and not self.save_weights_only:
+            self.model.adapter.check_archive(self.model.module, self.filepath, f"ModelCheckpoint({self.filepath!r})")
         if self.save_best_only:
             self._direction = resolve_mode("ModelCheckpoint", self.monitor, self.mode, self.model)
         if self._steps is not None:

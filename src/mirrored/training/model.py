@@ -28,7 +28,7 @@ from torch import Tensor, nn
 import mirrored.distribute as md
 from mirrored.training import callbacks as callbacks_lib
 from mirrored.training import checkpoint, checkpoint_checks, epochs as epochs_lib, losses, metrics as metrics_lib, optimizers
-from mirrored.training import jit, keras_adapter
+from mirrored.training import adapters, jit
 from mirrored.training._trackables import LossScale
 from mirrored.distribute.random import watched_step
 from mirrored.training.layers import has_sync_batchnorm
@@ -151,11 +151,8 @@ class Model:
     makes it."""
 
     def __init__(self, module: nn.Module, name: str | None = None):
-        # A Keras 3 model (torch backend): Keras's conventions apply (keras_adapter.py).
-        self._keras = keras_adapter.is_keras_model(module)
-        if self._keras:
-            keras_adapter.check_model(module)
-            keras_adapter.adopt()
+        # What differs by the module's kind (a Keras 3 model follows Keras's conventions), decided once.
+        self._adapter = adapters.adapter_for(module)
         if not isinstance(module, nn.Module):
             raise TypeError(f"mr.Model({type(module).__name__}): expected a torch.nn.Module.")
         strategy = md.get_strategy()
@@ -195,6 +192,12 @@ class Model:
     def replicas(self) -> tuple[nn.Module, ...]:
         """The module's copies, one per replica (replica 0's is `module`)."""
         return self._net.replicas
+
+    @property
+    def adapter(self) -> Any:
+        """What differs by the module's kind, chosen when the Model was built (adapters.py): a
+        TorchAdapter, or a KerasAdapter for a Keras 3 model."""
+        return self._adapter
 
     @property
     def mirrored_optimizer(self) -> Any:
@@ -241,20 +244,8 @@ class Model:
     def summary(self, print_fn: Any = print) -> None:
         """Prints the top-level layers with their parameter counts, and the totals (a Keras model's
         own summary for a Keras model)."""
-        if self._keras:
-            self.module.summary(print_fn=lambda line, *args, **kwargs: print_fn(line))
-            return
-        rows = [(name, type(child).__name__, sum(p.numel() for p in child.parameters()))
-                for name, child in self.module.named_children()]
-        total = sum(p.numel() for p in self.module.parameters())
-        trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
-        width = max([len(r[0]) + len(r[1]) + 3 for r in rows] + [30])
-        lines = [f'Model: "{self.name}" on {self.distribute_strategy.num_replicas_in_sync} replica(s)',
-                 "-" * (width + 16), f"{'Layer (type)':<{width}}{'Param #':>16}", "=" * (width + 16)]
-        lines += [f"{f'{n} ({t})':<{width}}{c:>16,}" for n, t, c in rows]
-        lines += ["=" * (width + 16), f"Total params: {total:,}", f"Trainable params: {trainable:,}",
-                  f"Non-trainable params: {total - trainable:,}"]
-        print_fn("\n".join(lines))
+        title = f'Model: "{self.name}" on {self.distribute_strategy.num_replicas_in_sync} replica(s)'
+        self._adapter.summary(self.module, title, print_fn)
 
     # ---- compile -----------------------------------------------------------------------------------
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Sequence[Any] | None = None,
@@ -286,15 +277,13 @@ class Model:
         """
         if loss is None:
             raise ValueError("compile(loss=None): give a loss, e.g. loss=\"sparse_categorical_crossentropy\".")
-        if self._keras:  # Keras's names and objects, as Keras means them (keras_adapter.py)
-            optimizer = keras_adapter.optimizer(optimizer, self._net.replicas)
-        else:
-            keras_adapter.refuse_keras_optimizer(optimizer, self.module)
+        # (set on the model once built: a refused instance changes nothing)
+        recipe = self._adapter.optimizer(optimizer, self._net.replicas)
         if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
             raise ValueError(f"compile(steps_per_execution={steps_per_execution!r}): give an integer >= 1.")
         if precision not in (None, "fp32", "bf16", "fp16"):
             raise ValueError(f"compile(precision={precision!r}): use None/\"fp32\", \"bf16\" or \"fp16\".")
-        if precision == "fp16" and getattr(optimizers.get(optimizer), "gradient_accumulation_steps", None):
+        if precision == "fp16" and getattr(recipe, "gradient_accumulation_steps", None):
             raise ValueError("compile(precision=\"fp16\") with gradient_accumulation_steps: the loss scale may skip "
                              "the update that k steps of gradients build up to. Use precision=\"bf16\", or no "
                              "gradient accumulation.")
@@ -303,25 +292,21 @@ class Model:
             raise ValueError("compile(precision=\"fp16\") needs CUDA devices (fp16 with loss scaling); on CPU use "
                              "precision=\"bf16\".")
         use_jit = jit.resolve(jit_compile)
-        if use_jit and self._keras:
-            raise ValueError("compile(jit_compile=True) with a Keras model: not supported (untested with Keras's "
-                             "layers on the replica threads). Use jit_compile=False or \"auto\" (eager, Keras 3's "
-                             "default on torch).")
+        if use_jit:
+            self._adapter.refuse_jit()
         strategy = self.distribute_strategy
         # Before the optimizer is built: its gradient buckets follow the weights' layout.
         self._net.set_memory_format(memory_format)
         with strategy.scope():
-            recipe = optimizers.get(optimizer)  # (set on the model once built: a refused instance changes nothing)
             self._mopt = strategy.mirror_optimizer(lambda params: recipe.build(params), self._net)
             self.optimizer = recipe
-            self._loss = keras_adapter.loss(loss) if self._keras else losses.get(loss)
+            self._loss = self._adapter.loss(loss)
             if getattr(self._loss, "reduction", None) == "none":
                 raise ValueError(f"compile(loss={loss!r}): reduction='none' leaves one loss per example, but fit "
                                  "needs one number to minimise. Use reduction='sum_over_batch_size' (the mean, "
                                  "Keras's default) or 'sum'.")
             loss_name = getattr(self._loss, "name", None)
-            self._metrics = [keras_adapter.metric(m, loss_name) if self._keras else metrics_lib.get(m, loss_name=loss_name)
-                             for m in (metrics or [])]
+            self._metrics = [self._adapter.metric(m, loss_name) for m in (metrics or [])]
             self._loss_tracker = metrics_lib.Mean(name="loss")
         self._steps_per_execution = steps_per_execution
         self._precision = None if precision == "fp32" else precision
@@ -363,10 +348,7 @@ class Model:
         device = next((p.device for p in net.parameters()), torch.device("cpu"))
         with self._autocast(device):
             try:
-                if self._keras:
-                    out = keras_adapter.call_model(net, _cast_inputs(x, dtype), training, *args, **kwargs)
-                else:
-                    out = net(_cast_inputs(x, dtype), *args, **kwargs)
+                out = self._adapter.call(net, _cast_inputs(x, dtype), training, *args, **kwargs)
             except RuntimeError as e:
                 if "view size is not compatible" not in str(e) or self.memory_format == "as given":
                     raise
@@ -483,10 +465,7 @@ class Model:
         """A module's `regularization_loss()`, if it has one, or a Keras model's `losses` (each replica's
         gradient takes its share of it, 1 / replicas, as TF does; the reported loss includes all of it,
         as Keras's does)."""
-        if self._keras:
-            return keras_adapter.regularization(net)
-        fn = getattr(net, "regularization_loss", None)
-        return fn() if callable(fn) else 0.0
+        return self._adapter.regularization(net)
 
     @watched_step  # (runs without the replica random mode where it draws nothing)
     def _test_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
@@ -857,15 +836,13 @@ class Model:
             chief writes it (TF's should_checkpoint; the workers' copies are bitwise equal); the others
             return without writing.
         """
-        keras_archive = str(path).endswith(".keras")
-        if keras_archive and not self._keras:  # refused on every worker alike, before the chief-only gate
-            raise ValueError(f"Model.save({str(path)!r}): \".keras\" is Keras's archive, for Keras models; this "
-                             f"model is the torch module {type(self.module).__name__}. Save to a .safetensors "
-                             "path (Model.load reads it back).")
+        archive = adapters.is_archive(path)
+        if archive:  # refused on every worker alike, before the chief-only gate
+            self._adapter.check_archive(self.module, path, f"Model.save({str(path)!r})")
         if not self._writes_checkpoints("save", path):
             return
-        if keras_archive:
-            keras_adapter.save_keras(self.module, path)
+        if archive:
+            self._adapter.save_archive(self.module, path)
             return
         tensors, meta = self._state_tensors(with_optimizer=True)
         checkpoint.save_checkpoint(path, tensors, meta)
@@ -921,8 +898,8 @@ class Model:
           shape and dtype is checked first: a file that does not fit is a CheckpointError naming it. A
           ".keras" archive (Keras 3, torch backend) is read by keras.models.load_model, uncompiled.
         """
-        if str(path).endswith(".keras"):
-            return cls(keras_adapter.load_keras(path))
+        if adapters.is_archive(path):
+            return cls(adapters.load_archive(path))
         tensors, meta = checkpoint.load_checkpoint(path, where="Model.load")
         origin = checkpoint_checks.Origin(f"Model.load({str(path)!r})")
         if meta.get("format") != _FORMAT:

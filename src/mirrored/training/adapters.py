@@ -1,0 +1,99 @@
+"""What differs between kinds of model under mr.Model, one adapter per kind, chosen once when the
+Model is built (adapter_for): TorchAdapter for a torch.nn.Module, keras_adapter.KerasAdapter for a
+Keras 3 model (torch backend). An adapter owns the forward call and its training flag, how
+compile()'s names and objects become losses, metrics and optimizers, the regularization a step adds
+to its loss, the summary, and the archive format of its kind. Model asks its adapter and never which
+kind it holds. Uses losses.py, metrics.py, optimizers.py and keras_adapter/.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import Tensor, nn
+
+from mirrored.training import keras_adapter, losses, metrics as metrics_lib, optimizers
+
+
+class TorchAdapter:
+    """A torch.nn.Module: it returns logits, so loss and metric names mean from_logits=True; names and
+    objects of mr.losses, mr.metrics and mr.optimizers (and torch's losses and optimizers)."""
+
+    kind = "torch module"
+
+    def __init__(self, module: nn.Module):
+        del module  # (nothing to check: any nn.Module will do)
+
+    def call(self, net: Any, x: Any, training: bool, *args: Any, **kwargs: Any) -> Any:
+        """The module on `x`; `training` is the module's mode, which fit sets (train() / eval())."""
+        del training
+        return net(x, *args, **kwargs)
+
+    def optimizer(self, identifier: Any, replicas: tuple[nn.Module, ...]) -> optimizers.Optimizer:
+        del replicas
+        if keras_adapter.is_keras(identifier, "optimizer"):
+            name = identifier.__name__ if isinstance(identifier, type) else type(identifier).__name__
+            ours = f"mr.optimizers.{name} (the same options)" if name in optimizers.__all__ else \
+                f"one of mr.optimizers ({', '.join(_optimizer_classes())}) or a torch.optim class"
+            raise TypeError(f"compile(optimizer={name}(...)) on a torch module: a Keras optimizer updates a Keras "
+                            f"model's variables. Use {ours} for a torch module.")
+        return optimizers.get(identifier)
+
+    def loss(self, identifier: Any) -> losses.Loss:
+        return losses.get(identifier)
+
+    def metric(self, identifier: Any, loss_name: str | None) -> Any:
+        return metrics_lib.get(identifier, loss_name=loss_name)
+
+    def regularization(self, net: Any) -> Tensor | float:
+        """The module's `regularization_loss()`, if it has one."""
+        fn = getattr(net, "regularization_loss", None)
+        return fn() if callable(fn) else 0.0
+
+    def refuse_jit(self) -> None:
+        """torch.compile takes any module (jit.py falls back to eager where it cannot)."""
+
+    def summary(self, module: nn.Module, title: str, print_fn: Callable[[str], Any]) -> None:
+        """The top-level children with their parameter counts, and the totals."""
+        rows = [(name, type(child).__name__, sum(p.numel() for p in child.parameters()))
+                for name, child in module.named_children()]
+        total = sum(p.numel() for p in module.parameters())
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        width = max([len(r[0]) + len(r[1]) + 3 for r in rows] + [30])
+        lines = [title, "-" * (width + 16), f"{'Layer (type)':<{width}}{'Param #':>16}", "=" * (width + 16)]
+        lines += [f"{f'{n} ({t})':<{width}}{c:>16,}" for n, t, c in rows]
+        lines += ["=" * (width + 16), f"Total params: {total:,}", f"Trainable params: {trainable:,}",
+                  f"Non-trainable params: {total - trainable:,}"]
+        print_fn("\n".join(lines))
+
+    def check_archive(self, module: nn.Module, path: str | Path, where: str) -> None:
+        """Refuses Keras's archive format (checked on every worker, before anything runs)."""
+        raise ValueError(f"{where}: \".keras\" is Keras's archive, for Keras models; this model is the torch module "
+                         f"{type(module).__name__}. Save to a .safetensors path (Model.load reads it back).")
+
+    def save_archive(self, module: nn.Module, path: str | Path) -> None:
+        self.check_archive(module, path, f"Model.save({str(path)!r})")
+
+
+def _optimizer_classes() -> list[str]:
+    return sorted(n for n in optimizers.__all__ if n[:1].isupper() and n != "Optimizer")
+
+
+def adapter_for(module: Any) -> TorchAdapter | keras_adapter.KerasAdapter:
+    """The adapter of `module`'s kind: a Keras 3 model's, else a torch module's."""
+    if keras_adapter.is_keras_model(module):
+        return keras_adapter.KerasAdapter(module)
+    return TorchAdapter(module)
+
+
+ARCHIVE_SUFFIX = ".keras"  # a path ending so is Keras's own archive, not a mirrored file
+
+
+def is_archive(path: str | Path) -> bool:
+    """Whether `path` names Keras's archive format (Model.save / Model.load read it through Keras)."""
+    return str(path).endswith(ARCHIVE_SUFFIX)
+
+
+def load_archive(path: str | Path) -> nn.Module:
+    """The module of a Keras archive (uncompiled): Model.load's ".keras" path."""
+    return keras_adapter.load_archive(path)

@@ -1,0 +1,91 @@
+"""KerasAdapter: mr.Model's adapter for a Keras 3 model (torch backend), and Keras's archive format.
+
+The forward pass gets `training=True` in fit's train steps and False elsewhere, as Keras's torch
+trainer passes it; loss and metric names mean probabilities (from_logits=False), and keras.losses /
+keras.metrics / keras.optimizers objects compute Keras's own values (_objects.py, _optimizer.py);
+the model's `losses` (regularizers) join the loss, as Keras's compute_loss adds them. Building one
+installs the adapter (_install.py). Uses _common.py, _objects.py, _optimizer.py, _install.py and keras.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from mirrored.training.keras_adapter import _objects, _optimizer
+from mirrored.training.keras_adapter._common import check_model, device_scope, keras
+from mirrored.training.keras_adapter._install import install
+
+
+class KerasAdapter:
+    """A Keras 3 model under mr.Model: Keras's conventions (see the module docstring)."""
+
+    kind = "Keras model"
+
+    def __init__(self, module: nn.Module):
+        check_model(module)
+        install()
+
+    def call(self, net: Any, x: Any, training: bool, *args: Any, **kwargs: Any) -> Any:
+        """The model on `x` with `training=` as Keras's torch trainer passes it (only to a call that
+        takes it), under the replica's Keras device."""
+        own = getattr(net, "module", net)  # (a MirroredModule's replica copy)
+        if getattr(own, "_call_has_training_arg", True):
+            kwargs["training"] = training
+        device = next((p.device for p in own.parameters()), torch.device("cpu"))
+        with device_scope(device):
+            return net(x, *args, **kwargs)
+
+    def optimizer(self, identifier: Any, replicas: tuple[nn.Module, ...]) -> Any:
+        return _optimizer.optimizer(identifier, replicas)
+
+    def loss(self, identifier: Any) -> Any:
+        return _objects.loss(identifier)
+
+    def metric(self, identifier: Any, loss_name: str | None) -> Any:
+        return _objects.metric(identifier, loss_name)
+
+    def regularization(self, net: Any) -> Tensor | float:
+        """The model's `losses` (weight regularizers and the activity losses of its last call), summed:
+        what Keras's compute_loss adds to the loss."""
+        own = getattr(net, "module", net)
+        extra = list(own.losses)
+        if not extra:
+            return 0.0
+        return torch.stack([torch.as_tensor(v).float().sum() for v in extra]).sum()
+
+    def refuse_jit(self) -> None:
+        raise ValueError("compile(jit_compile=True) with a Keras model: not supported (untested with Keras's "
+                         "layers on the replica threads). Use jit_compile=False or \"auto\" (eager, Keras 3's "
+                         "default on torch).")
+
+    def summary(self, module: nn.Module, title: str, print_fn: Callable[[str], Any]) -> None:
+        """The Keras model's own summary."""
+        del title
+        module.summary(print_fn=lambda line, *args, **kwargs: print_fn(line))
+
+    def check_archive(self, module: nn.Module, path: str | Path, where: str) -> None:
+        """A Keras model saves to Keras's archive format."""
+
+    def save_archive(self, module: nn.Module, path: str | Path) -> None:
+        """Keras's archive of `module` at `path` (".keras"), written to a temporary name and renamed, so a
+        crash leaves the old file."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.keras")
+        try:
+            module.save(str(tmp))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def load_archive(path: str | Path) -> nn.Module:
+    """The Keras model of a ".keras" archive, uncompiled (compile it through mr.Model)."""
+    module = keras()
+    if module is None:
+        raise ValueError(f"Model.load({str(path)!r}): a .keras archive is read by Keras; import keras first (with "
+                         "KERAS_BACKEND=torch set before it).")
+    return module.models.load_model(path, compile=False)
