@@ -6,10 +6,18 @@ in `mirrored` Variables created with synchronization=ON_READ and aggregation=SUM
 `with strategy.scope():` each replica accumulates into its own copy (on its own device) from
 inside strategy.run, and `result()` in cross-replica context computes from the copies' sum. Counts
 and sums are float64, so counts stay exact to 2**53 and one step's rounding does not drift a long
-epoch's mean; results are float32. `get(identifier, loss_name=None)` resolves Keras names,
-including "accuracy", whose meaning depends on the loss. Metrics have Keras's get_config() /
+epoch's mean; results are float32. `get(identifier, loss_name=None)` resolves Keras names
+(snake_case class names and aliases such as "mse", "mae", "bce"), including "accuracy", whose
+meaning depends on the loss. Metrics have Keras's get_config() /
 from_config() (settings, not state); serialize()/deserialize() turn one into JSON and back, from
 this module's classes only.
+
+Keras 3's other metrics live in families beside this module, re-exported here:
+_regression_metrics.py (MeanSquaredError, RootMeanSquaredError, R2Score, correlations, ...),
+_probabilistic_metrics.py (crossentropies, KLDivergence, hinges, TopKCategoricalAccuracy),
+_confusion_metrics.py (TruePositives, ..., PrecisionAtRecall, ..., F1Score, FBetaScore) and
+_iou_metrics.py (IoU, MeanIoU, BinaryIoU, OneHot*). All are written here on Metric, tested against
+Keras's own objects: torchmetrics takes no sample weights in most metrics and Keras is optional.
 
 Uses torch, the public names of mirrored.distribute (Variable and its enums) and _config.py.
 """
@@ -29,23 +37,60 @@ __all__ = [
     "AUC",
     "Accuracy",
     "BinaryAccuracy",
+    "BinaryCrossentropy",
+    "BinaryIoU",
     "CategoricalAccuracy",
+    "CategoricalCrossentropy",
+    "CategoricalHinge",
+    "ConcordanceCorrelation",
+    "CosineSimilarity",
+    "F1Score",
+    "FBetaScore",
+    "FalseNegatives",
+    "FalsePositives",
+    "Hinge",
+    "IoU",
+    "KLDivergence",
+    "LogCoshError",
     "Mean",
+    "MeanAbsoluteError",
+    "MeanAbsolutePercentageError",
+    "MeanIoU",
     "MeanMetricWrapper",
+    "MeanSquaredError",
+    "MeanSquaredLogarithmicError",
     "Metric",
+    "OneHotIoU",
+    "OneHotMeanIoU",
+    "PearsonCorrelation",
+    "Poisson",
     "Precision",
+    "PrecisionAtRecall",
+    "R2Score",
     "Recall",
+    "RecallAtPrecision",
+    "RootMeanSquaredError",
+    "SensitivityAtSpecificity",
     "SparseCategoricalAccuracy",
+    "SparseCategoricalCrossentropy",
     "SparseTopKCategoricalAccuracy",
+    "SpecificityAtSensitivity",
+    "SquaredHinge",
     "Sum",
+    "TopKCategoricalAccuracy",
+    "TrueNegatives",
+    "TruePositives",
     "accuracy",
     "binary_accuracy",
     "categorical_accuracy",
+    "concordance_correlation",
     "deserialize",
     "get",
+    "pearson_correlation",
     "serialize",
     "sparse_categorical_accuracy",
     "sparse_top_k_categorical_accuracy",
+    "top_k_categorical_accuracy",
 ]
 
 _STATE_DTYPE = torch.float64  # exact counts up to 2**53; sums that do not drift over an epoch
@@ -65,8 +110,10 @@ class Metric:
         self.name = name
         self._state: list[Variable] = []
 
-    def add_state(self, name: str, shape: tuple[int, ...] = ()) -> Variable:
-        """A float64 zero-filled Variable, one copy per replica in a strategy's scope, summed on read."""
+    def add_state(self, name: str, shape: tuple[int, ...] = (), keep: bool = True) -> Variable:
+        """A float64 zero-filled Variable, one copy per replica in a strategy's scope, summed on read.
+        keep=False leaves it out of `variables` (a metric that makes its state at the first update
+        adds it itself, once)."""
         var = Variable(
             torch.zeros(shape, dtype=_STATE_DTYPE),
             trainable=False,
@@ -74,7 +121,8 @@ class Metric:
             synchronization=VariableSynchronization.ON_READ,
             aggregation=VariableAggregation.SUM,
         )
-        self._state.append(var)
+        if keep:
+            self._state.append(var)
         return var
 
     @property
@@ -617,15 +665,123 @@ _ACCURACY_FOR_LOSS: dict[str, Callable[[str, bool], Metric]] = {
 }
 
 
-# Made from a name, these threshold sigmoid(logits) by default, since our models return logits.
-_TAKE_FROM_LOGITS = ("binary_accuracy", "precision", "recall", "auc")
+# The families beside this module build on the classes above (they import them from here).
+from mirrored.training import (  # noqa: E402
+    _confusion_metrics,
+    _iou_metrics,
+    _probabilistic_metrics,
+    _regression_metrics,
+)
+from mirrored.training._confusion_metrics import (  # noqa: E402
+    F1Score,
+    FalseNegatives,
+    FalsePositives,
+    FBetaScore,
+    PrecisionAtRecall,
+    RecallAtPrecision,
+    SensitivityAtSpecificity,
+    SpecificityAtSensitivity,
+    TrueNegatives,
+    TruePositives,
+)
+from mirrored.training._iou_metrics import BinaryIoU, IoU, MeanIoU, OneHotIoU, OneHotMeanIoU  # noqa: E402
+from mirrored.training._probabilistic_metrics import (  # noqa: E402
+    BinaryCrossentropy,
+    CategoricalCrossentropy,
+    CategoricalHinge,
+    Hinge,
+    KLDivergence,
+    Poisson,
+    SparseCategoricalCrossentropy,
+    SquaredHinge,
+    TopKCategoricalAccuracy,
+    top_k_categorical_accuracy,
+)
+from mirrored.training._regression_metrics import (  # noqa: E402
+    ConcordanceCorrelation,
+    CosineSimilarity,
+    LogCoshError,
+    MeanAbsoluteError,
+    MeanAbsolutePercentageError,
+    MeanSquaredError,
+    MeanSquaredLogarithmicError,
+    PearsonCorrelation,
+    R2Score,
+    RootMeanSquaredError,
+    concordance_correlation,
+    pearson_correlation,
+)
 
 _METRIC_CLASSES: dict[str, type[Metric]] = {cls.__name__: cls for cls in (
     Accuracy, SparseCategoricalAccuracy, CategoricalAccuracy, BinaryAccuracy, SparseTopKCategoricalAccuracy,
-    Precision, Recall, AUC, Mean, Sum, MeanMetricWrapper)}
+    Precision, Recall, AUC, Mean, Sum, MeanMetricWrapper, *_regression_metrics.CLASSES,
+    *_probabilistic_metrics.CLASSES, *_confusion_metrics.CLASSES, *_iou_metrics.CLASSES)}
 _METRIC_FUNCTIONS: dict[str, Callable[..., Tensor]] = {fn.__name__: fn for fn in (
     accuracy, sparse_categorical_accuracy, categorical_accuracy, binary_accuracy, sparse_top_k_categorical_accuracy,
-    _accuracy_by_shape)}
+    _accuracy_by_shape, *_regression_metrics.FUNCTIONS, *_probabilistic_metrics.FUNCTIONS)}
+
+# Keras 3's names: each class's name in snake_case (Keras's to_snake_case: MeanIoU -> mean_io_u), and its
+# aliases. Class names ("RootMeanSquaredError") are found too, through _METRIC_CLASSES.
+_METRICS.update({
+    "mean_squared_error": MeanSquaredError,
+    "mse": MeanSquaredError,
+    "mean_absolute_error": MeanAbsoluteError,
+    "mae": MeanAbsoluteError,
+    "mean_absolute_percentage_error": MeanAbsolutePercentageError,
+    "mape": MeanAbsolutePercentageError,
+    "mean_squared_logarithmic_error": MeanSquaredLogarithmicError,
+    "msle": MeanSquaredLogarithmicError,
+    "root_mean_squared_error": RootMeanSquaredError,
+    "cosine_similarity": CosineSimilarity,
+    "log_cosh_error": LogCoshError,
+    "logcosh": LogCoshError,
+    "r2_score": R2Score,
+    "pearson_correlation": PearsonCorrelation,
+    "concordance_correlation": ConcordanceCorrelation,
+    "binary_crossentropy": BinaryCrossentropy,
+    "bce": BinaryCrossentropy,
+    "categorical_crossentropy": CategoricalCrossentropy,
+    "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+    "kl_divergence": KLDivergence,
+    "poisson": Poisson,
+    "hinge": Hinge,
+    "squared_hinge": SquaredHinge,
+    "categorical_hinge": CategoricalHinge,
+    "top_k_categorical_accuracy": TopKCategoricalAccuracy,
+    "true_positives": TruePositives,
+    "false_positives": FalsePositives,
+    "true_negatives": TrueNegatives,
+    "false_negatives": FalseNegatives,
+    "f1_score": F1Score,
+    "f_beta_score": FBetaScore,
+    "fbeta_score": FBetaScore,
+    "binary_io_u": BinaryIoU,
+})
+# Keras's names of metrics that cannot be made without arguments (Keras's get fails on them too): get()
+# says what to pass.
+_NEED_ARGUMENTS: dict[type[Metric], str] = {
+    PrecisionAtRecall: "PrecisionAtRecall(recall=0.8)",
+    RecallAtPrecision: "RecallAtPrecision(precision=0.8)",
+    SensitivityAtSpecificity: "SensitivityAtSpecificity(specificity=0.8)",
+    SpecificityAtSensitivity: "SpecificityAtSensitivity(sensitivity=0.8)",
+    IoU: "IoU(num_classes=..., target_class_ids=[...])",
+    MeanIoU: "MeanIoU(num_classes=...)",
+    OneHotIoU: "OneHotIoU(num_classes=..., target_class_ids=[...])",
+    OneHotMeanIoU: "OneHotMeanIoU(num_classes=...)",
+}
+_METRICS.update({"precision_at_recall": PrecisionAtRecall, "recall_at_precision": RecallAtPrecision,
+                 "sensitivity_at_specificity": SensitivityAtSpecificity,
+                 "specificity_at_sensitivity": SpecificityAtSensitivity, "io_u": IoU, "mean_io_u": MeanIoU,
+                 "one_hot_io_u": OneHotIoU, "one_hot_mean_io_u": OneHotMeanIoU})
+_METRICS_BY_CLASS_NAME: dict[str, type[Metric]] = {
+    name.lower(): cls for name, cls in _METRIC_CLASSES.items() if cls not in (MeanMetricWrapper, Metric)}
+
+# Made from a name, these threshold sigmoid(logits) or take logits by default, since our models return
+# logits (as the loss names do).
+_TAKE_FROM_LOGITS = {"binary_accuracy", "precision", "recall", "auc", "binary_crossentropy", "bce",
+                     "categorical_crossentropy", "sparse_categorical_crossentropy", "true_positives",
+                     "false_positives", "true_negatives", "false_negatives", "f1_score", "f_beta_score", "fbeta_score",
+                     "binary_io_u"}
 
 
 def serialize(metric: Metric) -> dict[str, Any] | None:
@@ -659,12 +815,21 @@ def get(identifier: str | Metric | Callable[..., Tensor], loss_name: str | None 
             if loss_name is not None and loss_name.lower() in _ACCURACY_FOR_LOSS:
                 return _ACCURACY_FOR_LOSS[loss_name.lower()](identifier, from_logits)
             return MeanMetricWrapper(_accuracy_by_shape, identifier, from_logits=from_logits)
-        if key not in _METRICS:
+        cls = _METRICS.get(key)
+        if cls is None and key in _METRICS_BY_CLASS_NAME:  # a class name: the class with its own default name
+            cls = _METRICS_BY_CLASS_NAME[key]
+            key = next((k for k, c in _METRICS.items() if c is cls), key)
+            identifier = None
+        if cls in _NEED_ARGUMENTS:
+            raise ValueError(f"metric {identifier or key!r} needs arguments, so no name can make it: pass "
+                             f"mr.metrics.{_NEED_ARGUMENTS[cls]}.")
+        if cls is None:
             raise ValueError(f"unknown metric {identifier!r}. Known names: {', '.join(_METRICS)}; or pass a "
                              "Metric object or a function(y_true, y_pred) returning one value per example.")
+        named = {} if identifier is None else {"name": identifier}
         if key in _TAKE_FROM_LOGITS:
-            return _METRICS[key](name=identifier, from_logits=from_logits)
-        return _METRICS[key](name=identifier)
+            return cls(**named, from_logits=from_logits)
+        return cls(**named)
     if isinstance(identifier, type) and issubclass(identifier, Metric):
         return identifier()
     if isinstance(identifier, Mapping):
