@@ -70,6 +70,7 @@ class _ConditionCount(_Binary):
         return (counts[0] if counts.shape[0] == 1 else counts).to(_RESULT_DTYPE)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {"thresholds": self.thresholds, "name": self.name, "from_logits": self.from_logits}
 
 
@@ -159,6 +160,7 @@ class _AtThreshold(_Binary):
             .to(_RESULT_DTYPE)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {self._value_name: self.value, "num_thresholds": self.num_thresholds, "class_id": self.class_id,
                 "name": self.name, "from_logits": self.from_logits}
 
@@ -173,6 +175,7 @@ class SensitivityAtSpecificity(_AtThreshold):
         super().__init__(specificity, num_thresholds, class_id, name, from_logits)
 
     def result(self) -> Tensor:
+        """The best rate under the constraint, from the counts summed over replicas; 0 where none meets it."""
         sensitivity, specificity, _ = self._rates()
         return self._best(specificity, sensitivity, self.value)
 
@@ -187,6 +190,7 @@ class SpecificityAtSensitivity(_AtThreshold):
         super().__init__(sensitivity, num_thresholds, class_id, name, from_logits)
 
     def result(self) -> Tensor:
+        """The best rate under the constraint, from the counts summed over replicas; 0 where none meets it."""
         sensitivity, specificity, _ = self._rates()
         return self._best(sensitivity, specificity, self.value)
 
@@ -201,6 +205,7 @@ class PrecisionAtRecall(_AtThreshold):
         super().__init__(recall, num_thresholds, class_id, name, from_logits)
 
     def result(self) -> Tensor:
+        """The best rate under the constraint, from the counts summed over replicas; 0 where none meets it."""
         recall, _, precision = self._rates()
         return self._best(recall, precision, self.value)
 
@@ -215,6 +220,7 @@ class RecallAtPrecision(_AtThreshold):
         super().__init__(precision, num_thresholds, class_id, name, from_logits)
 
     def result(self) -> Tensor:
+        """The best rate under the constraint, from the counts summed over replicas; 0 where none meets it."""
         recall, _, precision = self._rates()
         return self._best(precision, recall, self.value)
 
@@ -297,6 +303,7 @@ class FBetaScore(Metric):
         return score.to(_RESULT_DTYPE)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {"average": self.average, "beta": self.beta, "threshold": self.threshold, "name": self.name,
                 "from_logits": self.from_logits}
 
@@ -309,6 +316,7 @@ class F1Score(FBetaScore):
         super().__init__(average, 1.0, threshold, name, from_logits)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         config = super().get_config()
         del config["beta"]
         return config

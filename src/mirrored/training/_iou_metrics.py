@@ -79,6 +79,7 @@ class IoU(Metric):
         return (iou.sum() / (valid.sum() + _EPSILON)).to(_RESULT_DTYPE)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {"num_classes": self.num_classes, "target_class_ids": self.target_class_ids, "name": self.name,
                 "ignore_class": self.ignore_class, "sparse_y_true": self.sparse_y_true,
                 "sparse_y_pred": self.sparse_y_pred, "axis": self.axis}
@@ -93,6 +94,7 @@ class MeanIoU(IoU):
                          sparse_y_pred, axis)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         config = super().get_config()
         del config["target_class_ids"]
         return config
@@ -107,6 +109,7 @@ class OneHotIoU(IoU):
                          axis)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         config = super().get_config()
         del config["sparse_y_true"]
         return config
@@ -121,6 +124,7 @@ class OneHotMeanIoU(IoU):
                          sparse_y_pred, axis)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         config = super().get_config()
         del config["sparse_y_true"], config["target_class_ids"]
         return config
@@ -140,6 +144,7 @@ class BinaryIoU(IoU):
         return (_probabilities(y_pred, self.from_logits) >= self.threshold).long()
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {"target_class_ids": self.target_class_ids, "threshold": self.threshold, "name": self.name,
                 "from_logits": self.from_logits}
 

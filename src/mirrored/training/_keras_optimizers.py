@@ -219,6 +219,7 @@ class LossScaleOptimizer(Optimizer):
         return loss * self._dynamic.scale
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         inner = optimizers.serialize(self.inner_optimizer)
         if inner is None:
             raise NotImplementedError(f"{self.name}: its inner optimizer {self.inner_optimizer!r} has no config.")
@@ -227,6 +228,7 @@ class LossScaleOptimizer(Optimizer):
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Optimizer:
+        """A new instance from get_config()'s dict, its inner optimizer rebuilt from its own config."""
         config = dict(config)
         config["inner_optimizer"] = optimizers.deserialize(config["inner_optimizer"])
         return cls(**config)

@@ -214,6 +214,7 @@ class R2Score(Metric):
         return score.to(_RESULT_DTYPE)
 
     def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as JSON (Keras's get_config); from_config(config) rebuilds it."""
         return {"class_aggregation": self.class_aggregation, "num_regressors": self.num_regressors, "name": self.name}
 
 
