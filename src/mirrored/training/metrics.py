@@ -15,8 +15,8 @@ this module's classes only.
 Keras 3's other metrics live in families beside this module, re-exported here:
 _regression_metrics.py (MeanSquaredError, RootMeanSquaredError, R2Score, correlations, ...),
 _probabilistic_metrics.py (crossentropies, KLDivergence, hinges, TopKCategoricalAccuracy),
-_confusion_metrics.py (TruePositives, ..., PrecisionAtRecall, ..., F1Score, FBetaScore) and
-_iou_metrics.py (IoU, MeanIoU, BinaryIoU, OneHot*). All are written here on Metric, tested against
+_confusion_metrics.py (Precision, Recall, AUC, TruePositives, ..., PrecisionAtRecall, ..., F1Score) and
+_iou_metrics.py (IoU, MeanIoU, BinaryIoU, OneHot*). All are built on Metric above and tested against
 Keras's own objects: torchmetrics takes no sample weights in most metrics and Keras is optional.
 
 Uses torch, the public names of mirrored.distribute (Variable and its enums) and _config.py.
@@ -95,10 +95,6 @@ __all__ = [
 
 _STATE_DTYPE = torch.float64  # exact counts up to 2**53; sums that do not drift over an epoch
 _RESULT_DTYPE = torch.float32
-# Logits given where probabilities are expected show on the first batches; checking only the first
-# updates keeps the per-step cost (a device sync) out of long runs.
-_RANGE_CHECK_UPDATES = 10
-_AUC_EPSILON = 1e-7  # the outer thresholds sit just outside [0, 1] so that 0 and 1 fall inside them
 
 
 class Metric:
@@ -432,238 +428,7 @@ def _check_threshold(cls: str, arg: str, value: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Thresholded binary metrics.
-
-class _Binary(Metric):
-    """Shared input handling of Precision, Recall and AUC: flattened probabilities (a sigmoid of logits
-    when from_logits=True), boolean labels (non-zero is positive) and per-element weights."""
-
-    def __init__(self, name: str, from_logits: bool):
-        super().__init__(name)
-        self.from_logits = from_logits
-        self._range_checks_left = 0 if from_logits else _RANGE_CHECK_UPDATES
-
-    def _flat_inputs(self, y_true: Any, y_pred: Any, sample_weight: Any) -> tuple[Tensor, Tensor, Tensor]:
-        y_true, y_pred = _same_shape(self.name, *_tensors(y_true, y_pred))
-        if self._range_checks_left > 0 and y_pred.numel():
-            self._range_checks_left -= 1
-            lo, hi = torch.stack(torch.aminmax(y_pred.to(_STATE_DTYPE))).tolist()
-            if lo < 0 or hi > 1:
-                raise ValueError(
-                    f"{self.name}: predictions range over [{lo:.4g}, {hi:.4g}], outside [0, 1], so they are not "
-                    f"probabilities. Our models return logits: pass {type(self).__name__}(from_logits=True)."
-                )
-        probs = _probabilities(y_pred, self.from_logits).reshape(-1)
-        positive = (y_true != 0).reshape(-1)
-        if sample_weight is None:
-            weights = torch.ones_like(probs, dtype=_STATE_DTYPE)  # counts summed exactly
-        else:
-            weights = _broadcast_sample_weight(torch.as_tensor(sample_weight).detach(), y_pred.to(_STATE_DTYPE),
-                                               self.name).reshape(-1)
-        return probs, positive, weights
-
-
-class Precision(_Binary):
-    """True positives / predicted positives, where "predicted positive" is probability > thresholds.
-
-    Keras takes probabilities; our models return logits, so pass from_logits=True for them. One
-    threshold only (Keras also takes a list)."""
-
-    def __init__(self, thresholds: float = 0.5, name: str = "precision", from_logits: bool = False):
-        _check_threshold("Precision", "thresholds", thresholds)
-        super().__init__(name, from_logits)
-        self.thresholds = float(thresholds)
-        self.true_positives = self.add_state("true_positives")
-        self.false_positives = self.add_state("false_positives")
-
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
-        """Counts the batch's true and false positives (probability > thresholds), weighted by
-        `sample_weight`; y_true is positive where non-zero."""
-        probs, positive, weights = self._flat_inputs(y_true, y_pred, sample_weight)
-        predicted = probs > self.thresholds
-        self.true_positives.assign_add((weights * (predicted & positive)).sum())
-        self.false_positives.assign_add((weights * (predicted & ~positive)).sum())
-
-    def get_config(self) -> dict[str, Any]:
-        """The constructor's arguments (thresholds, name, from_logits), as JSON; not the counts."""
-        return {"thresholds": self.thresholds, "name": self.name, "from_logits": self.from_logits}
-
-    def result(self) -> Tensor:
-        """true positives / (true + false positives) over all replicas, 0 when nothing was predicted positive."""
-        tp = self.true_positives.read_value()
-        return _divide_no_nan(tp, tp + self.false_positives.read_value()).to(_RESULT_DTYPE)
-
-
-class Recall(_Binary):
-    """True positives / actual positives, where "predicted positive" is probability > thresholds.
-
-    Keras takes probabilities; our models return logits, so pass from_logits=True for them."""
-
-    def __init__(self, thresholds: float = 0.5, name: str = "recall", from_logits: bool = False):
-        _check_threshold("Recall", "thresholds", thresholds)
-        super().__init__(name, from_logits)
-        self.thresholds = float(thresholds)
-        self.true_positives = self.add_state("true_positives")
-        self.false_negatives = self.add_state("false_negatives")
-
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
-        """Counts the batch's true positives and false negatives (probability > thresholds is predicted
-        positive), weighted by `sample_weight`; y_true is positive where non-zero."""
-        probs, positive, weights = self._flat_inputs(y_true, y_pred, sample_weight)
-        predicted = probs > self.thresholds
-        self.true_positives.assign_add((weights * (predicted & positive)).sum())
-        self.false_negatives.assign_add((weights * (~predicted & positive)).sum())
-
-    def get_config(self) -> dict[str, Any]:
-        """The constructor's arguments (thresholds, name, from_logits), as JSON; not the counts."""
-        return {"thresholds": self.thresholds, "name": self.name, "from_logits": self.from_logits}
-
-    def result(self) -> Tensor:
-        """true positives / (true positives + false negatives) over all replicas, 0 when no example was positive."""
-        tp = self.true_positives.read_value()
-        return _divide_no_nan(tp, tp + self.false_negatives.read_value()).to(_RESULT_DTYPE)
-
-
-_CURVES = ("ROC", "PR")
-_SUMMATION_METHODS = ("interpolation", "minoring", "majoring")
-
-
-class AUC(_Binary):
-    """Area under the ROC or precision-recall curve of a binary classifier, approximated from
-    confusion matrices at `num_thresholds` evenly spaced thresholds (Keras's method).
-
-    The thresholds are i / (num_thresholds - 1) for the inner ones, plus -1e-7 and 1 + 1e-7 so the
-    curve reaches both corners. summation_method="interpolation" is the trapezoid rule for ROC and,
-    for PR, the interpolation of Davis & Goadrich (2006): precision along a segment follows the
-    straight line between its end points in (true positives, false positives) space. "minoring" and
-    "majoring" take the lower and upper end of each segment. Keras takes probabilities; pass
-    from_logits=True for logits."""
-
-    def __init__(self, num_thresholds: int = 200, curve: str = "ROC", summation_method: str = "interpolation",
-                 name: str = "auc", from_logits: bool = False):
-        if isinstance(num_thresholds, bool) or not isinstance(num_thresholds, int) or num_thresholds < 2:
-            raise ValueError(f"AUC(num_thresholds={num_thresholds!r}): must be an int >= 2.")
-        if not isinstance(curve, str) or curve.upper() not in _CURVES:
-            raise ValueError(f"AUC(curve={curve!r}): expected one of {list(_CURVES)}.")
-        if summation_method not in _SUMMATION_METHODS:
-            raise ValueError(f"AUC(summation_method={summation_method!r}): expected one of {list(_SUMMATION_METHODS)}.")
-        super().__init__(name, from_logits)
-        self.num_thresholds = num_thresholds
-        self.curve = curve.upper()
-        self.summation_method = summation_method
-        inner = [i / (num_thresholds - 1) for i in range(1, num_thresholds - 1)]
-        self.thresholds = torch.tensor([-_AUC_EPSILON, *inner, 1 + _AUC_EPSILON], dtype=torch.float32)
-        shape = (num_thresholds,)
-        self.true_positives = self.add_state("true_positives", shape)
-        self.false_positives = self.add_state("false_positives", shape)
-        self.true_negatives = self.add_state("true_negatives", shape)
-        self.false_negatives = self.add_state("false_negatives", shape)
-
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
-        """Adds the batch to the confusion matrices at every threshold (weighted by `sample_weight`), in one
-        pass over the examples rather than one per threshold."""
-        probs, positive, weights = self._flat_inputs(y_true, y_pred, sample_weight)
-        # above[i] = how many thresholds prediction i exceeds, so it counts as positive at thresholds
-        # 0 .. above[i] - 1. A histogram of `above` and a suffix sum give every threshold's count in
-        # O(examples + thresholds) instead of comparing every prediction with every threshold. With the
-        # thresholds evenly spaced, it is Keras's bucket, computed as Keras does in float32:
-        # ceil(p * (n - 1)) for p clipped to [0, 1], at least 1 (every p is above -1e-7).
-        above = torch.ceil(probs.clamp(0, 1) * (self.num_thresholds - 1)).clamp(min=1)
-        above = torch.where(probs.isnan(), 0, above).long()  # NaN > t is false: a NaN counts as negative
-        n = self.num_thresholds
-        pos_w = weights * positive
-        neg_w = weights * ~positive
-
-        def predicted_positive(w: Tensor) -> Tensor:
-            hist = torch.bincount(above, weights=w, minlength=n + 1)
-            return hist.flip(0).cumsum(0).flip(0)[1:]  # [t] = weight with above > t
-
-        tp, fp = predicted_positive(pos_w), predicted_positive(neg_w)
-        self.true_positives.assign_add(tp)
-        self.false_positives.assign_add(fp)
-        self.false_negatives.assign_add(pos_w.sum() - tp)
-        self.true_negatives.assign_add(neg_w.sum() - fp)
-
-    def result(self) -> Tensor:
-        """The area under the ROC or PR curve of the counts so far (all replicas), by `summation_method`."""
-        tp, fp = self.true_positives.read_value(), self.false_positives.read_value()
-        tn, fn = self.true_negatives.read_value(), self.false_negatives.read_value()
-        if self.curve == "PR" and self.summation_method == "interpolation":
-            return _pr_auc_interpolated(tp, fp, fn).to(_RESULT_DTYPE)
-        if self.curve == "ROC":
-            x, y = _divide_no_nan(fp, fp + tn), _divide_no_nan(tp, tp + fn)  # FPR, TPR
-        else:
-            x, y = _divide_no_nan(tp, tp + fn), _divide_no_nan(tp, tp + fp)  # recall, precision
-        # Thresholds rise along the index, so x falls: the widths are x[t] - x[t + 1].
-        widths = x[:-1] - x[1:]
-        if self.summation_method == "interpolation":
-            heights = (y[:-1] + y[1:]) / 2
-        elif self.summation_method == "minoring":
-            heights = torch.minimum(y[:-1], y[1:])
-        else:
-            heights = torch.maximum(y[:-1], y[1:])
-        return (widths * heights).sum().to(_RESULT_DTYPE)
-
-    def get_config(self) -> dict[str, Any]:
-        """The constructor's arguments (num_thresholds, curve, summation_method, name, from_logits), as JSON."""
-        return {"num_thresholds": self.num_thresholds, "curve": self.curve, "summation_method": self.summation_method,
-                "name": self.name, "from_logits": self.from_logits}
-
-    def __repr__(self) -> str:
-        return (f"AUC(num_thresholds={self.num_thresholds}, curve={self.curve!r}, summation_method="
-                f"{self.summation_method!r}, name={self.name!r}, from_logits={self.from_logits})")
-
-
-def _pr_auc_interpolated(tp: Tensor, fp: Tensor, fn: Tensor) -> Tensor:
-    """Area under the PR curve, with precision interpolated as Davis & Goadrich (2006) do.
-
-    Between thresholds t and t+1, true positives grow linearly with predicted positives p = tp + fp:
-    tp(p) = slope * p + intercept. Recall is tp / P, so d(recall) = slope * dp / P and the segment's
-    area is the integral of (slope + intercept / p) * slope / P over p, which is
-    slope * (dtp + intercept * ln(p_t / p_t+1)) / P."""
-    predicted = tp + fp
-    dtp = tp[:-1] - tp[1:]
-    dp = predicted[:-1] - predicted[1:]
-    slope = _divide_no_nan(dtp, dp)
-    intercept = tp[1:] - slope * predicted[1:]
-    both_positive = (predicted[:-1] > 0) & (predicted[1:] > 0)
-    # Where p_t+1 is 0, tp_t+1 and so the intercept are 0: the log term vanishes (ratio 1).
-    ratio = torch.where(both_positive, predicted[:-1] / torch.where(both_positive, predicted[1:], 1.0), 1.0)
-    area = slope * (dtp + intercept * torch.log(ratio))
-    positives = tp[1:] + fn[1:]
-    return _divide_no_nan(area, positives).sum()
-
-
-# ---------------------------------------------------------------------------------------------
 # Registry.
-
-_METRICS: dict[str, Callable[..., Metric]] = {
-    "accuracy": Accuracy,  # resolved by get() from the loss or the shapes; see _ACCURACY_FOR_LOSS
-    "acc": Accuracy,
-    "sparse_categorical_accuracy": SparseCategoricalAccuracy,
-    "categorical_accuracy": CategoricalAccuracy,
-    "binary_accuracy": BinaryAccuracy,
-    "sparse_top_k_categorical_accuracy": SparseTopKCategoricalAccuracy,
-    "precision": Precision,
-    "recall": Recall,
-    "auc": AUC,
-    "mean": Mean,
-    "sum": Sum,
-}
-
-# "accuracy" follows the loss, as in Keras: with sparse crossentropy it is sparse_categorical_accuracy.
-# Keys are loss names (losses.get(...).name); the torch ones are losses.TorchLossWrapper's names.
-# A binary loss from logits thresholds the sigmoid; nn.CrossEntropyLoss is assumed to get class ids.
-_ACCURACY_FOR_LOSS: dict[str, Callable[[str, bool], Metric]] = {
-    "sparse_categorical_crossentropy": lambda name, logits: SparseCategoricalAccuracy(name),
-    "categorical_crossentropy": lambda name, logits: CategoricalAccuracy(name),
-    "binary_crossentropy": lambda name, logits: BinaryAccuracy(name, from_logits=logits),
-    "cross_entropy_loss": lambda name, logits: SparseCategoricalAccuracy(name),
-    "nll_loss": lambda name, logits: SparseCategoricalAccuracy(name),
-    "bce_with_logits_loss": lambda name, logits: BinaryAccuracy(name, from_logits=True),
-    "bce_loss": lambda name, logits: BinaryAccuracy(name, from_logits=False),
-}
-
 
 # The families beside this module build on the classes above (they import them from here).
 from mirrored.training import (  # noqa: E402
@@ -673,11 +438,14 @@ from mirrored.training import (  # noqa: E402
     _regression_metrics,
 )
 from mirrored.training._confusion_metrics import (  # noqa: E402
+    AUC,
     F1Score,
     FalseNegatives,
     FalsePositives,
     FBetaScore,
+    Precision,
     PrecisionAtRecall,
+    Recall,
     RecallAtPrecision,
     SensitivityAtSpecificity,
     SpecificityAtSensitivity,
@@ -712,9 +480,37 @@ from mirrored.training._regression_metrics import (  # noqa: E402
     pearson_correlation,
 )
 
+_METRICS: dict[str, Callable[..., Metric]] = {
+    "accuracy": Accuracy,  # resolved by get() from the loss or the shapes; see _ACCURACY_FOR_LOSS
+    "acc": Accuracy,
+    "sparse_categorical_accuracy": SparseCategoricalAccuracy,
+    "categorical_accuracy": CategoricalAccuracy,
+    "binary_accuracy": BinaryAccuracy,
+    "sparse_top_k_categorical_accuracy": SparseTopKCategoricalAccuracy,
+    "precision": Precision,
+    "recall": Recall,
+    "auc": AUC,
+    "mean": Mean,
+    "sum": Sum,
+}
+
+# "accuracy" follows the loss, as in Keras: with sparse crossentropy it is sparse_categorical_accuracy.
+# Keys are loss names (losses.get(...).name); the torch ones are losses.TorchLossWrapper's names.
+# A binary loss from logits thresholds the sigmoid; nn.CrossEntropyLoss is assumed to get class ids.
+_ACCURACY_FOR_LOSS: dict[str, Callable[[str, bool], Metric]] = {
+    "sparse_categorical_crossentropy": lambda name, logits: SparseCategoricalAccuracy(name),
+    "categorical_crossentropy": lambda name, logits: CategoricalAccuracy(name),
+    "binary_crossentropy": lambda name, logits: BinaryAccuracy(name, from_logits=logits),
+    "cross_entropy_loss": lambda name, logits: SparseCategoricalAccuracy(name),
+    "nll_loss": lambda name, logits: SparseCategoricalAccuracy(name),
+    "bce_with_logits_loss": lambda name, logits: BinaryAccuracy(name, from_logits=True),
+    "bce_loss": lambda name, logits: BinaryAccuracy(name, from_logits=False),
+}
+
+
 _METRIC_CLASSES: dict[str, type[Metric]] = {cls.__name__: cls for cls in (
     Accuracy, SparseCategoricalAccuracy, CategoricalAccuracy, BinaryAccuracy, SparseTopKCategoricalAccuracy,
-    Precision, Recall, AUC, Mean, Sum, MeanMetricWrapper, *_regression_metrics.CLASSES,
+    Mean, Sum, MeanMetricWrapper, *_regression_metrics.CLASSES,
     *_probabilistic_metrics.CLASSES, *_confusion_metrics.CLASSES, *_iou_metrics.CLASSES)}
 _METRIC_FUNCTIONS: dict[str, Callable[..., Tensor]] = {fn.__name__: fn for fn in (
     accuracy, sparse_categorical_accuracy, categorical_accuracy, binary_accuracy, sparse_top_k_categorical_accuracy,
