@@ -209,3 +209,23 @@ def test_static_loss_scale_factor_divides_the_gradients():
         b.step()
     for p, q in zip(plain, scaled):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_an_instance_built_by_a_recipe_carries_its_decoupled_decay_to_compile():
+    """compile(optimizer=<torch instance>) rebuilds it per replica: Keras's decoupled weight_decay and
+    loss_scale_factor come along; a LossScaleOptimizer's instance is refused, its scale being the recipe's."""
+    weights, grads = _start()
+    first, second = ([torch.nn.Parameter(w.clone()) for w in weights] for _ in range(2))
+    instance = optimizers.Lion(learning_rate=0.01, weight_decay=0.5, loss_scale_factor=2.0).build(first)
+    rebuilt = optimizers.get(instance).build(first)  # (compile maps the instance's parameters by identity)
+    reference = optimizers.Lion(learning_rate=0.01, weight_decay=0.5, loss_scale_factor=2.0).build(second)
+    for step in grads:
+        for p, q, g in zip(first, second, step):
+            p.grad, q.grad = g * 2.0, g * 2.0
+        rebuilt.step()
+        reference.step()
+    for p, q in zip(first, second):
+        assert torch.equal(p, q)
+    scaled = optimizers.LossScaleOptimizer(optimizers.Lion()).build([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match="built by a LossScaleOptimizer"):
+        optimizers.get(scaled)

@@ -459,13 +459,19 @@ def _from_torch_instance(instance: torch.optim.Optimizer) -> Optimizer:
             raise ValueError(f"compile(optimizer=<{name} instance>): it holds gradients accumulated towards its next "
                              "update (gradient_accumulation_steps), which are one replica's. Pass it after an update, "
                              "or pass the mr.optimizers optimizer it was built from.")
+        if options.dynamic_scale is not None:
+            raise ValueError(f"compile(optimizer=<{name} instance>): it was built by a LossScaleOptimizer, whose scale "
+                             "the instance does not carry over. Pass the mr.optimizers.LossScaleOptimizer itself.")
         keras = {"clipnorm": options.clipnorm, "clipvalue": options.clipvalue,
                  "global_clipnorm": options.global_clipnorm, "use_ema": options.use_ema,
                  "ema_momentum": options.ema_momentum, "ema_overwrite_frequency": options.ema_overwrite_frequency,
-                 "gradient_accumulation_steps": options.accumulation_steps if options.accumulation_steps > 1 else None}
+                 "gradient_accumulation_steps": options.accumulation_steps if options.accumulation_steps > 1 else None,
+                 "loss_scale_factor": options.loss_scale_factor}
     groups = InstanceGroups.of(instance, name)
     rate = options.schedule if options is not None and options.schedule is not None else float(groups.hparams[0]["lr"])
     recipe = Optimizer(torch_cls, rate, name, **keras, **defaults)
+    if options is not None and options.decoupled_weight_decay:
+        recipe._options = dataclasses.replace(recipe._options, decoupled_weight_decay=options.decoupled_weight_decay)
     recipe._from_instance = groups
     return recipe
 
