@@ -196,3 +196,16 @@ def test_bad_arguments_are_refused():
         losses.categorical_hinge(torch.tensor([0, 1]), torch.randn(2, 3))
     with pytest.raises(ValueError, match="same shape"):
         losses.dice(torch.ones(2, 3), torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("name, kwargs, data", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_a_keras_loss_object_becomes_ours_with_its_settings(name, kwargs, data):
+    """compile(loss=keras.losses.X(...)) on a torch module: losses.get gives ours of the same class and
+    settings, Keras's from_logits included (Huber's delta too, which Keras's config leaves out)."""
+    theirs = getattr(keras.losses, name)(**kwargs)
+    ours = losses.get(theirs)
+    assert type(ours) is getattr(losses, name)
+    y_true, y_pred = DATA[data]
+    close(ours(y_true, y_pred), theirs(y_true, y_pred))
+    with pytest.raises(ValueError, match="mean_with_sample_weight"):
+        losses.get(keras.losses.Huber(reduction="mean_with_sample_weight"))

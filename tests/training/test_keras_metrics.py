@@ -235,3 +235,22 @@ def test_bad_arguments_are_refused():
         r2.update_state(torch.rand(4, 3), torch.rand(4, 3))
     with pytest.raises(ValueError, match="outside .0, 1., so they are not probabilities"):
         metrics.TruePositives().update_state(torch.tensor([1.0]), torch.tensor([3.0]))
+
+
+@pytest.mark.parametrize("name, kwargs, data, extra", [c for c in CASES if not c[3]], ids=[
+    i for i, c in zip(IDS, CASES) if not c[3]])
+def test_a_keras_metric_object_becomes_ours_with_its_settings(name, kwargs, data, extra):
+    """compile(metrics=[keras.metrics.X(...)]) on a torch module: metrics.get gives ours of the same class
+    and settings (before, the Keras object was taken for a function, a silent wrong value)."""
+    del extra
+    theirs = getattr(keras.metrics, name)(**kwargs, **({"dtype": "float32"} if "IoU" in name else {}))
+    ours = metrics.get(theirs)
+    assert type(ours) is getattr(metrics, name) and ours.name == theirs.name
+    _update_twice(ours, *DATA[data], DATA["weights"])
+    _update_twice(theirs, *DATA[data], DATA["weights"])
+    close(ours.result(), theirs.result())
+
+
+def test_a_keras_object_without_a_class_here_is_refused():
+    with pytest.raises(TypeError, match="a Keras object that mr.metrics has no class for"):
+        metrics.get(keras.metrics.MeanMetricWrapper(keras.metrics.mean_squared_error))

@@ -779,6 +779,8 @@ def get(identifier: str | Loss | Mapping[str, Any] | nn.Module | Callable[[Any, 
     fn(y_true, y_pred) -> per-example losses."""
     if isinstance(identifier, Loss):
         return identifier
+    if _is_keras_object(identifier):
+        return _from_keras(identifier)
     if isinstance(identifier, str):
         try:
             return (_LOSSES.get(identifier.lower()) or _LOSSES_BY_CLASS_NAME[identifier.lower()])()
@@ -801,3 +803,30 @@ def get(identifier: str | Loss | Mapping[str, Any] | nn.Module | Callable[[Any, 
         return LossFunctionWrapper(identifier)
     raise TypeError(f"losses.get: cannot make a loss from {identifier!r} ({type(identifier).__name__}). "
                     f"Pass one of {', '.join(_LOSSES)}, a loss object, a torch.nn loss module, or a function.")
+
+
+def _is_keras_object(identifier: Any) -> bool:
+    return not isinstance(identifier, type) and type(identifier).__module__.startswith("keras.")
+
+
+_KERAS_REDUCTIONS = {"sum_over_batch_size": "sum_over_batch_size", "mean": "sum_over_batch_size", "sum": "sum",
+                     "none": "none", None: "none"}
+
+
+def _from_keras(keras_loss: Any) -> Loss:
+    """Ours of the same class and settings for a keras.losses object given for a torch module, so that it
+    computes what Keras's would (its from_logits as the user set it, Keras's default False)."""
+    cls = _LOSS_CLASSES.get(type(keras_loss).__name__)
+    if cls is None or cls is LossFunctionWrapper or not hasattr(keras_loss, "get_config"):
+        raise TypeError(f"losses.get: {keras_loss!r} is a Keras object that mr.losses has no class for. Pass an "
+                        "mr.losses loss, a name, or a function(y_true, y_pred) returning one loss per example.")
+    # Keras's configs leave out some arguments (Huber's delta, CosineSimilarity's axis) that its wrapper keeps.
+    config = {**getattr(keras_loss, "_fn_kwargs", {}), **keras_loss.get_config()}
+    config.pop("dtype", None)
+    reduction = config.get("reduction")
+    if reduction not in _KERAS_REDUCTIONS:
+        raise ValueError(f"losses.get({keras_loss!r}): reduction={reduction!r} divides by the sum of the sample "
+                         "weights, which is not supported. Use \"sum_over_batch_size\" (Keras's default) or \"sum\".")
+    config["reduction"] = _KERAS_REDUCTIONS[reduction]
+    return cls.from_config(config)
+

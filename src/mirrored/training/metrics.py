@@ -605,6 +605,8 @@ def get(identifier: str | Metric | Callable[..., Tensor], loss_name: str | None 
     """
     if isinstance(identifier, Metric):
         return identifier
+    if not isinstance(identifier, type) and type(identifier).__module__.startswith("keras."):
+        return _from_keras(identifier)
     if isinstance(identifier, str):
         key = identifier.lower()
         if key in ("accuracy", "acc"):
@@ -634,4 +636,15 @@ def get(identifier: str | Metric | Callable[..., Tensor], loss_name: str | None 
         return MeanMetricWrapper(identifier)
     raise TypeError(f"metrics.get: cannot make a metric from {identifier!r} ({type(identifier).__name__}). "
                     f"Pass one of {', '.join(_METRICS)}, a Metric, or a function(y_true, y_pred).")
+
+
+def _from_keras(keras_metric: Any) -> Metric:
+    """Ours of the same class and settings for a keras.metrics object given for a torch module: the same
+    values (its from_logits as the user set it), with state summed across replicas."""
+    cls = _METRIC_CLASSES.get(type(keras_metric).__name__)
+    if cls is None or cls in (Metric, MeanMetricWrapper) or not hasattr(keras_metric, "get_config"):
+        raise TypeError(f"metrics.get: {keras_metric!r} is a Keras object that mr.metrics has no class for. Pass an "
+                        "mr.metrics metric, a name, or a function(y_true, y_pred) returning one value per example.")
+    config = {k: v for k, v in keras_metric.get_config().items() if k != "dtype"}
+    return cls.from_config(config)
 
