@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import subprocess
 import sys
 import warnings
@@ -351,9 +352,10 @@ def test_get_by_name(name, cls):
 
 
 def test_get_unknown_name_lists_the_keys():
-    with pytest.raises(ValueError, match="unknown loss 'hinge'. Known names: sparse_categorical_crossentropy, "
-                                         "categorical_crossentropy, binary_crossentropy, mean_squared_error, mse"):
-        losses.get("hinge")
+    with pytest.raises(ValueError, match="unknown loss 'hinges'. Known names: sparse_categorical_crossentropy, "
+                                         "categorical_crossentropy, binary_crossentropy, mean_squared_error, "
+                                         "mean_absolute_error, mean_absolute_percentage_error"):
+        losses.get("hinges")
     with pytest.raises(TypeError, match="cannot make a loss from 3"):
         losses.get(3)
 
@@ -395,14 +397,21 @@ def test_get_wraps_functions_and_rejects_modules_without_reduction(batch):
 
 
 def test_losses_module_does_not_import_distribute():
-    """Loads losses.py on its own (not through `import mirrored`, whose __init__ loads distribute/)."""
-    code = ("import importlib.util, sys, torch; "
-            f"spec = importlib.util.spec_from_file_location('standalone_losses', {losses.__file__!r}); "
-            "l = importlib.util.module_from_spec(spec); spec.loader.exec_module(l); "
-            "l.compute_average_loss(torch.ones(2)); l.scale_regularization_loss(torch.ones(2)); "
-            "l.sparse_categorical_crossentropy(torch.tensor([0]), torch.zeros(1, 2)); "
-            "l.get('mse')(torch.zeros(2), torch.zeros(2)); "
-            "assert not [m for m in sys.modules if m.startswith('mirrored')], sorted(sys.modules)")
+    """Loads losses.py and the loss families beside it on their own: empty stand-ins for the `mirrored`
+    and `mirrored.training` packages (whose __init__ loads distribute/ and Model) let only them run."""
+    folder = str(pathlib.Path(losses.__file__).parent)
+    code = ("import sys, types, torch\n"
+            "for name, path in (('mirrored', " + repr(str(pathlib.Path(folder).parent)) + "), "
+            "('mirrored.training', " + repr(folder) + ")):\n"
+            "    package = types.ModuleType(name); package.__path__ = [path]; sys.modules[name] = package\n"
+            "import mirrored.training.losses as l\n"
+            "l.compute_average_loss(torch.ones(2)); l.scale_regularization_loss(torch.ones(2))\n"
+            "l.sparse_categorical_crossentropy(torch.tensor([0]), torch.zeros(1, 2))\n"
+            "l.get('mse')(torch.zeros(2), torch.zeros(2)); l.get('huber')(torch.zeros(2), torch.ones(2))\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('mirrored.'))\n"
+            "assert loaded == ['mirrored.training', 'mirrored.training._batch_losses', "
+            "'mirrored.training._classification_losses', 'mirrored.training._regression_losses', "
+            "'mirrored.training.losses'], loaded\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -4,8 +4,11 @@ Models return logits, so every crossentropy here defaults to `from_logits=True`.
 `__call__(y_true, y_pred, sample_weight=None)` returns the reduced loss (Keras's reductions);
 `per_example(y_true, y_pred)` returns one loss per example for a distributed loop, which sums and
 divides by the GLOBAL batch size itself: `compute_average_loss` (tf.nn.compute_average_loss).
-`get(identifier)` turns a name, a loss object, a config, a torch.nn loss module or a function into a
-loss. Loss objects have Keras's get_config()/from_config(); serialize()/deserialize() turn one into
+`get(identifier)` turns a name (Keras's: a loss function's name, a class name or an alias such as
+"mse", "kld", "bce"), a loss object, a config, a torch.nn loss module or a function into a loss.
+Keras 3's other losses live in families beside this module, re-exported here: _regression_losses.py
+(Huber, LogCosh, Poisson, KLDivergence, ...), _classification_losses.py (hinges, focal
+crossentropies, CTC, ...) and _batch_losses.py (Dice, Tversky, Circle: statistics of a whole batch). Loss objects have Keras's get_config()/from_config(); serialize()/deserialize() turn one into
 JSON and back, from this module's classes only.
 
 Called inside `strategy.run` on several replicas, a loss object with the default mean reduction
@@ -13,7 +16,7 @@ averages over one replica's batch; a mirrored optimizer then SUMs the replicas' 
 makes the update N times too large (TF 2.21 does so silently). The first such call warns, naming the
 fix. Model.fit never calls loss objects that way: it takes `per_example` losses.
 
-Uses torch only (and _config.py, on first use of a config); the replica context (for the replica
+Uses torch and the families above only (and _config.py, on first use of a config); the replica context (for the replica
 count and the replica id in errors) is looked up at call time in mirrored.distribute.context when
 that module is loaded, so this module never imports mirrored.distribute.
 """
@@ -32,23 +35,57 @@ from torch import Tensor, nn
 
 __all__ = [
     "BinaryCrossentropy",
+    "BinaryFocalCrossentropy",
+    "CTC",
     "CategoricalCrossentropy",
+    "CategoricalFocalCrossentropy",
+    "CategoricalGeneralizedCrossEntropy",
+    "CategoricalHinge",
+    "Circle",
+    "CosineSimilarity",
+    "Dice",
+    "Hinge",
+    "Huber",
+    "KLDivergence",
+    "LogCosh",
     "Loss",
     "LossFunctionWrapper",
     "MeanAbsoluteError",
+    "MeanAbsolutePercentageError",
     "MeanSquaredError",
+    "MeanSquaredLogarithmicError",
+    "Poisson",
     "SparseCategoricalCrossentropy",
+    "SquaredHinge",
     "TorchLossWrapper",
+    "Tversky",
     "binary_crossentropy",
+    "binary_focal_crossentropy",
     "categorical_crossentropy",
+    "categorical_focal_crossentropy",
+    "categorical_generalized_cross_entropy",
+    "categorical_hinge",
+    "circle",
     "compute_average_loss",
+    "cosine_similarity",
+    "ctc",
     "deserialize",
+    "dice",
     "get",
+    "hinge",
+    "huber",
+    "kl_divergence",
+    "log_cosh",
     "mean_absolute_error",
+    "mean_absolute_percentage_error",
     "mean_squared_error",
+    "mean_squared_logarithmic_error",
+    "poisson",
     "scale_regularization_loss",
     "serialize",
     "sparse_categorical_crossentropy",
+    "squared_hinge",
+    "tversky",
 ]
 
 _EPSILON = 1e-7  # Keras's backend epsilon: probabilities are clipped to [eps, 1 - eps] before log
@@ -578,15 +615,18 @@ class MeanAbsoluteError(Loss):
 
 
 class LossFunctionWrapper(Loss):
-    """A function fn(y_true, y_pred) -> per-example losses, as a loss object."""
+    """A function fn(y_true, y_pred, **kwargs) -> per-example losses, as a loss object (Keras's
+    LossFunctionWrapper); the named losses of mr.losses are its subclasses, as in Keras."""
 
-    def __init__(self, fn: Callable[[Any, Tensor], Tensor], reduction: str = "sum_over_batch_size",
-                 name: str | None = None):
-        super().__init__(name or getattr(fn, "__name__", type(fn).__name__), reduction)
+    def __init__(self, fn: Callable[..., Tensor], reduction: str = "sum_over_batch_size",
+                 name: str | None = None, **kwargs: Any):
+        super().__init__(name or getattr(fn, "__name__", type(fn).__name__), reduction,
+                         bool(kwargs.get("from_logits", False)))
         self.fn = fn
+        self._fn_kwargs = kwargs
 
     def _per_example(self, y_true: Any, y_pred: Tensor) -> Tensor:
-        losses = self.fn(y_true, y_pred)
+        losses = self.fn(y_true, y_pred, **self._fn_kwargs)
         if not isinstance(losses, Tensor) or losses.ndim == 0:
             got = "a scalar" if isinstance(losses, Tensor) else type(losses).__name__
             raise ValueError(f"loss function {self.name!r} returned {got}; a loss function must return one loss "
@@ -594,25 +634,32 @@ class LossFunctionWrapper(Loss):
         return losses
 
     def get_config(self) -> dict[str, Any]:
-        """Only for this module's loss functions, which are rebuilt by name; another function has no config."""
+        """A named subclass: its settings. This class itself: only for mr.losses' functions, which are
+        rebuilt by name; another function has no config."""
+        if type(self) is not LossFunctionWrapper:
+            return {**super().get_config(), **self._fn_kwargs}
         name = getattr(self.fn, "__name__", None)
         if _LOSS_FUNCTIONS.get(name) is not self.fn:
             raise NotImplementedError(f"loss {self.name!r} wraps {self.fn!r}, which is not one of mr.losses' "
                                       "functions, so no config can rebuild it.")
-        return {**super().get_config(), "fn": name}
+        return {**super().get_config(), "fn": name, **self._fn_kwargs}
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Loss:
         """A new instance from get_config()'s dict (Keras's from_config)."""
+        if cls is not LossFunctionWrapper:
+            return cls(**config)
         config = dict(config)
         name = config.pop("fn", None)
         if name not in _LOSS_FUNCTIONS:
             raise ValueError(f"LossFunctionWrapper config: fn={name!r} is not one of {', '.join(_LOSS_FUNCTIONS)}.")
         return cls(_LOSS_FUNCTIONS[name], **config)
 
-
-def _snake_case(name: str) -> str:
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+    def __repr__(self) -> str:
+        if type(self) is LossFunctionWrapper:
+            return f"LossFunctionWrapper({getattr(self.fn, '__name__', self.fn)!r}, reduction={self.reduction!r})"
+        args = "".join(f"{k}={v!r}, " for k, v in self._fn_kwargs.items())
+        return f"{type(self).__name__}({args}reduction={self.reduction!r})"
 
 
 class TorchLossWrapper(Loss):
@@ -644,19 +691,71 @@ class TorchLossWrapper(Loss):
         return f"TorchLossWrapper({self.module!r}, reduction={self.reduction!r})"
 
 
+# The families beside this module build on the classes and helpers above (they import them from here).
+from mirrored.training import _batch_losses, _classification_losses, _regression_losses  # noqa: E402
+from mirrored.training._batch_losses import Circle, Dice, Tversky, circle, dice, tversky  # noqa: E402
+from mirrored.training._classification_losses import (  # noqa: E402
+    CTC,
+    BinaryFocalCrossentropy,
+    CategoricalFocalCrossentropy,
+    CategoricalGeneralizedCrossEntropy,
+    CategoricalHinge,
+    Hinge,
+    SquaredHinge,
+    binary_focal_crossentropy,
+    categorical_focal_crossentropy,
+    categorical_generalized_cross_entropy,
+    categorical_hinge,
+    ctc,
+    hinge,
+    squared_hinge,
+)
+from mirrored.training._regression_losses import (  # noqa: E402
+    CosineSimilarity,
+    Huber,
+    KLDivergence,
+    LogCosh,
+    MeanAbsolutePercentageError,
+    MeanSquaredLogarithmicError,
+    Poisson,
+    cosine_similarity,
+    huber,
+    kl_divergence,
+    log_cosh,
+    mean_absolute_percentage_error,
+    mean_squared_logarithmic_error,
+    poisson,
+)
+
+_LOSS_CLASSES: dict[str, type[Loss]] = {cls.__name__: cls for cls in (
+    SparseCategoricalCrossentropy, CategoricalCrossentropy, BinaryCrossentropy, MeanSquaredError, MeanAbsoluteError,
+    *_regression_losses.CLASSES, *_classification_losses.CLASSES, *_batch_losses.CLASSES, LossFunctionWrapper)}
+_LOSS_FUNCTIONS: dict[str, Callable[..., Tensor]] = {fn.__name__: fn for fn in (
+    sparse_categorical_crossentropy, categorical_crossentropy, binary_crossentropy, mean_squared_error,
+    mean_absolute_error, *_regression_losses.FUNCTIONS, *_classification_losses.FUNCTIONS,
+    *_batch_losses.FUNCTIONS)}
+# Keras's names: each loss function's name (which get() turns into its class, crossentropies on logits) and
+# Keras's short aliases. Class names ("Huber") are found too, through _LOSS_CLASSES.
 _LOSSES: dict[str, type[Loss]] = {
     "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
     "categorical_crossentropy": CategoricalCrossentropy,
     "binary_crossentropy": BinaryCrossentropy,
     "mean_squared_error": MeanSquaredError,
-    "mse": MeanSquaredError,
     "mean_absolute_error": MeanAbsoluteError,
+    **{fn.__name__: cls for fn, cls in zip(
+        (*_regression_losses.FUNCTIONS, *_classification_losses.FUNCTIONS, *_batch_losses.FUNCTIONS),
+        (*_regression_losses.CLASSES, *_classification_losses.CLASSES, *_batch_losses.CLASSES))},
+    "mse": MeanSquaredError,
     "mae": MeanAbsoluteError,
+    "mape": MeanAbsolutePercentageError,
+    "msle": MeanSquaredLogarithmicError,
+    "bce": BinaryCrossentropy,
+    "kld": KLDivergence,
+    "kullback_leibler_divergence": KLDivergence,
+    "logcosh": LogCosh,
 }
-_LOSS_CLASSES: dict[str, type[Loss]] = {cls.__name__: cls for cls in (*_LOSSES.values(), LossFunctionWrapper)}
-_LOSS_FUNCTIONS: dict[str, Callable[..., Tensor]] = {fn.__name__: fn for fn in (
-    sparse_categorical_crossentropy, categorical_crossentropy, binary_crossentropy, mean_squared_error,
-    mean_absolute_error)}
+_LOSSES_BY_CLASS_NAME: dict[str, type[Loss]] = {
+    name.lower(): cls for name, cls in _LOSS_CLASSES.items() if cls is not LossFunctionWrapper}
 
 
 def serialize(loss: Loss) -> dict[str, Any] | None:
@@ -680,9 +779,11 @@ def get(identifier: str | Loss | Mapping[str, Any] | nn.Module | Callable[[Any, 
     fn(y_true, y_pred) -> per-example losses."""
     if isinstance(identifier, Loss):
         return identifier
+    if _is_keras_object(identifier):
+        return _from_keras(identifier)
     if isinstance(identifier, str):
         try:
-            return _LOSSES[identifier.lower()]()
+            return (_LOSSES.get(identifier.lower()) or _LOSSES_BY_CLASS_NAME[identifier.lower()])()
         except KeyError:
             raise ValueError(f"unknown loss {identifier!r}. Known names: {', '.join(_LOSSES)}; or pass a loss "
                              "object, a torch.nn loss module, or a function(y_true, y_pred).") from None
@@ -702,3 +803,30 @@ def get(identifier: str | Loss | Mapping[str, Any] | nn.Module | Callable[[Any, 
         return LossFunctionWrapper(identifier)
     raise TypeError(f"losses.get: cannot make a loss from {identifier!r} ({type(identifier).__name__}). "
                     f"Pass one of {', '.join(_LOSSES)}, a loss object, a torch.nn loss module, or a function.")
+
+
+def _is_keras_object(identifier: Any) -> bool:
+    return not isinstance(identifier, type) and type(identifier).__module__.startswith("keras.")
+
+
+_KERAS_REDUCTIONS = {"sum_over_batch_size": "sum_over_batch_size", "mean": "sum_over_batch_size", "sum": "sum",
+                     "none": "none", None: "none"}
+
+
+def _from_keras(keras_loss: Any) -> Loss:
+    """Ours of the same class and settings for a keras.losses object given for a torch module, so that it
+    computes what Keras's would (its from_logits as the user set it, Keras's default False)."""
+    cls = _LOSS_CLASSES.get(type(keras_loss).__name__)
+    if cls is None or cls is LossFunctionWrapper or not hasattr(keras_loss, "get_config"):
+        raise TypeError(f"losses.get: {keras_loss!r} is a Keras object that mr.losses has no class for. Pass an "
+                        "mr.losses loss, a name, or a function(y_true, y_pred) returning one loss per example.")
+    # Keras's configs leave out some arguments (Huber's delta, CosineSimilarity's axis) that its wrapper keeps.
+    config = {**getattr(keras_loss, "_fn_kwargs", {}), **keras_loss.get_config()}
+    config.pop("dtype", None)
+    reduction = config.get("reduction")
+    if reduction not in _KERAS_REDUCTIONS:
+        raise ValueError(f"losses.get({keras_loss!r}): reduction={reduction!r} divides by the sum of the sample "
+                         "weights, which is not supported. Use \"sum_over_batch_size\" (Keras's default) or \"sum\".")
+    config["reduction"] = _KERAS_REDUCTIONS[reduction]
+    return cls.from_config(config)
+

@@ -6,10 +6,18 @@ in `mirrored` Variables created with synchronization=ON_READ and aggregation=SUM
 `with strategy.scope():` each replica accumulates into its own copy (on its own device) from
 inside strategy.run, and `result()` in cross-replica context computes from the copies' sum. Counts
 and sums are float64, so counts stay exact to 2**53 and one step's rounding does not drift a long
-epoch's mean; results are float32. `get(identifier, loss_name=None)` resolves Keras names,
-including "accuracy", whose meaning depends on the loss. Metrics have Keras's get_config() /
+epoch's mean; results are float32. `get(identifier, loss_name=None)` resolves Keras names
+(snake_case class names and aliases such as "mse", "mae", "bce"), including "accuracy", whose
+meaning depends on the loss. Metrics have Keras's get_config() /
 from_config() (settings, not state); serialize()/deserialize() turn one into JSON and back, from
 this module's classes only.
+
+Keras 3's other metrics live in families beside this module, re-exported here:
+_regression_metrics.py (MeanSquaredError, RootMeanSquaredError, R2Score, correlations, ...),
+_probabilistic_metrics.py (crossentropies, KLDivergence, hinges, TopKCategoricalAccuracy),
+_confusion_metrics.py (Precision, Recall, AUC, TruePositives, ..., PrecisionAtRecall, ..., F1Score) and
+_iou_metrics.py (IoU, MeanIoU, BinaryIoU, OneHot*). All are built on Metric above and tested against
+Keras's own objects: torchmetrics takes no sample weights in most metrics and Keras is optional.
 
 Uses torch, the public names of mirrored.distribute (Variable and its enums) and _config.py.
 """
@@ -29,31 +37,64 @@ __all__ = [
     "AUC",
     "Accuracy",
     "BinaryAccuracy",
+    "BinaryCrossentropy",
+    "BinaryIoU",
     "CategoricalAccuracy",
+    "CategoricalCrossentropy",
+    "CategoricalHinge",
+    "ConcordanceCorrelation",
+    "CosineSimilarity",
+    "F1Score",
+    "FBetaScore",
+    "FalseNegatives",
+    "FalsePositives",
+    "Hinge",
+    "IoU",
+    "KLDivergence",
+    "LogCoshError",
     "Mean",
+    "MeanAbsoluteError",
+    "MeanAbsolutePercentageError",
+    "MeanIoU",
     "MeanMetricWrapper",
+    "MeanSquaredError",
+    "MeanSquaredLogarithmicError",
     "Metric",
+    "OneHotIoU",
+    "OneHotMeanIoU",
+    "PearsonCorrelation",
+    "Poisson",
     "Precision",
+    "PrecisionAtRecall",
+    "R2Score",
     "Recall",
+    "RecallAtPrecision",
+    "RootMeanSquaredError",
+    "SensitivityAtSpecificity",
     "SparseCategoricalAccuracy",
+    "SparseCategoricalCrossentropy",
     "SparseTopKCategoricalAccuracy",
+    "SpecificityAtSensitivity",
+    "SquaredHinge",
     "Sum",
+    "TopKCategoricalAccuracy",
+    "TrueNegatives",
+    "TruePositives",
     "accuracy",
     "binary_accuracy",
     "categorical_accuracy",
+    "concordance_correlation",
     "deserialize",
     "get",
+    "pearson_correlation",
     "serialize",
     "sparse_categorical_accuracy",
     "sparse_top_k_categorical_accuracy",
+    "top_k_categorical_accuracy",
 ]
 
 _STATE_DTYPE = torch.float64  # exact counts up to 2**53; sums that do not drift over an epoch
 _RESULT_DTYPE = torch.float32
-# Logits given where probabilities are expected show on the first batches; checking only the first
-# updates keeps the per-step cost (a device sync) out of long runs.
-_RANGE_CHECK_UPDATES = 10
-_AUC_EPSILON = 1e-7  # the outer thresholds sit just outside [0, 1] so that 0 and 1 fall inside them
 
 
 class Metric:
@@ -65,8 +106,10 @@ class Metric:
         self.name = name
         self._state: list[Variable] = []
 
-    def add_state(self, name: str, shape: tuple[int, ...] = ()) -> Variable:
-        """A float64 zero-filled Variable, one copy per replica in a strategy's scope, summed on read."""
+    def add_state(self, name: str, shape: tuple[int, ...] = (), keep: bool = True) -> Variable:
+        """A float64 zero-filled Variable, one copy per replica in a strategy's scope, summed on read.
+        keep=False leaves it out of `variables` (a metric that makes its state at the first update
+        adds it itself, once)."""
         var = Variable(
             torch.zeros(shape, dtype=_STATE_DTYPE),
             trainable=False,
@@ -74,7 +117,8 @@ class Metric:
             synchronization=VariableSynchronization.ON_READ,
             aggregation=VariableAggregation.SUM,
         )
-        self._state.append(var)
+        if keep:
+            self._state.append(var)
         return var
 
     @property
@@ -384,210 +428,57 @@ def _check_threshold(cls: str, arg: str, value: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Thresholded binary metrics.
-
-class _Binary(Metric):
-    """Shared input handling of Precision, Recall and AUC: flattened probabilities (a sigmoid of logits
-    when from_logits=True), boolean labels (non-zero is positive) and per-element weights."""
-
-    def __init__(self, name: str, from_logits: bool):
-        super().__init__(name)
-        self.from_logits = from_logits
-        self._range_checks_left = 0 if from_logits else _RANGE_CHECK_UPDATES
-
-    def _flat_inputs(self, y_true: Any, y_pred: Any, sample_weight: Any) -> tuple[Tensor, Tensor, Tensor]:
-        y_true, y_pred = _same_shape(self.name, *_tensors(y_true, y_pred))
-        if self._range_checks_left > 0 and y_pred.numel():
-            self._range_checks_left -= 1
-            lo, hi = torch.stack(torch.aminmax(y_pred.to(_STATE_DTYPE))).tolist()
-            if lo < 0 or hi > 1:
-                raise ValueError(
-                    f"{self.name}: predictions range over [{lo:.4g}, {hi:.4g}], outside [0, 1], so they are not "
-                    f"probabilities. Our models return logits: pass {type(self).__name__}(from_logits=True)."
-                )
-        probs = _probabilities(y_pred, self.from_logits).reshape(-1)
-        positive = (y_true != 0).reshape(-1)
-        if sample_weight is None:
-            weights = torch.ones_like(probs, dtype=_STATE_DTYPE)  # counts summed exactly
-        else:
-            weights = _broadcast_sample_weight(torch.as_tensor(sample_weight).detach(), y_pred.to(_STATE_DTYPE),
-                                               self.name).reshape(-1)
-        return probs, positive, weights
-
-
-class Precision(_Binary):
-    """True positives / predicted positives, where "predicted positive" is probability > thresholds.
-
-    Keras takes probabilities; our models return logits, so pass from_logits=True for them. One
-    threshold only (Keras also takes a list)."""
-
-    def __init__(self, thresholds: float = 0.5, name: str = "precision", from_logits: bool = False):
-        _check_threshold("Precision", "thresholds", thresholds)
-        super().__init__(name, from_logits)
-        self.thresholds = float(thresholds)
-        self.true_positives = self.add_state("true_positives")
-        self.false_positives = self.add_state("false_positives")
-
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
-        """Counts the batch's true and false positives (probability > thresholds), weighted by
-        `sample_weight`; y_true is positive where non-zero."""
-        probs, positive, weights = self._flat_inputs(y_true, y_pred, sample_weight)
-        predicted = probs > self.thresholds
-        self.true_positives.assign_add((weights * (predicted & positive)).sum())
-        self.false_positives.assign_add((weights * (predicted & ~positive)).sum())
-
-    def get_config(self) -> dict[str, Any]:
-        """The constructor's arguments (thresholds, name, from_logits), as JSON; not the counts."""
-        return {"thresholds": self.thresholds, "name": self.name, "from_logits": self.from_logits}
-
-    def result(self) -> Tensor:
-        """true positives / (true + false positives) over all replicas, 0 when nothing was predicted positive."""
-        tp = self.true_positives.read_value()
-        return _divide_no_nan(tp, tp + self.false_positives.read_value()).to(_RESULT_DTYPE)
-
-
-class Recall(_Binary):
-    """True positives / actual positives, where "predicted positive" is probability > thresholds.
-
-    Keras takes probabilities; our models return logits, so pass from_logits=True for them."""
-
-    def __init__(self, thresholds: float = 0.5, name: str = "recall", from_logits: bool = False):
-        _check_threshold("Recall", "thresholds", thresholds)
-        super().__init__(name, from_logits)
-        self.thresholds = float(thresholds)
-        self.true_positives = self.add_state("true_positives")
-        self.false_negatives = self.add_state("false_negatives")
-
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
-        """Counts the batch's true positives and false negatives (probability > thresholds is predicted
-        positive), weighted by `sample_weight`; y_true is positive where non-zero."""
-        probs, positive, weights = self._flat_inputs(y_true, y_pred, sample_weight)
-        predicted = probs > self.thresholds
-        self.true_positives.assign_add((weights * (predicted & positive)).sum())
-        self.false_negatives.assign_add((weights * (~predicted & positive)).sum())
-
-    def get_config(self) -> dict[str, Any]:
-        """The constructor's arguments (thresholds, name, from_logits), as JSON; not the counts."""
-        return {"thresholds": self.thresholds, "name": self.name, "from_logits": self.from_logits}
-
-    def result(self) -> Tensor:
-        """true positives / (true positives + false negatives) over all replicas, 0 when no example was positive."""
-        tp = self.true_positives.read_value()
-        return _divide_no_nan(tp, tp + self.false_negatives.read_value()).to(_RESULT_DTYPE)
-
-
-_CURVES = ("ROC", "PR")
-_SUMMATION_METHODS = ("interpolation", "minoring", "majoring")
-
-
-class AUC(_Binary):
-    """Area under the ROC or precision-recall curve of a binary classifier, approximated from
-    confusion matrices at `num_thresholds` evenly spaced thresholds (Keras's method).
-
-    The thresholds are i / (num_thresholds - 1) for the inner ones, plus -1e-7 and 1 + 1e-7 so the
-    curve reaches both corners. summation_method="interpolation" is the trapezoid rule for ROC and,
-    for PR, the interpolation of Davis & Goadrich (2006): precision along a segment follows the
-    straight line between its end points in (true positives, false positives) space. "minoring" and
-    "majoring" take the lower and upper end of each segment. Keras takes probabilities; pass
-    from_logits=True for logits."""
-
-    def __init__(self, num_thresholds: int = 200, curve: str = "ROC", summation_method: str = "interpolation",
-                 name: str = "auc", from_logits: bool = False):
-        if isinstance(num_thresholds, bool) or not isinstance(num_thresholds, int) or num_thresholds < 2:
-            raise ValueError(f"AUC(num_thresholds={num_thresholds!r}): must be an int >= 2.")
-        if not isinstance(curve, str) or curve.upper() not in _CURVES:
-            raise ValueError(f"AUC(curve={curve!r}): expected one of {list(_CURVES)}.")
-        if summation_method not in _SUMMATION_METHODS:
-            raise ValueError(f"AUC(summation_method={summation_method!r}): expected one of {list(_SUMMATION_METHODS)}.")
-        super().__init__(name, from_logits)
-        self.num_thresholds = num_thresholds
-        self.curve = curve.upper()
-        self.summation_method = summation_method
-        inner = [i / (num_thresholds - 1) for i in range(1, num_thresholds - 1)]
-        self.thresholds = torch.tensor([-_AUC_EPSILON, *inner, 1 + _AUC_EPSILON], dtype=torch.float32)
-        shape = (num_thresholds,)
-        self.true_positives = self.add_state("true_positives", shape)
-        self.false_positives = self.add_state("false_positives", shape)
-        self.true_negatives = self.add_state("true_negatives", shape)
-        self.false_negatives = self.add_state("false_negatives", shape)
-
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
-        """Adds the batch to the confusion matrices at every threshold (weighted by `sample_weight`), in one
-        pass over the examples rather than one per threshold."""
-        probs, positive, weights = self._flat_inputs(y_true, y_pred, sample_weight)
-        # above[i] = how many thresholds prediction i exceeds, so it counts as positive at thresholds
-        # 0 .. above[i] - 1. A histogram of `above` and a suffix sum give every threshold's count in
-        # O(examples + thresholds) instead of comparing every prediction with every threshold. With the
-        # thresholds evenly spaced, it is Keras's bucket, computed as Keras does in float32:
-        # ceil(p * (n - 1)) for p clipped to [0, 1], at least 1 (every p is above -1e-7).
-        above = torch.ceil(probs.clamp(0, 1) * (self.num_thresholds - 1)).clamp(min=1)
-        above = torch.where(probs.isnan(), 0, above).long()  # NaN > t is false: a NaN counts as negative
-        n = self.num_thresholds
-        pos_w = weights * positive
-        neg_w = weights * ~positive
-
-        def predicted_positive(w: Tensor) -> Tensor:
-            hist = torch.bincount(above, weights=w, minlength=n + 1)
-            return hist.flip(0).cumsum(0).flip(0)[1:]  # [t] = weight with above > t
-
-        tp, fp = predicted_positive(pos_w), predicted_positive(neg_w)
-        self.true_positives.assign_add(tp)
-        self.false_positives.assign_add(fp)
-        self.false_negatives.assign_add(pos_w.sum() - tp)
-        self.true_negatives.assign_add(neg_w.sum() - fp)
-
-    def result(self) -> Tensor:
-        """The area under the ROC or PR curve of the counts so far (all replicas), by `summation_method`."""
-        tp, fp = self.true_positives.read_value(), self.false_positives.read_value()
-        tn, fn = self.true_negatives.read_value(), self.false_negatives.read_value()
-        if self.curve == "PR" and self.summation_method == "interpolation":
-            return _pr_auc_interpolated(tp, fp, fn).to(_RESULT_DTYPE)
-        if self.curve == "ROC":
-            x, y = _divide_no_nan(fp, fp + tn), _divide_no_nan(tp, tp + fn)  # FPR, TPR
-        else:
-            x, y = _divide_no_nan(tp, tp + fn), _divide_no_nan(tp, tp + fp)  # recall, precision
-        # Thresholds rise along the index, so x falls: the widths are x[t] - x[t + 1].
-        widths = x[:-1] - x[1:]
-        if self.summation_method == "interpolation":
-            heights = (y[:-1] + y[1:]) / 2
-        elif self.summation_method == "minoring":
-            heights = torch.minimum(y[:-1], y[1:])
-        else:
-            heights = torch.maximum(y[:-1], y[1:])
-        return (widths * heights).sum().to(_RESULT_DTYPE)
-
-    def get_config(self) -> dict[str, Any]:
-        """The constructor's arguments (num_thresholds, curve, summation_method, name, from_logits), as JSON."""
-        return {"num_thresholds": self.num_thresholds, "curve": self.curve, "summation_method": self.summation_method,
-                "name": self.name, "from_logits": self.from_logits}
-
-    def __repr__(self) -> str:
-        return (f"AUC(num_thresholds={self.num_thresholds}, curve={self.curve!r}, summation_method="
-                f"{self.summation_method!r}, name={self.name!r}, from_logits={self.from_logits})")
-
-
-def _pr_auc_interpolated(tp: Tensor, fp: Tensor, fn: Tensor) -> Tensor:
-    """Area under the PR curve, with precision interpolated as Davis & Goadrich (2006) do.
-
-    Between thresholds t and t+1, true positives grow linearly with predicted positives p = tp + fp:
-    tp(p) = slope * p + intercept. Recall is tp / P, so d(recall) = slope * dp / P and the segment's
-    area is the integral of (slope + intercept / p) * slope / P over p, which is
-    slope * (dtp + intercept * ln(p_t / p_t+1)) / P."""
-    predicted = tp + fp
-    dtp = tp[:-1] - tp[1:]
-    dp = predicted[:-1] - predicted[1:]
-    slope = _divide_no_nan(dtp, dp)
-    intercept = tp[1:] - slope * predicted[1:]
-    both_positive = (predicted[:-1] > 0) & (predicted[1:] > 0)
-    # Where p_t+1 is 0, tp_t+1 and so the intercept are 0: the log term vanishes (ratio 1).
-    ratio = torch.where(both_positive, predicted[:-1] / torch.where(both_positive, predicted[1:], 1.0), 1.0)
-    area = slope * (dtp + intercept * torch.log(ratio))
-    positives = tp[1:] + fn[1:]
-    return _divide_no_nan(area, positives).sum()
-
-
-# ---------------------------------------------------------------------------------------------
 # Registry.
+
+# The families beside this module build on the classes above (they import them from here).
+from mirrored.training import (  # noqa: E402
+    _confusion_metrics,
+    _iou_metrics,
+    _probabilistic_metrics,
+    _regression_metrics,
+)
+from mirrored.training._confusion_metrics import (  # noqa: E402
+    AUC,
+    F1Score,
+    FalseNegatives,
+    FalsePositives,
+    FBetaScore,
+    Precision,
+    PrecisionAtRecall,
+    Recall,
+    RecallAtPrecision,
+    SensitivityAtSpecificity,
+    SpecificityAtSensitivity,
+    TrueNegatives,
+    TruePositives,
+)
+from mirrored.training._iou_metrics import BinaryIoU, IoU, MeanIoU, OneHotIoU, OneHotMeanIoU  # noqa: E402
+from mirrored.training._probabilistic_metrics import (  # noqa: E402
+    BinaryCrossentropy,
+    CategoricalCrossentropy,
+    CategoricalHinge,
+    Hinge,
+    KLDivergence,
+    Poisson,
+    SparseCategoricalCrossentropy,
+    SquaredHinge,
+    TopKCategoricalAccuracy,
+    top_k_categorical_accuracy,
+)
+from mirrored.training._regression_metrics import (  # noqa: E402
+    ConcordanceCorrelation,
+    CosineSimilarity,
+    LogCoshError,
+    MeanAbsoluteError,
+    MeanAbsolutePercentageError,
+    MeanSquaredError,
+    MeanSquaredLogarithmicError,
+    PearsonCorrelation,
+    R2Score,
+    RootMeanSquaredError,
+    concordance_correlation,
+    pearson_correlation,
+)
 
 _METRICS: dict[str, Callable[..., Metric]] = {
     "accuracy": Accuracy,  # resolved by get() from the loss or the shapes; see _ACCURACY_FOR_LOSS
@@ -617,15 +508,76 @@ _ACCURACY_FOR_LOSS: dict[str, Callable[[str, bool], Metric]] = {
 }
 
 
-# Made from a name, these threshold sigmoid(logits) by default, since our models return logits.
-_TAKE_FROM_LOGITS = ("binary_accuracy", "precision", "recall", "auc")
-
 _METRIC_CLASSES: dict[str, type[Metric]] = {cls.__name__: cls for cls in (
     Accuracy, SparseCategoricalAccuracy, CategoricalAccuracy, BinaryAccuracy, SparseTopKCategoricalAccuracy,
-    Precision, Recall, AUC, Mean, Sum, MeanMetricWrapper)}
+    Mean, Sum, MeanMetricWrapper, *_regression_metrics.CLASSES,
+    *_probabilistic_metrics.CLASSES, *_confusion_metrics.CLASSES, *_iou_metrics.CLASSES)}
 _METRIC_FUNCTIONS: dict[str, Callable[..., Tensor]] = {fn.__name__: fn for fn in (
     accuracy, sparse_categorical_accuracy, categorical_accuracy, binary_accuracy, sparse_top_k_categorical_accuracy,
-    _accuracy_by_shape)}
+    _accuracy_by_shape, *_regression_metrics.FUNCTIONS, *_probabilistic_metrics.FUNCTIONS)}
+
+# Keras 3's names: each class's name in snake_case (Keras's to_snake_case: MeanIoU -> mean_io_u), and its
+# aliases. Class names ("RootMeanSquaredError") are found too, through _METRIC_CLASSES.
+_METRICS.update({
+    "mean_squared_error": MeanSquaredError,
+    "mse": MeanSquaredError,
+    "mean_absolute_error": MeanAbsoluteError,
+    "mae": MeanAbsoluteError,
+    "mean_absolute_percentage_error": MeanAbsolutePercentageError,
+    "mape": MeanAbsolutePercentageError,
+    "mean_squared_logarithmic_error": MeanSquaredLogarithmicError,
+    "msle": MeanSquaredLogarithmicError,
+    "root_mean_squared_error": RootMeanSquaredError,
+    "cosine_similarity": CosineSimilarity,
+    "log_cosh_error": LogCoshError,
+    "logcosh": LogCoshError,
+    "r2_score": R2Score,
+    "pearson_correlation": PearsonCorrelation,
+    "concordance_correlation": ConcordanceCorrelation,
+    "binary_crossentropy": BinaryCrossentropy,
+    "bce": BinaryCrossentropy,
+    "categorical_crossentropy": CategoricalCrossentropy,
+    "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+    "kl_divergence": KLDivergence,
+    "poisson": Poisson,
+    "hinge": Hinge,
+    "squared_hinge": SquaredHinge,
+    "categorical_hinge": CategoricalHinge,
+    "top_k_categorical_accuracy": TopKCategoricalAccuracy,
+    "true_positives": TruePositives,
+    "false_positives": FalsePositives,
+    "true_negatives": TrueNegatives,
+    "false_negatives": FalseNegatives,
+    "f1_score": F1Score,
+    "f_beta_score": FBetaScore,
+    "fbeta_score": FBetaScore,
+    "binary_io_u": BinaryIoU,
+})
+# Keras's names of metrics that cannot be made without arguments (Keras's get fails on them too): get()
+# says what to pass.
+_NEED_ARGUMENTS: dict[type[Metric], str] = {
+    PrecisionAtRecall: "PrecisionAtRecall(recall=0.8)",
+    RecallAtPrecision: "RecallAtPrecision(precision=0.8)",
+    SensitivityAtSpecificity: "SensitivityAtSpecificity(specificity=0.8)",
+    SpecificityAtSensitivity: "SpecificityAtSensitivity(sensitivity=0.8)",
+    IoU: "IoU(num_classes=..., target_class_ids=[...])",
+    MeanIoU: "MeanIoU(num_classes=...)",
+    OneHotIoU: "OneHotIoU(num_classes=..., target_class_ids=[...])",
+    OneHotMeanIoU: "OneHotMeanIoU(num_classes=...)",
+}
+_METRICS.update({"precision_at_recall": PrecisionAtRecall, "recall_at_precision": RecallAtPrecision,
+                 "sensitivity_at_specificity": SensitivityAtSpecificity,
+                 "specificity_at_sensitivity": SpecificityAtSensitivity, "io_u": IoU, "mean_io_u": MeanIoU,
+                 "one_hot_io_u": OneHotIoU, "one_hot_mean_io_u": OneHotMeanIoU})
+_METRICS_BY_CLASS_NAME: dict[str, type[Metric]] = {
+    name.lower(): cls for name, cls in _METRIC_CLASSES.items() if cls not in (MeanMetricWrapper, Metric)}
+
+# Made from a name, these threshold sigmoid(logits) or take logits by default, since our models return
+# logits (as the loss names do).
+_TAKE_FROM_LOGITS = {"binary_accuracy", "precision", "recall", "auc", "binary_crossentropy", "bce",
+                     "categorical_crossentropy", "sparse_categorical_crossentropy", "true_positives",
+                     "false_positives", "true_negatives", "false_negatives", "f1_score", "f_beta_score", "fbeta_score",
+                     "binary_io_u"}
 
 
 def serialize(metric: Metric) -> dict[str, Any] | None:
@@ -653,18 +605,29 @@ def get(identifier: str | Metric | Callable[..., Tensor], loss_name: str | None 
     """
     if isinstance(identifier, Metric):
         return identifier
+    if not isinstance(identifier, type) and type(identifier).__module__.startswith("keras."):
+        return _from_keras(identifier)
     if isinstance(identifier, str):
         key = identifier.lower()
         if key in ("accuracy", "acc"):
             if loss_name is not None and loss_name.lower() in _ACCURACY_FOR_LOSS:
                 return _ACCURACY_FOR_LOSS[loss_name.lower()](identifier, from_logits)
             return MeanMetricWrapper(_accuracy_by_shape, identifier, from_logits=from_logits)
-        if key not in _METRICS:
+        cls = _METRICS.get(key)
+        if cls is None and key in _METRICS_BY_CLASS_NAME:  # a class name: the class with its own default name
+            cls = _METRICS_BY_CLASS_NAME[key]
+            key = next((k for k, c in _METRICS.items() if c is cls), key)
+            identifier = None
+        if cls in _NEED_ARGUMENTS:
+            raise ValueError(f"metric {identifier or key!r} needs arguments, so no name can make it: pass "
+                             f"mr.metrics.{_NEED_ARGUMENTS[cls]}.")
+        if cls is None:
             raise ValueError(f"unknown metric {identifier!r}. Known names: {', '.join(_METRICS)}; or pass a "
                              "Metric object or a function(y_true, y_pred) returning one value per example.")
+        named = {} if identifier is None else {"name": identifier}
         if key in _TAKE_FROM_LOGITS:
-            return _METRICS[key](name=identifier, from_logits=from_logits)
-        return _METRICS[key](name=identifier)
+            return cls(**named, from_logits=from_logits)
+        return cls(**named)
     if isinstance(identifier, type) and issubclass(identifier, Metric):
         return identifier()
     if isinstance(identifier, Mapping):
@@ -673,4 +636,15 @@ def get(identifier: str | Metric | Callable[..., Tensor], loss_name: str | None 
         return MeanMetricWrapper(identifier)
     raise TypeError(f"metrics.get: cannot make a metric from {identifier!r} ({type(identifier).__name__}). "
                     f"Pass one of {', '.join(_METRICS)}, a Metric, or a function(y_true, y_pred).")
+
+
+def _from_keras(keras_metric: Any) -> Metric:
+    """Ours of the same class and settings for a keras.metrics object given for a torch module: the same
+    values (its from_logits as the user set it), with state summed across replicas."""
+    cls = _METRIC_CLASSES.get(type(keras_metric).__name__)
+    if cls is None or cls in (Metric, MeanMetricWrapper) or not hasattr(keras_metric, "get_config"):
+        raise TypeError(f"metrics.get: {keras_metric!r} is a Keras object that mr.metrics has no class for. Pass an "
+                        "mr.metrics metric, a name, or a function(y_true, y_pred) returning one value per example.")
+    config = {k: v for k, v in keras_metric.get_config().items() if k != "dtype"}
+    return cls.from_config(config)
 

@@ -25,7 +25,10 @@ group's rate by the same factor, so a head trained at 10x stays at 10x. get() ta
 Optimizer, a config, a torch optimizer class or instance; an instance hands over its class and
 defaults, every parameter group's hyperparameters and its state (_from_instance.py). Hyperparameter
 defaults are Keras 3's. get_config()/from_config() and serialize()/deserialize() round-trip through JSON.
-Uses torch, schedules.py, _config.py and _from_instance.py.
+Keras 3's other optimizers (Adagrad, Adamax, Nadam, Adadelta, Adafactor on torch.optim; Lion, Ftrl,
+Lamb on _update_rules.py; LossScaleOptimizer) are in _keras_optimizers.py, re-exported here; they also
+take Keras's decoupled weight_decay and loss_scale_factor, which step() applies.
+Uses torch, schedules.py, _config.py, _from_instance.py and the two modules above.
 """
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ from mirrored.training import _config, schedules
 from mirrored.training._from_instance import InstanceGroups
 from mirrored.training.schedules import LearningRateSchedule
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "RMSprop", "deserialize", "get", "load_replicas_state_dict",
+__all__ = ["SGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "Ftrl", "Lamb", "Lion",
+           "LossScaleOptimizer", "Nadam", "Optimizer", "RMSprop", "deserialize", "get", "load_replicas_state_dict",
            "replicas_state_dict", "schedules", "serialize"]
 
 _STATE_KEY = "keras"  # the key of our state in a built optimizer's state_dict()
@@ -63,6 +67,11 @@ class _Options:
     use_ema: bool = False
     ema_momentum: float = 0.99
     ema_overwrite_frequency: int | None = None
+    # Keras's decoupled weight decay, w -= w * weight_decay * lr before each update (the named
+    # optimizers whose torch class has no such rule use it; SGD, Adam and RMSprop keep torch's L2 term).
+    decoupled_weight_decay: float | None = None
+    loss_scale_factor: float | None = None  # Keras's static loss scale: gradients are divided by it
+    dynamic_scale: Any = None  # a LossScaleOptimizer's shared scale (_keras_optimizers.DynamicScale)
 
 
 def _check_options(name: str, clipnorm: Any, clipvalue: Any, global_clipnorm: Any, gradient_accumulation_steps: Any,
@@ -97,7 +106,8 @@ class Optimizer:
                  learning_rate: float | LearningRateSchedule = 0.001, name: str | None = None, *,
                  clipnorm: float | None = None, clipvalue: float | None = None, global_clipnorm: float | None = None,
                  gradient_accumulation_steps: int | None = None, use_ema: bool = False, ema_momentum: float = 0.99,
-                 ema_overwrite_frequency: int | None = None, **torch_kwargs: Any):
+                 ema_overwrite_frequency: int | None = None, loss_scale_factor: float | None = None,
+                 **torch_kwargs: Any):
         name = name or getattr(torch_cls, "__name__", "Optimizer")
         if isinstance(learning_rate, LearningRateSchedule):
             schedule, rate = learning_rate, float(learning_rate(0))
@@ -108,6 +118,10 @@ class Optimizer:
             schedule, rate = None, float(learning_rate)
         _check_options(name, clipnorm, clipvalue, global_clipnorm, gradient_accumulation_steps, use_ema,
                        ema_momentum, ema_overwrite_frequency)
+        if loss_scale_factor is not None and (isinstance(loss_scale_factor, bool) or not isinstance(
+                loss_scale_factor, (int, float)) or not loss_scale_factor > 0):
+            raise ValueError(f"{name}(loss_scale_factor={loss_scale_factor!r}): must be a number > 0 (the loss is "
+                             "multiplied by it and the gradients divided), or None.")
         _with_options(torch_cls)  # checks that it is a torch optimizer class, now rather than at build()
         self._torch_cls = torch_cls
         self._lr = rate
@@ -117,8 +131,10 @@ class Optimizer:
         self.clipnorm, self.clipvalue, self.global_clipnorm = clipnorm, clipvalue, global_clipnorm
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.use_ema, self.ema_momentum, self.ema_overwrite_frequency = use_ema, ema_momentum, ema_overwrite_frequency
+        self.loss_scale_factor = loss_scale_factor
         self._options = _Options(schedule, clipnorm, clipvalue, global_clipnorm, gradient_accumulation_steps or 1,
-                                 use_ema, float(ema_momentum), ema_overwrite_frequency)
+                                 use_ema, float(ema_momentum), ema_overwrite_frequency,
+                                 loss_scale_factor=loss_scale_factor)
         self._built: list[weakref.ref] = []
         # A torch optimizer instance's groups and state (get(instance)), built into every optimizer.
         self._from_instance: InstanceGroups | None = None
@@ -260,7 +276,8 @@ def _set_rate(groups: Sequence[Any], value: float, name: str) -> None:
 
 
 _OPTION_DEFAULTS = {"clipnorm": None, "global_clipnorm": None, "clipvalue": None, "use_ema": False,
-                    "ema_momentum": 0.99, "ema_overwrite_frequency": None, "gradient_accumulation_steps": None}
+                    "ema_momentum": 0.99, "ema_overwrite_frequency": None, "gradient_accumulation_steps": None,
+                    "loss_scale_factor": None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,8 +370,38 @@ class RMSprop(Optimizer):
         return {**self._option_config(), **self._settings}
 
 
-_OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW, "rmsprop": RMSprop}
-_CLASSES: dict[str, type[Optimizer]] = {cls.__name__: cls for cls in (Optimizer, *_OPTIMIZERS.values())}
+# Keras 3's other optimizers, beside this module (they build on Optimizer above, importing it from here).
+from mirrored.training import _keras_optimizers  # noqa: E402
+from mirrored.training._keras_optimizers import (  # noqa: E402
+    Adadelta,
+    Adafactor,
+    Adagrad,
+    Adamax,
+    Ftrl,
+    Lamb,
+    Lion,
+    LossScaleOptimizer,
+    Nadam,
+)
+
+# Keras's names: the class name in lower case (keras.optimizers.get's rule).
+_OPTIMIZERS: dict[str, type[Optimizer]] = {cls.__name__.lower(): cls for cls in (
+    SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, Nadam, Adadelta, Adafactor, Lion, Ftrl, Lamb)}
+_CLASSES: dict[str, type[Optimizer]] = {cls.__name__: cls for cls in (
+    Optimizer, *_OPTIMIZERS.values(), LossScaleOptimizer)}
+# Keras 3.15 optimizers that mr.optimizers does not have, and what to use instead.
+_NOT_HERE = {
+    "lossscaleoptimizer": "LossScaleOptimizer wraps another optimizer: "
+                          "mr.optimizers.LossScaleOptimizer(mr.optimizers.Adam()).",
+    "muon": "Muon: torch.optim.Muon (2-D weights only; pass it as compile(optimizer=torch.optim.Muon) for a "
+            "module of matrices), or mr.optimizers.AdamW.",
+    "multioptimizer": "MultiOptimizer: give the parameter groups to a torch optimizer "
+                      "(torch.optim.Adam([{'params': head.parameters(), 'lr': 1e-2}, ...])) and pass that.",
+    "optimizermap": "OptimizerMap: give the parameter groups to a torch optimizer "
+                    "(torch.optim.Adam([{'params': head.parameters(), 'lr': 1e-2}, ...])) and pass that.",
+    "schedulefreeadamw": "ScheduleFreeAdamW: it swaps weights between training and evaluation, which "
+                         "mr.Model does not do; use mr.optimizers.AdamW with a schedule.",
+}
 
 
 def serialize(optimizer: Optimizer) -> dict[str, Any] | None:
@@ -375,8 +422,11 @@ def get(identifier: Any) -> Optimizer:
     if isinstance(identifier, Optimizer):
         return identifier
     if isinstance(identifier, str):
+        key = identifier.lower()
+        if key in _NOT_HERE:
+            raise ValueError(f"optimizer {identifier!r}: {_NOT_HERE[key]}")
         try:
-            return _OPTIMIZERS[identifier.lower()]()
+            return _OPTIMIZERS[key]()
         except KeyError:
             raise ValueError(f"unknown optimizer {identifier!r}. Known names: {', '.join(sorted(_OPTIMIZERS))}; "
                              "or pass mr.optimizers.SGD(...), a torch.optim class, or an instance.") from None
@@ -409,13 +459,19 @@ def _from_torch_instance(instance: torch.optim.Optimizer) -> Optimizer:
             raise ValueError(f"compile(optimizer=<{name} instance>): it holds gradients accumulated towards its next "
                              "update (gradient_accumulation_steps), which are one replica's. Pass it after an update, "
                              "or pass the mr.optimizers optimizer it was built from.")
+        if options.dynamic_scale is not None:
+            raise ValueError(f"compile(optimizer=<{name} instance>): it was built by a LossScaleOptimizer, whose scale "
+                             "the instance does not carry over. Pass the mr.optimizers.LossScaleOptimizer itself.")
         keras = {"clipnorm": options.clipnorm, "clipvalue": options.clipvalue,
                  "global_clipnorm": options.global_clipnorm, "use_ema": options.use_ema,
                  "ema_momentum": options.ema_momentum, "ema_overwrite_frequency": options.ema_overwrite_frequency,
-                 "gradient_accumulation_steps": options.accumulation_steps if options.accumulation_steps > 1 else None}
+                 "gradient_accumulation_steps": options.accumulation_steps if options.accumulation_steps > 1 else None,
+                 "loss_scale_factor": options.loss_scale_factor}
     groups = InstanceGroups.of(instance, name)
     rate = options.schedule if options is not None and options.schedule is not None else float(groups.hparams[0]["lr"])
     recipe = Optimizer(torch_cls, rate, name, **keras, **defaults)
+    if options is not None and options.decoupled_weight_decay:
+        recipe._options = dataclasses.replace(recipe._options, decoupled_weight_decay=options.decoupled_weight_decay)
     recipe._from_instance = groups
     return recipe
 
@@ -481,6 +537,14 @@ class _KerasSteps:
         """Updates applied: steps // gradient_accumulation_steps, as Keras counts them."""
         return self._micro_steps // self._options.accumulation_steps
 
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """loss times this optimizer's loss scale (Keras's scale_loss): its LossScaleOptimizer's current
+        scale, or loss_scale_factor, or 1; step() divides the gradients by the same."""
+        dynamic = self._options.dynamic_scale
+        if dynamic is not None:
+            return loss * dynamic.state_of(self)["scale"]
+        return loss * self._options.loss_scale_factor if self._options.loss_scale_factor else loss
+
     def accumulate_gradients(self) -> bool:
         """Whether this step updates the weights. With gradient_accumulation_steps=k, the first k - 1 steps
         of every k move their gradients into local sums and return False (no all-reduce is needed); the
@@ -518,19 +582,29 @@ class _KerasSteps:
         ready = self.accumulate_gradients()
         self._ready = None
         result = None
+        if ready and options.dynamic_scale is not None and not options.dynamic_scale.unscale(self._params(), self):
+            return None  # non-finite gradients: no update and no step counted (Keras's LossScaleOptimizer)
         if ready:
             if (options.accumulation_steps > 1 or options.clipnorm is not None or options.clipvalue is not None
-                    or options.global_clipnorm is not None):  # (else no gradient is read: issue 27)
+                    or options.global_clipnorm is not None or options.loss_scale_factor is not None):
+                # (else no gradient is read: issue 27)
                 grads = [p.grad for p in self._params() if p.grad is not None]
                 with torch.no_grad():
-                    if options.accumulation_steps > 1:
+                    divisor = options.accumulation_steps * (options.loss_scale_factor or 1)
+                    if divisor != 1:
                         for g in grads:
-                            g.div_(options.accumulation_steps)
+                            g.div_(divisor)
                     _clip(grads, options)
             if options.schedule is not None:
                 rate = float(options.schedule(self._micro_steps))
                 for group in self.param_groups:
                     group["lr"] = rate
+            if options.decoupled_weight_decay:
+                with torch.no_grad():
+                    for group in self.param_groups:
+                        decayed = [p for p in group["params"] if p.grad is not None]
+                        if decayed:
+                            torch._foreach_mul_(decayed, 1 - options.decoupled_weight_decay * group["lr"])
             if closure is None and type(self).__mro__[2].__module__.startswith("torch.optim."):
                 # torch's own optimizers draw no random numbers: their update (~4 torch calls per parameter
                 # on the CPU, even with foreach: the state walk) skips the replica's random mode (issue 27).
@@ -603,6 +677,8 @@ class _KerasSteps:
         state[_STATE_KEY] = {"iterations": self._micro_steps,
                              "accumulators": None if self._accumulators is None else list(self._accumulators),
                              "averages": None if self._averages is None else list(self._averages)}
+        if self._options.dynamic_scale is not None:
+            state[_STATE_KEY]["loss_scale"] = self._options.dynamic_scale.state_of(self)
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -618,6 +694,8 @@ class _KerasSteps:
         self._accumulators = _like_params(accumulators, params, "accumulators")
         self._averages = _like_params(extra.get("averages"), params, "averages")
         self._ready = None
+        if self._options.dynamic_scale is not None and extra.get("loss_scale") is not None:
+            self._options.dynamic_scale.load(self, extra["loss_scale"])
 
 
 def replicas_state_dict(replicas: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
