@@ -197,7 +197,7 @@ MEMBER_GROUPS: dict[str, list[tuple[str, list[str]]]] = {
         ("Mirrored modules and optimizers", ["mirror", "mirror_optimizer", "gradient_reductions",
                                              "check_in_sync"]),
         ("Across workers", ["num_workers", "first_replica_id", "has_peers", "all_reduce_tensors",
-                            "sum_over_workers", "all_reduce_gradients"]),
+                            "sum_over_workers"]),
     ],
     "mirrored.Model": [
         ("Training", ["compile", "fit", "evaluate", "predict", "summary", "metrics", "reset_metrics"]),

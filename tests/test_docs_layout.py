@@ -286,7 +286,7 @@ def test_the_strategy_page_summary_and_order(reference):
     assert text.index("autoclass:: mirrored.MirroredStrategy") < text.index("autoclass:: mirrored.CollectiveAllReduce")
     assert text.index("\nStrategies\n") < text.index("\nErrors\n")
     assert text.index("mirrored.Strategy.scope\n") < text.index("mirrored.Strategy.run\n") < \
-        text.index("mirrored.Strategy.has_peers\n") < text.index("mirrored.Strategy.all_reduce_gradients\n")
+        text.index("mirrored.Strategy.has_peers\n") < text.index("mirrored.Strategy.sum_over_workers\n")
 
 
 def test_grouped_members_cover_the_class():

@@ -16,6 +16,7 @@ from torch import nn
 
 import mirrored.distribute as md
 from mirrored.distribute import cross_device_ops as cdo
+from mirrored.distribute import reducer as reducer_mod
 from mirrored.distribute import strategy as strategy_mod
 
 TIMEOUT_S = 20.0
@@ -282,8 +283,8 @@ def test_gradient_masks_that_vary_by_step_keep_few_buffers():
         for p, e in zip(mnet.replicas[0].parameters(), expected):
             torch.testing.assert_close(p.detach(), e)
     for r in range(2):
-        state = opt._grad_buffers[r]
-        assert len(state.layouts) == strategy_mod._LAYOUTS_KEPT
+        state = opt._reducer._states[r]
+        assert len(state.layouts) == reducer_mod._LAYOUTS_KEPT
         assert len(state.unions) == 4  # each mask's union, learned once: later steps meet only once
         # the layouts kept are the unions' (two layers with gradients), not the masks' own
         assert all(sum(union) == 2 for union, _ in state.layouts)

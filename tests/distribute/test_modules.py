@@ -361,7 +361,7 @@ def test_large_gradients_are_reduced_in_their_own_tensors():
         assert reduced[1].is_contiguous()
         torch.testing.assert_close(reduced[1], torch.full((cols, rows), 30.0), rtol=0, atol=0)
         torch.testing.assert_close(reduced[2], torch.full((5,), 300.0), rtol=0, atol=0)
-        (buffers,) = opt._grad_buffers[r].layouts.values()
+        (buffers,) = opt._reducer._states[r].layouts.values()
         assert buffers.direct_out is None and sum(f.numel() for f in buffers.flats) == 5
 
 

@@ -566,3 +566,236 @@ def test_autograd_runs_the_queued_end_of_backward_on_the_thread_that_called_back
     assert not caller.is_alive()
     assert len(seen) == 1 and seen[0][0] == "replica-thread"
     assert torch.equal(seen[0][1], torch.full((3,), 2.0))  # every gradient accumulated by then
+
+
+# ---- reduce_in_backward=False and set_gradient_weight ------------------------------------------------
+IGNORE = -100
+
+
+def labels_kept_unevenly(n: int = 22) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data whose batches of 8 keep their labels unevenly: rows 4-7 ignore theirs, so replica 1 of 2
+    (rows 4-7) and replica 2 of 3 (rows 6-7) keep none in the first batch; the last batch is 6 (3/3,
+    2/2/2) and keeps 3 of them."""
+    x, y = data(n)
+    y = y.clone()
+    y[4:8] = IGNORE
+    y[9] = y[12] = y[17] = y[19] = y[20] = IGNORE
+    return x, y
+
+
+def kept_mean(out: torch.Tensor, y: torch.Tensor, by_hand: bool) -> torch.Tensor:
+    """The loss averaged over the labels kept: torch's ignore_index (0 gradients where none are kept),
+    or written by hand (NaN gradients there: 0 / 0)."""
+    if not by_hand:
+        return F.cross_entropy(out, y, ignore_index=IGNORE)
+    keep = y != IGNORE
+    return (F.cross_entropy(out, y.clamp(min=0), reduction="none") * keep).sum() / keep.sum()
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("n", [22, 17])
+def test_mean_reduced_in_step_gives_one_devices_update_and_registers_no_hooks(replicas, n):
+    """reduce_in_backward=False: the gradients stay each replica's own until step() reduces them
+    (weighted by the examples, so uneven last batches - 6 as 3/3 or 2/2/2, 1 as 1/0 or 1/0/0 - give
+    one device's update), and no hook is registered on any copy's parameters."""
+    data_batches = batches(*data(n), 8)
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    plain_run(ref, data_batches, ref_opt, lr_scheduler.LambdaLR(ref_opt, lambda e: 1.0), 3, "epoch")
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", reduce_in_backward=False,
+                                        lr=0.1, momentum=0.9)
+    assert not opt.reduce_in_backward
+    assert all(not p._post_accumulate_grad_hooks for m in mnet.values for p in m.parameters())
+    local = {}
+
+    def step(xb, yb):
+        opt.zero_grad()
+        F.cross_entropy(mnet(xb), yb).backward()
+        if len(xb):  # (an empty part's gradients are zeros)
+            local[md.get_replica_context().replica_id_in_sync_group] = mnet.module[0].weight.grad.clone()
+        opt.step()
+
+    for _ in range(3):
+        for xb, yb in strategy.experimental_distribute_dataset(data_batches):
+            strategy.run(step, args=(xb, yb))
+    if replicas > 1:  # between backward and step each replica held its own gradient
+        assert not torch.equal(local[0], local[1])
+    assert_matches(mnet, ref, strategy, opt)
+
+
+def test_reduce_in_backward_is_validated():
+    strategy = strategy_of(2)
+    mnet = strategy.mirror(net())
+    with pytest.raises(ValueError, match=r"reduce_in_backward=True\) needs gradient_reduction=\"mean\""):
+        strategy.mirror_optimizer(torch.optim.SGD, mnet, reduce_in_backward=True, lr=0.1)
+    with pytest.raises(TypeError, match=r"reduce_in_backward='no'.*True, False, or None"):
+        strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", reduce_in_backward="no", lr=0.1)
+    assert strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.1).reduce_in_backward
+    assert not strategy.mirror_optimizer(torch.optim.SGD, mnet, reduce_in_backward=False, lr=0.1).reduce_in_backward
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("in_backward", [True, False])
+@pytest.mark.parametrize("as_tensor, by_hand", [(True, False), (True, True), (False, False)])
+def test_a_loss_averaged_over_the_labels_it_kept_weighs_each_replica_by_them(replicas, in_backward, as_tensor,
+                                                                              by_hand):
+    """set_gradient_weight(labels kept): one device's mean over every kept label of the global batch,
+    though the replicas keep different counts (some none: their loss is NaN, and written by hand their
+    gradients too) and the last batch is short. Weighed by examples instead, the update would differ.
+    Tolerance: the file's (float reassociation of the weighted sum)."""
+    x, y = labels_kept_unevenly()
+    data_batches = batches(x, y, 8)
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        for xb, yb in data_batches:
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(xb), yb, ignore_index=IGNORE).backward()
+            ref_opt.step()
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean",
+                                        reduce_in_backward=in_backward, lr=0.1, momentum=0.9)
+
+    def step(xb, yb):
+        opt.zero_grad()
+        loss = kept_mean(mnet(xb), yb, by_hand)
+        kept = (yb != IGNORE).sum()
+        weight = kept if as_tensor else int(kept)
+        if in_backward:  # before the reduction at the end of backward
+            opt.set_gradient_weight(weight)
+        loss.backward()
+        if not in_backward:
+            opt.set_gradient_weight(weight)
+        opt.step()
+
+    for _ in range(2):
+        for xb, yb in strategy.experimental_distribute_dataset(data_batches):
+            strategy.run(step, args=(xb, yb))
+    assert_matches(mnet, ref, strategy, opt)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("as_tensor", [True, False])
+def test_undivided_weights_sum_the_gradients_as_a_loss_with_reduction_sum(replicas, as_tensor):
+    """divide=False: each replica's mean loss weighted by its examples, summed - one device's loss with
+    reduction="sum" (on one replica too: the gradient times the weight), uneven last batch included."""
+    x, y = data(22)
+    data_batches = batches(x, y, 8)
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    for xb, yb in data_batches:
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(xb), yb, reduction="sum").backward()
+        ref_opt.step()
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", reduce_in_backward=False,
+                                        lr=0.01)
+
+    def step(xb, yb):
+        opt.zero_grad()
+        F.cross_entropy(mnet(xb), yb).backward()
+        opt.set_gradient_weight(torch.tensor(len(yb)) if as_tensor else len(yb), divide=False)
+        opt.step()
+
+    for xb, yb in strategy.experimental_distribute_dataset(data_batches):
+        strategy.run(step, args=(xb, yb))
+    assert_matches(mnet, ref, strategy, opt)
+
+
+class _NoHostRead(torch.Tensor):
+    """A tensor that fails wherever it (or a tensor computed from it) is read on the host: what would
+    make a GPU wait for the step's work."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__,
+                    torch.Tensor.__bool__, torch.Tensor.__index__):
+            raise AssertionError(f"the weight was read on the host ({func.__name__})")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_tensor_weight_is_never_read_on_the_host(replicas):
+    x, y = data(8)
+    ref = net()
+    F.cross_entropy(ref(x), y).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", reduce_in_backward=False,
+                                        lr=0.1)
+
+    def step(xb, yb):
+        F.cross_entropy(mnet(xb), yb).backward()
+        opt.set_gradient_weight(torch.tensor(float(len(yb))).as_subclass(_NoHostRead))
+        opt.step()
+
+    strategy.run(step, args=next(iter(strategy.experimental_distribute_dataset([(x, y)]))))
+    assert_matches(mnet, ref, strategy, opt)
+
+
+def test_a_failed_step_forgets_its_gradient_weight():
+    """The weight is part of the step: set in a step that fails, it does not weigh the next one, which
+    (weighed by its examples) gives one device's update."""
+    x, y = data(8)
+    ref = net()
+    F.cross_entropy(ref(x), y).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", reduce_in_backward=False,
+                                        lr=0.1)
+
+    def step(xb, yb, fail):
+        F.cross_entropy(mnet(xb), yb).backward()
+        if fail:
+            opt.set_gradient_weight(100.0 * (1 + md.get_replica_context().replica_id_in_sync_group))
+            raise ValueError("boom")
+        opt.step()
+
+    (xb, yb), = strategy.experimental_distribute_dataset([(x, y)])
+    with pytest.raises(ValueError, match="boom"):
+        strategy.run(step, args=(xb, yb, True))
+    strategy.run(step, args=(xb, yb, False))
+    assert_matches(mnet, ref, strategy, opt)
+
+
+def test_set_gradient_weight_is_refused_where_it_cannot_act():
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        summed = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+        mean = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.1)
+    with pytest.raises(RuntimeError, match=r"outside strategy.run.*Call it in the replica function"):
+        mean.set_gradient_weight(2)
+    x, y = data(8)
+    (xb, yb), = strategy.experimental_distribute_dataset([(x, y)])
+
+    def refused(call):
+        def fn(xb, yb):
+            call(xb, yb)
+        return fn
+
+    cases = [
+        (lambda xb, yb: summed.set_gradient_weight(2), ValueError, r"gradient_reduction is \"sum\".*\"mean\""),
+        (lambda xb, yb: mean.set_gradient_weight(True), TypeError, r"weight=True must be a number"),
+        (lambda xb, yb: mean.set_gradient_weight(-1), ValueError, r"weight=-1 must be finite and >= 0"),
+        (lambda xb, yb: mean.set_gradient_weight(torch.ones(2)), ValueError, r"one real number.*shape \(2,\)"),
+        (lambda xb, yb: mean.set_gradient_weight(1, divide=None), TypeError, r"divide=None"),
+        # the gradients were reduced as backward ended: the weight would act on the next step's
+        (lambda xb, yb: (F.cross_entropy(mnet(xb), yb).backward(), mean.set_gradient_weight(2)), RuntimeError,
+         r"all-reduced already.*before loss.backward\(\).*reduce_in_backward=False"),
+    ]
+    for call, error, words in cases:
+        with pytest.raises(error, match=words):
+            strategy.run(refused(call), args=(xb, yb))
+    assert all(p.grad is None for m in mnet.values for p in m.parameters())  # the failed steps left no trace

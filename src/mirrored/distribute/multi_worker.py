@@ -9,8 +9,8 @@ rank x local replicas + the local index. Under torchrun the workers' process gro
 that rank 0 serves anew every attempt, so `torchrun --max-restarts` brings restarted workers together.
 
 `CollectiveAllReduce` (defined in _collectives.py, re-exported here) does the talking: the gradient
-all-reduce of a mirrored optimizer (flat buckets, one collective each), `ReplicaContext.all_reduce`,
-and the cross-replica `reduce`, `gather` and `check_in_sync`. CPU workers use gloo; GPU workers a
+all-reduce of a mirrored optimizer (reducer.py: flat buckets, one collective each),
+`ReplicaContext.all_reduce`, and the cross-replica `reduce`, `gather` and `check_in_sync`. CPU workers use gloo; GPU workers a
 "cpu:gloo,cuda:nccl" group, so CUDA tensors go by NCCL and CPU values (a count made with
 torch.tensor(len(y))) by gloo; in a group that has no backend for a tensor's device (a user's plain
 "nccl" group) it travels through a copy on the worker's device and back. Every worker must make the
@@ -37,15 +37,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mirrored.distribute import buckets, cluster_resolver, context, replicas
+from mirrored.distribute import cluster_resolver, context
 # (_store_gone is not used here: tests import it from this module, where it was defined before the split.)
 from mirrored.distribute._collectives import (_DEFAULT_BYTES_PER_PACK, _WATCHDOG_GRACE_S, CollectiveAllReduce,
                                               HierarchicalAllReduce, _device_types_of, _shape_digest, _store_gone,
                                               _value_digest, init_default_group)
 from mirrored.distribute.context import ReplicaContext
-from mirrored.distribute.cross_device_ops import CrossDeviceOps, Disagreement, as_reduce_op, default_for, mean_of_sum
+from mirrored.distribute.cross_device_ops import CrossDeviceOps, as_reduce_op, default_for, mean_of_sum
 from mirrored.distribute.devices import Device, resolve_devices, torch_device, visible_gpus
 from mirrored.distribute.modules import named_copies
+from mirrored.distribute.reducer import Communicator
 from mirrored.distribute.strategy import (DEFAULT_TIMEOUT_S, OutOfSyncError, Strategy, _as_tensor,
                                           _is_mirrored_variable)
 from mirrored.distribute.values import Mirrored, ReduceOp
@@ -341,45 +342,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._collectives.broadcast_([shared], what)
         return shared.tolist()
 
-    def all_reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
-                             grads: list[Tensor | None], copies: Any = None) -> list[Tensor | None]:
-        """SUM-all-reduces this replica's gradients over every replica in persistent buckets. Every
-        parameter that requires grad travels (zeros where this replica has no gradient), plus a count per
-        parameter of the replicas that had one, so the bucket layout is the same on every rank without a
-        separate exchange, and a gradient that is None on every replica stays None."""
-        if ctx is None or self._world_size == 1:
-            return super().all_reduce_gradients(ctx, cache, params, grads, copies)
-        local = len(self._devices) > 1
-        if local and ctx._step.error is not None:
-            raise replicas._Released("all_reduce (gradients)")
-        idx = [i for i, p in enumerate(params) if p.requires_grad]
-        device = params[idx[0]].device if idx else torch_device(self._devices[ctx._replica_id])
-        had = torch.tensor([float(grads[i] is not None) for i in idx], device=device)
-        sent = [grads[i] if grads[i] is not None else torch.zeros_like(params[i]) for i in idx] + [had]
-        sig = ("workers", ctx._replica_id, buckets.signature(sent))  # every parameter that requires grad
-        cached = cache.get(sig)
-        if cached is None:
-            plan = buckets.plan(sent, self._collectives.bytes_per_pack)
-            cached = cache.setdefault(sig, [plan, [b.new_buffer() for b in plan]])
-        plan, flats = cached
-        for b, flat in zip(plan, flats):
-            b.pack(sent, out=flat)
-        if local:
-            reduced = self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, ReduceOp.SUM, flats, agree=copies,
-                                                        what="all_reduce (gradients)", check_workers=False)
-            if isinstance(reduced, Disagreement):  # the local module copies differ (CopyWatch's signatures)
-                from mirrored.distribute._copy_watch import CopiesDiffer
-
-                raise CopiesDiffer(list(reduced.tokens))
-        else:
-            self._collectives.all_sum_(flats, "all_reduce (gradients)")
-        views: list[Tensor | None] = [None] * len(sent)
-        for b, flat in zip(plan, flats):
-            b.unpack(flat, views)
-        out = list(grads)
-        for j, (i, count) in enumerate(zip(idx, views[-1].tolist())):
-            out[i] = views[j] if count > 0 else None
-        return out
+    def _communicator(self) -> Communicator:
+        """Strategy._communicator across the workers too: this worker's replica threads (their local
+        sum crosses the workers in HierarchicalAllReduce) and the workers' collectives."""
+        return Communicator(self._cross_device_ops if len(self._devices) > 1 else None,
+                            self._collectives if self._world_size > 1 else None)
 
     # ---- cross-replica context ------------------------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:

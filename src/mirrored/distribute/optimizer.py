@@ -10,18 +10,21 @@ replica applies the same update, so the copies stay bitwise identical; floating-
 - "mean", DDP's rule: an unchanged `F.cross_entropy(out, y).backward()` on each replica's part, and
   the replicas' gradients are averaged. Each replica weighs by the examples its module copy was
   called with since the last step, so an uneven last batch still gives one device's update on the
-  whole batch (DDP weighs every replica alike). As in DDP, the all-reduce runs when a backward
-  through the module ends (a hook per parameter queues it on autograd's final callbacks), so code
-  between backward and step() - clip_grad_norm_ - sees reduced gradients; step() then only meets
-  the other replicas, so that no copy updates alone.
+  whole batch (DDP weighs every replica alike); `set_gradient_weight` gives a replica another
+  weight for the next reduction (the labels a loss averaged over). As in DDP, the all-reduce runs
+  when a backward through the module ends (a hook per parameter queues it on autograd's final
+  callbacks), so code between backward and step() - clip_grad_norm_ - sees reduced gradients;
+  step() then only meets the other replicas, so that no copy updates alone. reduce_in_backward=False
+  reduces in step() (or reduce_gradients()) instead, and registers no hooks.
 
 torch LR schedulers take it as their optimizer: outside strategy.run its param_groups write every
 replica's, so every replica gets the same rate, and `attach_lr_scheduler` saves a scheduler's state
 with its own. Inside strategy.run the groups are read-only (with several replicas in the process):
 a scheduler stepped there would step once per replica thread. The gradient all-reduce also compares
 the replicas' module copies (_copy_watch.py), so a change that reached some copies only fails the
-step before any replica updates. Uses context.py, devices.py, guards.py, modules.py, random.py, rollback.py,
-_copy_watch.py, _param_groups.py and values.py; the strategy reduces.
+step before any replica updates. The gradients meet in the optimizer's GradientReducer (reducer.py),
+over the strategy's communicator. Uses context.py, devices.py, guards.py, modules.py, random.py,
+rollback.py, reducer.py, _param_groups.py and values.py.
 """
 from __future__ import annotations
 
@@ -36,10 +39,11 @@ import torch
 from torch import Tensor
 
 from mirrored.distribute import context, guards
-from mirrored.distribute._copy_watch import CopiesDiffer
 from mirrored.distribute._param_groups import MirroredGroup, ReplicaGroup
+from mirrored.distribute.devices import torch_device
 from mirrored.distribute.modules import MirroredModule, HookHandles, state_tensors
 from mirrored.distribute.random import WithoutReplicaRandom
+from mirrored.distribute.reducer import GradientReducer, check_weight
 from mirrored.distribute.rollback import journal_of
 from mirrored.distribute.values import ReduceOp
 
@@ -77,7 +81,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
     # torch.optim.Optimizer.__init__ is not called: this optimizer holds no parameters of its own;
     # param_groups, state and defaults are its replicas' (the properties below).
     def __init__(self, strategy: Strategy, optimizer_cls: Callable[..., torch.optim.Optimizer], module: Any,
-                 hparams: dict[str, Any], gradient_reduction: str | ReduceOp = "sum"):
+                 hparams: dict[str, Any], gradient_reduction: str | ReduceOp = "sum",
+                 reduce_in_backward: bool | None = None):
         if not isinstance(module, MirroredModule):
             raise TypeError(f"strategy.mirror_optimizer(..., {type(module).__name__}): pass the module that "
                             "strategy.mirror() returned, so each replica's optimizer gets that replica's parameters.")
@@ -85,25 +90,27 @@ class MirroredOptimizer(torch.optim.Optimizer):
             raise TypeError(f"strategy.mirror_optimizer({optimizer_cls!r}): pass an optimizer class such as "
                             "torch.optim.SGD (or a callable params -> optimizer).")
         self._mean = _is_mean(gradient_reduction)
+        self._in_backward = _reduces_in_backward(reduce_in_backward, self._mean)
         self._strategy = strategy
         self._module = module
         self.replicas = tuple(optimizer_cls(m.parameters(), **hparams) for m in module.replicas)
         module._restructured()  # the copies' modules now (a head swapped in on every copy since mirror())
         guards.allow_optimizers(self.replicas)
-        self._grad_buffers: dict = {}  # the strategy's persistent reduction buffers for this optimizer
-        self._count_params: dict[int, Tensor] = {}  # "mean": per replica, the example count's stand-in parameter
+        devices = [torch_device(d) for d in strategy.extended.worker_devices]
+        self._reducer = GradientReducer(strategy._communicator(), devices, module._shared.watch,
+                                        f"{self!r}, all-reducing the gradients")
         self._examples: list[int | None] = [None] * len(self.replicas)  # "mean": each replica's in its last reduce
         self._schedulers: list[Any] = []
         self._pending_schedulers: dict[int, dict[str, Any]] = {}  # by attach order: states loaded before it
         if self._mean:
             module._shared.count_examples()
         # "mean" is DDP's rule, and as in DDP the gradients are all-reduced when backward ends, so code
-        # between backward and step() (clip_grad_norm_, a logged gradient norm) sees the reduced ones.
+        # between backward and step() (clip_grad_norm_, a logged gradient norm) sees the reduced ones;
+        # a hook per parameter costs a Python call per backward, which reduce_in_backward=False saves.
         self._sync = [_BackwardSync() for _ in self.replicas]
         self._tokens: dict[int, Tensor] = {}  # per replica: what _meet() sends
         self._buffer_plans: dict[int, tuple[tuple[int, ...], list[_BufferGroup]]] = {}  # per replica, see _buffer_groups
-        self._syncs_in_backward = self._mean and strategy.num_replicas_in_sync > 1
-        if self._syncs_in_backward:
+        if self._in_backward and strategy.num_replicas_in_sync > 1:
             module._shared.grad_sync = self  # the latest "mean" optimizer of a module syncs it
             for rid in range(len(self.replicas)):
                 for param in self._params(rid):
@@ -123,6 +130,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
     def gradient_reduction(self) -> str:
         """How step() combines the replicas' gradients: "sum" (TF's rule) or "mean" (DDP's, weighted by examples)."""
         return "mean" if self._mean else "sum"
+
+    @property
+    def reduce_in_backward(self) -> bool:
+        """Whether the gradients are all-reduced as each backward through the module ends (DDP's way, the
+        default for "mean"), rather than in step() or reduce_gradients()."""
+        return self._in_backward
 
     def _replica(self) -> ReplicaContext | None:
         return context.replica_of(self._strategy)
@@ -192,7 +205,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
     def reduce_gradients(self) -> None:
         """All-reduces the calling replica's gradients in place of its `.grad`s (what step() does first).
         With gradient_reduction="sum" a loop that clips the reduced gradients calls it, then step()
-        (which does not reduce them again); with "mean" it is done when backward ends, as in DDP."""
+        (which does not reduce them again); with "mean" it is done when backward ends, as in DDP
+        (unless reduce_in_backward=False)."""
         with WithoutReplicaRandom():
             self._reduce_gradients()
 
@@ -206,7 +220,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
             self._examples[ctx.local_replica_id] = examples  # for step()'s buffer average
         self._reduce(ctx, examples)
         if ctx is not None:
-            self._sync_state(ctx.local_replica_id, journal_of(ctx)).reduced = True  # until the update
+            state = self._sync_state(ctx.local_replica_id, journal_of(ctx))
+            state.reduced, state.weight = True, None  # reduced until the update; the weight was used
             self._settle(ctx)  # and add what an earlier backward of this step reduced ("mean")
 
     # ---- "mean": the all-reduce when backward ends, as DDP's ------------------------------------------
@@ -299,58 +314,59 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return self._module._shared.take_examples(ctx.local_replica_id, journal_of(ctx))
 
     def _reduce(self, ctx: ReplicaContext | None, examples: int | None) -> None:
-        if ctx is None or ctx.num_replicas_in_sync == 1:
+        """This replica's gradients, reduced by the optimizer's GradientReducer with every other replica's:
+        summed ("sum"), or ("mean") sum_r w_r g_r / sum_r w_r, w_r the examples of replica r (1 where its
+        copy was not called) or what set_gradient_weight gave."""
+        if ctx is None:
             return
         rid = ctx.local_replica_id
+        pending = self._sync[rid].weight
+        if self._reducer.lone and (pending is None or pending[1]):
+            return  # one replica in all: its gradients are the sum, and w g / w is g
         params = self._params(rid)
         grads = [p.grad for p in params]
         if self._mean:
-            reduced = self._weighted_mean(ctx, rid, params, grads, examples)
+            weight, divide = (1 if examples is None else examples, True) if pending is None else pending
+            reduced = self._reducer.reduce(ctx, params, grads, weight, divide)
         else:
-            reduced = self._all_reduce_gradients(ctx, params, grads)
+            reduced = self._reducer.reduce(ctx, params, grads)
         for p, g in zip(params, reduced):
             if p.grad is not g:  # after zero_grad(set_to_none=False) backward refilled last step's views
                 p.grad = g
 
-    def _all_reduce_gradients(self, ctx: ReplicaContext, params: list[Tensor],
-                              grads: list[Tensor | None]) -> list[Tensor | None]:
-        """The strategy's gradient all-reduce. With several replicas in this process, the same meeting
-        compares their module copies first (see _copy_watch.py), so that a change that reached some
-        copies only fails the step before any replica applies it."""
-        watch = self._module._shared.watch
-        if watch is None:
-            return self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads)
-        rid = ctx.local_replica_id
-        try:
-            return self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads,
-                                                       copies=watch.signature(rid))
-        except CopiesDiffer as e:  # raises unless only write counts differ, over equal values
-            watch.settle(rid, e.signatures, f"{self!r}, all-reducing the gradients")
-        return self._strategy.all_reduce_gradients(ctx, self._grad_buffers, params, grads, copies=watch.signature(rid))
+    def set_gradient_weight(self, weight: float | Tensor, divide: bool = True) -> None:
+        """In replica context, with gradient_reduction="mean": in the next reduction this replica's gradients
+        count `weight` times instead of the examples its copy saw since the last step, and the weighted
+        sum is divided by the replicas' total weight; divide=False leaves it undivided (the gradients
+        summed with those weights, as for a loss with reduction="sum"). A loss averaged over the labels it
+        kept (ignore_index) weighs its replica by that count, which gives one device's gradient however
+        many each replica kept. A tensor weight (>= 0) is used without reading it on the host; 0 makes
+        the replica's gradients zeros, even where they are NaN. A failed step forgets it.
 
-    def _weighted_mean(self, ctx: ReplicaContext, rid: int, params: list[Tensor], grads: list[Tensor | None],
-                       examples: int | None) -> list[Tensor | None]:
-        """sum_r n_r g_r / sum_r n_r over the replicas, n_r the examples of replica r (1 where its copy
-        was not called): the count travels with the gradients, as one more entry of the same
-        all-reduce. An empty part (n_r = 0) sends no gradients: its loss, a mean over nothing, is NaN."""
-        weight = 1 if examples is None else examples
-        if weight == 0:
-            grads = [None] * len(grads)
-        elif weight != 1:
-            in_place = [g for g in grads if g is not None and _dense(g)]
-            torch._foreach_mul_(in_place, float(weight))
-            grads = [g if g is None or _dense(g) else g * weight for g in grads]
-        count = self._count_params.get(rid)
-        if count is None:
-            first = next((p for p in params if p.requires_grad), params[0])
-            dtype = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
-            count = self._count_params[rid] = torch.zeros((), dtype=dtype, device=first.device, requires_grad=True)
-        weight_t = torch.tensor(float(weight), dtype=count.dtype, device=count.device)
-        reduced = self._all_reduce_gradients(ctx, params + [count], grads + [weight_t])
-        total = reduced[-1].clamp(min=1)  # 0 only where no replica had examples: the gradients are zeros then
-        present = [g for g in reduced[:-1] if g is not None]
-        torch._foreach_div_(present, total)
-        return reduced[:-1]
+        Args:
+          weight: a number >= 0 or a one-element tensor, e.g. (y != ignore_index).sum().
+          divide: whether the weighted sum is divided by the sum of every replica's weight.
+        """
+        if not self._mean:
+            raise ValueError(f"{self!r}.set_gradient_weight: gradient_reduction is \"sum\", where each replica "
+                             "scales its own loss (by the GLOBAL batch) and the gradients are summed as they are. Build "
+                             "the optimizer with strategy.mirror_optimizer(..., gradient_reduction=\"mean\") to weigh "
+                             "the replicas' gradients.")
+        ctx = self._replica()
+        if ctx is None:
+            raise RuntimeError(f"{self!r}.set_gradient_weight was called outside strategy.run: a weight is each "
+                               "replica's own (the examples or labels of its part). Call it in the replica function, "
+                               "before step().")
+        check_weight(weight, "MirroredOptimizer.set_gradient_weight")
+        if not isinstance(divide, bool):
+            raise TypeError(f"MirroredOptimizer.set_gradient_weight(divide={divide!r}): give True or False.")
+        state = self._sync_state(ctx.local_replica_id, journal_of(ctx))
+        if state.reduced:
+            raise RuntimeError(f"{self!r}.set_gradient_weight: this replica's gradients were all-reduced already "
+                               "(when backward ended, or by reduce_gradients()), so the weight would apply to the next "
+                               "step's. Call it before loss.backward(), or build the optimizer with "
+                               "reduce_in_backward=False to reduce in step().")
+        state.weight = (weight, divide)
 
     def finish_step(self, weight: float | None = None, commit: bool = True) -> None:
         """Ends a step: syncs the buffers (see sync_buffers) and, after an update applied by every
@@ -571,9 +587,16 @@ def _is_mean(reduction: str | ReduceOp) -> bool:
     return value.lower() == "mean"
 
 
-def _dense(t: Tensor) -> bool:
-    """Whether t can be scaled in place: no element shares memory with another (an expanded gradient does)."""
-    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+def _reduces_in_backward(reduce_in_backward: bool | None, mean: bool) -> bool:
+    if reduce_in_backward is not None and not isinstance(reduce_in_backward, bool):
+        raise TypeError(f"strategy.mirror_optimizer(reduce_in_backward={reduce_in_backward!r}): give True, False, or "
+                        "None (True for \"mean\", False for \"sum\").")
+    if reduce_in_backward and not mean:
+        raise ValueError("strategy.mirror_optimizer(reduce_in_backward=True) needs gradient_reduction=\"mean\": with "
+                         "\"sum\" each replica scales its loss by the GLOBAL batch and the gradients are all-reduced "
+                         "in step() (or reduce_gradients(), to clip them first). Pass gradient_reduction=\"mean\", or "
+                         "leave reduce_in_backward unset.")
+    return mean if reduce_in_backward is None else reduce_in_backward
 
 
 class _BufferGroup:
@@ -609,24 +632,26 @@ class _BufferGroup:
 
 
 class _BackwardSync:
-    """One replica's part in "mean"'s all-reduce at the end of backward: whether its gradients are
-    reduced (until the update), the reduced gradients set aside while another backward accumulates
-    its own, whether the end-of-backward callback is queued, and its replica context."""
+    """One replica's part in its gradients' reduction: whether they are reduced (until the update), the
+    reduced gradients set aside while another backward accumulates its own ("mean" in backward),
+    whether the end-of-backward callback is queued, its replica context, and the weight
+    set_gradient_weight gave for the next reduction."""
 
-    __slots__ = ("reduced", "stash", "queued", "ctx")
+    __slots__ = ("reduced", "stash", "queued", "ctx", "weight")
 
     def __init__(self) -> None:
         self.reduced = False
         self.stash: list[Tensor | None] | None = None
         self.queued = False
         self.ctx: Any = None
+        self.weight: tuple[float | Tensor, bool] | None = None  # set_gradient_weight's, until the next reduction
 
     def saved(self) -> Callable[[], None]:
         """This state as it is now, as a function that puts it back (for StepJournal.before_change)."""
-        reduced, stash = self.reduced, self.stash
+        reduced, stash, weight = self.reduced, self.stash, self.weight
 
         def restore() -> None:
-            self.reduced, self.stash, self.queued = reduced, stash, False
+            self.reduced, self.stash, self.queued, self.weight = reduced, stash, False, weight
 
         return restore
 

@@ -6,7 +6,8 @@ inline, on the caller's thread); replicas meet in collectives through a per-run 
 cross-replica `reduce`/`gather` combine `PerReplica` values on the first replica's device.
 What run hands each replica thread, and its checks, are in _run_path.py; what the replicas keep
 between in-step all-reduces in _replica_reduce.py; the leaf-by-leaf work of reduce and gather in
-_cross_replica.py. Uses every other module of `distribute/` but multi_worker.py.
+_cross_replica.py; a mirrored optimizer's gradients meet in reducer.py, over `_communicator()`.
+Uses every other module of `distribute/` but multi_worker.py.
 """
 from __future__ import annotations
 
@@ -23,19 +24,19 @@ from torch.nn.parameter import is_lazy
 
 from mirrored.distribute import buckets, context, devices, guards, replicas, rollback
 from mirrored.distribute import random as replica_random
-# (_is_mirrored_variable, _LAYOUTS_KEPT and _SHARED are not used here: multi_worker.py, tests and
+# (_is_mirrored_variable and _SHARED are not used here: multi_worker.py, tests and
 # benchmarks import them from this module, where they were defined before the split.)
 from mirrored.distribute._cross_replica import (_as_tensor, _bitwise_equal, _component, _is_mirrored_variable,
                                                 _local_copies, gather_leaf, reduce_leaves)
-from mirrored.distribute._replica_reduce import (_DIRECT_NUMEL, _LAYOUTS_KEPT, _VALUE_LAYOUTS_KEPT,
-                                                 _AllReduceFunction, _GradientState, _recent, _replica_entry,
-                                                 _union_is_exact, _union_of)
+from mirrored.distribute._replica_reduce import (_DIRECT_NUMEL, _VALUE_LAYOUTS_KEPT, _AllReduceFunction, _recent,
+                                                 _replica_entry)
 from mirrored.distribute._run_path import (_SHARED, _argument_split, _caller_modes, _entered, _inline_runs,
                                            _replica_arguments, _run_result, refuse_nested_run, step_error)
 from mirrored.distribute.context import ReplicaContext
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, as_reduce_op, default_for,
                                                 mean_of_sum, shape_mismatch, shapes_of)
 from mirrored.distribute.devices import Device, intra_op_threads, resolve_devices, torch_device
+from mirrored.distribute.reducer import Communicator
 from mirrored.distribute.values import (DistributedValues, Nested, ReduceOp, flatten, is_nested, map_structure,
                                         pack_sequence_as, regroup, select_replica)
 
@@ -156,7 +157,7 @@ class Strategy:
 
     Extension points: a strategy whose replicas are not all threads of one process overrides the
     methods of the "extension points" section below - num_workers, first_replica_id, has_peers,
-    all_reduce_tensors, all_reduce_gradients and sum_over_workers - and the cross-replica ones it
+    all_reduce_tensors, sum_over_workers and _communicator - and the cross-replica ones it
     does differently (reduce, gather, check_in_sync, mirror), as MultiWorkerMirroredStrategy does
     for one replica per process over torch.distributed. Mirrored modules, optimizers, variables and
     distributed input use nothing else of a strategy's internals."""
@@ -584,59 +585,10 @@ class Strategy:
         shares the seeds drawn there); `values` itself in one process."""
         return list(values)
 
-    def all_reduce_gradients(self, ctx: ReplicaContext | None, cache: dict, params: Sequence[Tensor],
-                             grads: list[Tensor | None], copies: Any = None) -> list[Tensor | None]:
-        """The SUM over the replicas of `ctx`'s replica's gradients of `params` (called on every replica
-        at once, by a mirrored optimizer's step); `cache` is the caller's, kept between steps for the
-        strategy's buffers. A gradient that is None on every replica stays None; None on some only
-        counts as zeros. Returns the reduced gradients; each may be the given tensor, summed in place.
-        `copies` (passed only where this process holds several replicas) is what the replicas' module
-        copies must agree on (a CopyWatch signature), compared in the same meeting: where the replicas'
-        differ, nothing is reduced and every replica raises CopiesDiffer with all of them.
-
-        Here small gradients are packed into persistent buffers, and large ones are reduced in place,
-        as DDP reduces .grad (a second copy of a ResNet-50's gradients per replica would cost 100 MB,
-        and cache room).
-
-        The replicas check which gradients they have in the same meeting that reduces them: each
-        brings its mask and the union it expects (the one learned last time for that mask), and the
-        reduction goes ahead when every expectation equals the true union. Only when it does not
-        (the first such step) do they meet again, with the union filled in as zeros."""
-        if ctx is None or ctx._step is None:
-            return grads
-        state = _replica_entry(ctx, cache, _GradientState, "all_reduce (gradients)")
-        mask = tuple(g is not None for g in grads)
-        expected = state.unions.get(mask, mask)
-        reduced = self._reduce_with_union(ctx, state, params, grads, mask, expected, copies)
-        if isinstance(reduced, Disagreement):
-            if any(token[2] != copies for token in reduced.tokens):
-                from mirrored.distribute._copy_watch import CopiesDiffer
-
-                raise CopiesDiffer([token[2] for token in reduced.tokens])
-            masks = [token[0] for token in reduced.tokens]
-            if any(len(m) != len(mask) for m in masks):
-                raise replicas.CollectiveMismatchError(
-                    f"optimizer.step: the replicas' optimizers hold different numbers of parameters "
-                    f"({[len(m) for m in masks]}). Every replica must step the same mirrored optimizer.")
-            union = _union_of(masks)
-            state.learn(mask, union)
-            reduced = self._reduce_with_union(ctx, state, params, grads, mask, union, copies)
-            if isinstance(reduced, Disagreement):
-                raise RuntimeError("replicas disagree on the union of their gradient masks (internal error).")
-        return reduced
-
-    def _reduce_with_union(self, ctx: ReplicaContext, state: _GradientState, params: Sequence[Tensor],
-                           grads: list[Tensor | None], mask: tuple[bool, ...], union: tuple[bool, ...],
-                           copies: Any) -> list[Tensor | None] | Disagreement:
-        if union != mask:  # zeros where this replica's loss did not reach a parameter others need
-            grads = [torch.zeros_like(params[i]) if needed and g is None else g
-                     for i, (g, needed) in enumerate(zip(grads, union))]
-        layout = state.buffers(grads, union, self._cross_device_ops.bytes_per_pack)
-        inputs, outputs, results = layout.stage(grads, like=params)  # (a gradient laid out like its parameter)
-        reduced = self._cross_device_ops.all_reduce(ctx._step, ctx._replica_id, ReduceOp.SUM, inputs, outputs,
-                                                    agree=(mask, union, copies), agreed=_copies_and_union_agree,
-                                                    what="all_reduce (gradients)")
-        return reduced if isinstance(reduced, Disagreement) else results
+    def _communicator(self) -> Communicator:
+        """Whom a mirrored optimizer's gradients are reduced with (reducer.py): the replica threads of
+        this process, through the strategy's cross-device ops, where it holds several."""
+        return Communicator(self._cross_device_ops if len(self._devices) > 1 else None, None)
 
     # ---- cross-replica reductions -----------------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:
@@ -719,7 +671,8 @@ class Strategy:
         return MirroredModule(self, module, memory_format)
 
     def mirror_optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer], module: Any,
-                         gradient_reduction: str | ReduceOp = "sum", **hparams: Any) -> Any:
+                         gradient_reduction: str | ReduceOp = "sum", reduce_in_backward: bool | None = None,
+                         **hparams: Any) -> Any:
         """One `optimizer_cls(params, **hparams)` per replica of `module` (what mirror() returned); step()
         in replica context all-reduces the gradients first. gradient_reduction="sum" (TF's rule: scale
         each replica's loss by the GLOBAL batch) or "mean" (DDP's: average the replicas' gradients,
@@ -732,6 +685,9 @@ class Strategy:
           gradient_reduction: "sum" (ReduceOp.SUM) or "mean" (ReduceOp.MEAN), as above. With "mean" the
             gradients are all-reduced as each backward through the module ends (as in DDP), so code between
             backward and step(), such as clip_grad_norm_, sees the reduced ones.
+          reduce_in_backward: None: as gradient_reduction says (True for "mean", False for "sum").
+            False with "mean": the gradients are all-reduced in step() (or reduce_gradients()) only, and no
+            hook is registered per parameter (each costs a Python call per backward). True needs "mean".
           hparams: keyword arguments of optimizer_cls (lr=0.1, momentum=0.9, ...).
 
         Returns:
@@ -741,7 +697,7 @@ class Strategy:
         """
         from mirrored.distribute.optimizer import MirroredOptimizer
 
-        optimizer = MirroredOptimizer(self, optimizer_cls, module, hparams, gradient_reduction)
+        optimizer = MirroredOptimizer(self, optimizer_cls, module, hparams, gradient_reduction, reduce_in_backward)
         self._gradient_reductions.add(optimizer.gradient_reduction)
         return optimizer
 
@@ -784,12 +740,6 @@ class Strategy:
         from mirrored.distribute.input import DistributedDatasetsFromFunction
 
         return DistributedDatasetsFromFunction(self, dataset_fn, options)
-
-
-def _copies_and_union_agree(tokens: list[tuple[tuple[bool, ...], tuple[bool, ...], Any]]) -> bool:
-    """The replicas' module copies agree (all_reduce_gradients' `copies`) and so do their gradient masks."""
-    copies = tokens[0][2]
-    return all(token[2] == copies for token in tokens) and _union_is_exact([token[:2] for token in tokens])
 
 
 class MirroredStrategy(Strategy):
