@@ -36,7 +36,7 @@ COLLECTIVE_TIMEOUT_S = 60.0  # the strategy's timeout where nothing should fail:
 HANG_TIMEOUT_S = 2.0  # the strategy's timeout where a worker hangs on purpose
 STUCK_S = 60.0  # how long the hanging worker sleeps (it is killed long before)
 N_EXAMPLES, GLOBAL_BATCH, EPOCHS = 11, 4, 2  # global batches of 4, 4, 3: on 2 workers 2/2, 2/2, 2/1
-RTOL, ATOL = 1e-6, 2e-7  # as tests/distribute/test_equivalence.py, which explains them
+RTOL, ATOL = 1e-6, 2e-7  # as tests/distribute/test_strategy_equivalence.py, which explains them
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

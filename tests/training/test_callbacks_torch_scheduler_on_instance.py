@@ -17,7 +17,7 @@ from torch.optim import lr_scheduler
 
 import mirrored as mr
 
-# As in test_compile_torch_optimizer.py: float reassociation of the gradient sum, a few ulps per step
+# As in test_optimizers_torch_instance.py: float reassociation of the gradient sum, a few ulps per step
 # (measured below 1e-7 absolute after these 9 steps).
 RTOL, ATOL = 1e-6, 2e-7
 BATCH, EPOCHS = 8, 3

@@ -40,8 +40,8 @@ def test_fit_with_batchnorm_matches_plain_torch_playing_the_replicas(replicas):
                       loss="sparse_categorical_crossentropy")
     history = model.fit(mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH), epochs=EPOCHS, verbose=0)
     # Float reassociation only: the reference runs on this thread's intra-op threads and each replica on
-    # one, so a matmul's sums may split otherwise (test_fit_overhead.py pins one thread and asks for the
-    # bits); a few ulps per step through 6 steps of momentum SGD (a wrong split, weighting or missed
+    # one, so a matmul's sums may split otherwise (test_model_prefetch.py pins one thread and asks for
+    # the bits); a few ulps per step through 6 steps of momentum SGD (a wrong split, weighting or missed
     # update is >1e-3 off).
     for (name, got), want in zip(model.module.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
