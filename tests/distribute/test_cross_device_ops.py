@@ -16,11 +16,12 @@ from torch import nn
 
 import mirrored.distribute as md
 from mirrored.distribute import cross_device_ops as cdo
+from mirrored.distribute import _replica_reduce, devices
 from mirrored.distribute import strategy as strategy_mod
 
 TIMEOUT_S = 20.0
 CPU_OPS = [md.ReductionToOneDevice, md.HierarchicalCopyAllReduce, md.InMemoryAllReduce]
-SIZES = [1, 7, 1000, strategy_mod._DIRECT_NUMEL + 5]  # the last is reduced where it lies, not packed
+SIZES = [1, 7, 1000, _replica_reduce._DIRECT_NUMEL + 5]  # the last is reduced where it lies, not packed
 
 
 def strategy_of(n: int, ops: md.CrossDeviceOps | None = None) -> md.MirroredStrategy:
@@ -237,7 +238,7 @@ def test_results_are_complete_when_a_replica_is_released(ops_cls):
     """Every replica's outputs are written before any replica leaves the all-reduce, so one that
     modifies its result in place at once (gradient clipping, say) cannot change what the others got."""
     s = strategy_of(3, ops_cls())
-    size = strategy_mod._DIRECT_NUMEL + 5  # large enough to be reduced in place, not packed
+    size = _replica_reduce._DIRECT_NUMEL + 5  # large enough to be reduced in place, not packed
     xs = random_inputs(3, size)
 
     def fn():
@@ -283,7 +284,7 @@ def test_gradient_masks_that_vary_by_step_keep_few_buffers():
             torch.testing.assert_close(p.detach(), e)
     for r in range(2):
         state = opt._grad_buffers[r]
-        assert len(state.layouts) == strategy_mod._LAYOUTS_KEPT
+        assert len(state.layouts) == _replica_reduce._LAYOUTS_KEPT
         assert len(state.unions) == 4  # each mask's union, learned once: later steps meet only once
         # the layouts kept are the unions' (two layers with gradients), not the masks' own
         assert all(sum(union) == 2 for union, _ in state.layouts)
@@ -294,7 +295,7 @@ def test_inputs_are_left_as_they_were(ops_cls):
     """4 replicas (a two-level tree for HierarchicalCopyAllReduce), large tensors read in place:
     every replica's input keeps its values."""
     s = strategy_of(4, ops_cls())
-    xs = random_inputs(4, strategy_mod._DIRECT_NUMEL + 5)
+    xs = random_inputs(4, _replica_reduce._DIRECT_NUMEL + 5)
     inputs = [torch.from_numpy(x.copy()) for x in xs]
     out = s.run(lambda: md.get_replica_context().all_reduce("sum", inputs[replica_id()]))
     for r in range(4):
@@ -306,7 +307,7 @@ def test_all_reduce_results_belong_to_the_caller():
     """ctx.all_reduce reuses its plan for tensors of the same shapes, but never its results: those of
     an earlier call keep their values after a later one, and differ in storage between calls."""
     s = strategy_of(2)
-    shapes = [(3, 2), (strategy_mod._DIRECT_NUMEL + 5,), ()]  # packed, read in place, a scalar
+    shapes = [(3, 2), (_replica_reduce._DIRECT_NUMEL + 5,), ()]  # packed, read in place, a scalar
 
     seen = {}
 
@@ -331,7 +332,7 @@ def test_all_reduce_results_belong_to_the_caller():
 def test_all_reduce_keeps_few_plans():
     """Many different shapes through ctx.all_reduce: each replica keeps a bounded number of plans."""
     s = strategy_of(2)
-    calls = strategy_mod._VALUE_LAYOUTS_KEPT + 5
+    calls = _replica_reduce._VALUE_LAYOUTS_KEPT + 5
 
     seen = {}
 
@@ -343,10 +344,10 @@ def test_all_reduce_keeps_few_plans():
     for results in seen.values():
         for n, t in enumerate(results, start=1):
             torch.testing.assert_close(t, torch.full((n,), 2.0))
-    assert {len(layouts) for layouts in s._value_layouts.values()} == {strategy_mod._VALUE_LAYOUTS_KEPT}
+    assert {len(layouts) for layouts in s._value_layouts.values()} == {_replica_reduce._VALUE_LAYOUTS_KEPT}
 
 
-@pytest.mark.parametrize("size", [3, strategy_mod._DIRECT_NUMEL + 5])
+@pytest.mark.parametrize("size", [3, _replica_reduce._DIRECT_NUMEL + 5])
 def test_all_reduce_is_differentiable_as_in_tf(size):
     """TF's all-reduce gradient is the same all-reduce of the upstream gradients. Each replica's
     loss is sum(w * y) with y = all_reduce(x_r): dL_total/dx_r = sum_k w_k for SUM, its mean for
@@ -438,7 +439,7 @@ def _replica_1_on_meta(monkeypatch) -> None:
     """Makes "cpu:1" mean the meta device for the strategy, its modules and its input."""
     from mirrored.distribute import modules
 
-    real = strategy_mod.torch_device
+    real = devices.torch_device
     fake = lambda d: torch.device("meta") if d == "cpu:1" else real(d)  # noqa: E731
     monkeypatch.setattr(strategy_mod, "torch_device", fake)
     monkeypatch.setattr(modules, "torch_device", fake)
@@ -457,7 +458,7 @@ def test_in_step_reductions_use_each_replicas_own_device(monkeypatch):
     def step():
         ctx = md.get_replica_context()
         device = next(mnet.parameters()).device
-        summed = ctx.all_reduce("sum", [torch.ones(3, device=device), torch.ones(strategy_mod._DIRECT_NUMEL,
+        summed = ctx.all_reduce("sum", [torch.ones(3, device=device), torch.ones(_replica_reduce._DIRECT_NUMEL,
                                                                                   device=device)])
         mnet(torch.ones(2, 4, device=device)).sum().backward()
         opt.step()

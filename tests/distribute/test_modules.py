@@ -204,7 +204,7 @@ def test_check_in_sync_reads_any_strides():
         mnet.replicas[1].weight[2, 3] += 1e-6
     with pytest.raises(md.OutOfSyncError, match="weight: replica 0 and replica 1"):
         s.check_in_sync(mnet)
-    from mirrored.distribute.strategy import _bitwise_equal
+    from mirrored.distribute._cross_replica import _bitwise_equal
 
     a, b = torch.arange(6.0).view(2, 3).t(), torch.arange(6.0).view(2, 3).t().contiguous()
     c = b.clone()
@@ -333,9 +333,9 @@ def test_large_gradients_are_reduced_in_their_own_tensors():
     """As DDP does with .grad: a large contiguous gradient is summed where it lies (p.grad stays the
     same tensor and the optimizer keeps no second copy); a non-contiguous one (a transposed view)
     is summed in a contiguous copy and the caller's tensor is left alone; small ones travel packed."""
-    from mirrored.distribute import strategy as strategy_mod
+    from mirrored.distribute import _replica_reduce
 
-    rows, cols = 256, strategy_mod._DIRECT_NUMEL // 256 + 1
+    rows, cols = 256, _replica_reduce._DIRECT_NUMEL // 256 + 1
     s = strategy_of(2)
     with s.scope():
         mnet = s.mirror(nn.ParameterList([nn.Parameter(torch.zeros(rows, cols)), nn.Parameter(torch.zeros(cols, rows)),
@@ -369,9 +369,9 @@ def test_odd_gradients_reduce_like_plain_sums():
     """What in-place reduction must not get wrong: an expanded gradient (stride 0: the gradient of
     a sum), one tensor tied to two parameters (summed once, not twice), and a step where no
     replica has any gradient (nothing to reduce)."""
-    from mirrored.distribute import strategy as strategy_mod
+    from mirrored.distribute import _replica_reduce
 
-    n = strategy_mod._DIRECT_NUMEL
+    n = _replica_reduce._DIRECT_NUMEL
     s = strategy_of(2)
     with s.scope():
         mnet = s.mirror(nn.ParameterList([nn.Parameter(torch.zeros(n)) for _ in range(3)]))

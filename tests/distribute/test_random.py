@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored as mr
+from mirrored._seeds import derive_seed
 from mirrored.distribute import random as replica_random
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,7 +89,7 @@ def test_replicas_draw_different_masks_and_the_default_generator_is_untouched():
     assert torch.equal(torch.get_rng_state(), before)  # replicas never drew from (or left a state in) it
     # Replica r's plain draws are those of a torch.Generator seeded by (seed, step 0, r) - the contract.
     for r in range(2):
-        g = torch.Generator().manual_seed(replica_random.derive_seed(3, 0, r, 0))
+        g = torch.Generator().manual_seed(derive_seed(3, 0, r, 0))
         mask = torch.empty(64).bernoulli_(0.5, generator=g)  # what F.dropout draws on CPU, with this state
         torch.testing.assert_close(masks[r], mask * 2.0, rtol=0, atol=0)
         assert torch.equal(rands[r], torch.rand(4, generator=g))

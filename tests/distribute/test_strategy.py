@@ -189,9 +189,10 @@ def test_values_from_function_on_one_replica_is_plain():
 def test_values_from_function_places_nested_tensors_too(monkeypatch):
     """A bare tensor went to its replica's device but tensors inside a dict or tuple stayed where the
     function made them (review finding). Replica 1's device is mapped to "meta" here to see it on CPU."""
+    from mirrored.distribute import devices
     from mirrored.distribute import strategy as strategy_module
 
-    real = strategy_module.torch_device
+    real = devices.torch_device
     monkeypatch.setattr(strategy_module, "torch_device", lambda d: torch.device("meta") if d == "cpu:1" else real(d))
     s = md.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     values = s.experimental_distribute_values_from_function(

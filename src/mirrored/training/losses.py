@@ -14,8 +14,8 @@ makes the update N times too large (TF 2.21 does so silently). The first such ca
 fix. Model.fit never calls loss objects that way: it takes `per_example` losses.
 
 Uses torch only (and _config.py, on first use of a config); the replica context (for the replica
-count and the replica id in errors) is looked up at call time in mirrored.distribute.context when
-that module is loaded, so this module never imports mirrored.distribute.
+count and the replica id in errors) is looked up at call time in mirrored.distribute when that
+package is loaded, so this module never imports it.
 """
 from __future__ import annotations
 
@@ -68,10 +68,10 @@ def _snake_case(name: str) -> str:
 
 
 def _context_module() -> Any:
-    """mirrored.distribute.context if something has imported it, else None. No strategy can exist
-    before that module is loaded, so looking it up (instead of importing it) is enough, and it keeps
-    this module usable without mirrored.distribute."""
-    return sys.modules.get("mirrored.distribute.context")
+    """mirrored.distribute if something has imported it, else None. No strategy can exist before
+    that package is loaded, so looking it up (instead of importing it) is enough, and it keeps this
+    module usable without mirrored.distribute."""
+    return sys.modules.get("mirrored.distribute")
 
 
 def _replica_context() -> Any:
