@@ -18,18 +18,10 @@ import mirrored.distribute as md
 from mirrored.distribute import cross_device_ops as cdo
 from mirrored.distribute import _replica_reduce, devices
 from mirrored.distribute import strategy as strategy_mod
+from _replicas import TIMEOUT_S, replica_id, strategy_of  # tests/_replicas.py
 
-TIMEOUT_S = 20.0
 CPU_OPS = [md.ReductionToOneDevice, md.HierarchicalCopyAllReduce, md.InMemoryAllReduce]
 SIZES = [1, 7, 1000, _replica_reduce._DIRECT_NUMEL + 5]  # the last is reduced where it lies, not packed
-
-
-def strategy_of(n: int, ops: md.CrossDeviceOps | None = None) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], cross_device_ops=ops, timeout_s=TIMEOUT_S)
-
-
-def replica_id() -> int:
-    return md.get_replica_context().replica_id_in_sync_group
 
 
 def random_inputs(n: int, size: int, dtype=np.float32) -> list[np.ndarray]:
@@ -44,7 +36,7 @@ def test_strategy_all_reduce_equals_numpy_sum_on_every_replica(ops_cls):
     """Inside run: every replica gets the numpy sum (float64 reference, float32 rounding allowed),
     bitwise the same on every replica; MEAN is the sum / n; integers are exact. 2 and 3 replicas."""
     for n in (2, 3):
-        check_all_reduce(strategy_of(n, ops_cls()), n)
+        check_all_reduce(strategy_of(n, cross_device_ops=ops_cls()), n)
 
 
 def check_all_reduce(s: md.MirroredStrategy, n: int) -> None:
@@ -136,7 +128,7 @@ def check_packing(ops_cls, monkeypatch) -> None:
 
 def test_all_reduce_of_nested_values_with_tiny_packs():
     """A strategy whose ops pack 8 bytes at a time still reduces a nested structure correctly."""
-    s = strategy_of(3, md.InMemoryAllReduce(bytes_per_pack=8))
+    s = strategy_of(3, cross_device_ops=md.InMemoryAllReduce(bytes_per_pack=8))
 
     def fn():
         r = replica_id()
@@ -156,7 +148,7 @@ def test_gradient_none_on_every_replica_stays_none():
     """Through mirror_optimizer: a parameter no replica's loss reaches keeps grad None (and its value);
     one reached by some replicas only counts as zero gradient on the others; replicas stay in sync."""
     for ops_cls in CPU_OPS:
-        check_none_gradients(strategy_of(3, ops_cls()))
+        check_none_gradients(strategy_of(3, cross_device_ops=ops_cls()))
 
 
 def check_none_gradients(s: md.MirroredStrategy) -> None:
@@ -190,7 +182,7 @@ def check_none_gradients(s: md.MirroredStrategy) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a CPU-only machine")
 def test_nccl_all_reduce_on_cpu_box_fails_at_construction():
     with pytest.raises(ValueError) as info:
-        strategy_of(2, md.NcclAllReduce())
+        strategy_of(2, cross_device_ops=md.NcclAllReduce())
     msg = str(info.value)
     assert "NcclAllReduce needs CUDA GPUs, but torch sees none" in msg and "cross_device_ops=" in msg
 
@@ -199,7 +191,7 @@ def test_nccl_all_reduce_on_cpu_box_fails_at_construction():
 def test_nccl_all_reduce_refuses_cpu_devices():  # pragma: no cover - GPU machines only
     """The one-GPU refusal: NCCL across cuda:0 and a CPU replica is refused at construction."""
     with pytest.raises(ValueError, match="reduces across GPUs only"):
-        strategy_of(2, md.NcclAllReduce())
+        strategy_of(2, cross_device_ops=md.NcclAllReduce())
     with pytest.raises(ValueError, match="reduces across GPUs only"):
         md.MirroredStrategy(devices=["cuda:0", "cpu:0"], cross_device_ops=md.NcclAllReduce())
 
@@ -222,7 +214,7 @@ def test_constructor_validation():
     with pytest.raises(ValueError, match="unknown reduce op"):
         md.ReductionToOneDevice().reduce("max", md.PerReplica([torch.ones(1)]))
     with pytest.raises(TypeError, match="expected a CrossDeviceOps"):
-        strategy_of(2, "nccl")  # type: ignore[arg-type]
+        strategy_of(2, cross_device_ops="nccl")  # type: ignore[arg-type]
     assert repr(md.InMemoryAllReduce(bytes_per_pack=64)) == "InMemoryAllReduce(bytes_per_pack=64)"
     assert md.ReductionToOneDevice(reduce_to_device="/device:CPU:0").reduce_to_device == "cpu:0"
 
@@ -237,7 +229,7 @@ def test_batch_reduce_rejects_different_replica_counts():
 def test_results_are_complete_when_a_replica_is_released(ops_cls):
     """Every replica's outputs are written before any replica leaves the all-reduce, so one that
     modifies its result in place at once (gradient clipping, say) cannot change what the others got."""
-    s = strategy_of(3, ops_cls())
+    s = strategy_of(3, cross_device_ops=ops_cls())
     size = _replica_reduce._DIRECT_NUMEL + 5  # large enough to be reduced in place, not packed
     xs = random_inputs(3, size)
 
@@ -294,7 +286,7 @@ def test_gradient_masks_that_vary_by_step_keep_few_buffers():
 def test_inputs_are_left_as_they_were(ops_cls):
     """4 replicas (a two-level tree for HierarchicalCopyAllReduce), large tensors read in place:
     every replica's input keeps its values."""
-    s = strategy_of(4, ops_cls())
+    s = strategy_of(4, cross_device_ops=ops_cls())
     xs = random_inputs(4, _replica_reduce._DIRECT_NUMEL + 5)
     inputs = [torch.from_numpy(x.copy()) for x in xs]
     out = s.run(lambda: md.get_replica_context().all_reduce("sum", inputs[replica_id()]))
@@ -450,7 +442,7 @@ def test_in_step_reductions_use_each_replicas_own_device(monkeypatch):
     own tensors, so replica 1 (a stand-in GPU) hands over and gets back tensors on its device only."""
     _replica_1_on_meta(monkeypatch)
     ops = DeviceRecorder(bytes_per_pack=64)
-    s = strategy_of(2, ops)
+    s = strategy_of(2, cross_device_ops=ops)
     with s.scope():
         mnet = s.mirror(nn.Sequential(nn.Linear(4, 300), nn.Linear(300, 2)))  # one gradient reduced in place
         opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)

@@ -15,12 +15,7 @@ from torch.nn.modules import module as torch_module
 
 import mirrored as mr
 import mirrored.distribute as md
-
-TIMEOUT_S = 20.0
-
-
-def strategy_of(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
+from _replicas import strategy_of  # tests/_replicas.py
 
 
 def net() -> nn.Module:

@@ -10,16 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored.distribute as md
-
-TIMEOUT_S = 20.0
-
-
-def strategy_of(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
-
-
-def replica_id() -> int:
-    return md.get_replica_context().replica_id_in_sync_group
+from _replicas import TIMEOUT_S, replica_id, strategy_of  # tests/_replicas.py
 
 
 def tiny() -> nn.Module:
@@ -307,7 +298,7 @@ def test_large_gradients_reduced_where_they_lie_match_plain_torch(replicas, set_
     x, y = torch.randn(9, 300), torch.randint(0, 4, (9,))
     ref = copy.deepcopy(net)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas)
     with strategy.scope():
         mnet = strategy.mirror(net)
         opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
@@ -439,7 +430,7 @@ def test_a_buffer_no_step_changes_stays_bit_for_bit_on_three_replicas():
         mnet(torch.ones(2, 4)).sum().backward()
         opt.reduce_gradients()
         opt.optimizer.step()
-        opt.sync_buffers(weight=md.get_replica_context().replica_id_in_sync_group + 1 if weighted else None)
+        opt.sync_buffers(weight=replica_id() + 1 if weighted else None)
 
     for i in range(20):
         s.run(step, args=(i % 2 == 0,))
@@ -731,7 +722,7 @@ def test_buffers_replaced_between_steps_are_the_ones_synced():
         opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
 
     def step(values):
-        rid = md.get_replica_context().replica_id_in_sync_group
+        rid = replica_id()
         copy_ = mnet.replicas[rid]
         with torch.no_grad():
             for name, value in values.items():

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import mirrored as mr
+from _replicas import strategy_of  # tests/_replicas.py
 
 N_EXAMPLES, GLOBAL_BATCH, EPOCHS = 22, 8, 2  # batches of 8, 8, 6: the last one is uneven on 3 replicas
 
@@ -48,7 +49,7 @@ def test_fit_matches_plain_pytorch_with_uneven_last_batch(replicas):
     x, y = _data()
     ref_net = _net()
     want = _reference(ref_net, x, y)
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas)
     with strategy.scope():
         model = mr.Model(_net())
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
@@ -225,7 +226,7 @@ def test_fit_reduces_the_loss_as_keras_does_on_one_device(kind, replicas):
     with torch.no_grad():
         want_eval = sum(step_loss(ref_net(x[i:i + GLOBAL_BATCH]), labels[i:i + GLOBAL_BATCH]).item()
                         * len(x[i:i + GLOBAL_BATCH]) for i in range(0, N_EXAMPLES, GLOBAL_BATCH)) / N_EXAMPLES
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas)
     with strategy.scope():
         model = mr.Model(net)
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1), loss=loss)

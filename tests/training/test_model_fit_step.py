@@ -13,6 +13,7 @@ from _plain_replicas import batchnorm_data, replicas_by_hand  # tests/training/_
 
 import mirrored as mr
 from mirrored.distribute import rollback
+from _replicas import strategy_of  # tests/_replicas.py
 
 N_EXAMPLES, GLOBAL_BATCH, EPOCHS = 22, 8, 2  # batches 8, 8, 6: on 3 replicas 3/3/2, 3/3/2, 2/2/2
 
@@ -33,7 +34,7 @@ def test_fit_with_batchnorm_matches_plain_torch_playing_the_replicas(replicas):
     sync) is rewritten for speed; the trained weights and statistics must stay those of the math."""
     x, y = _data()
     ref, want_losses = replicas_by_hand(_net, x, y, replicas, GLOBAL_BATCH, EPOCHS)
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas)
     with strategy.scope():
         model = mr.Model(_net())
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
