@@ -161,13 +161,20 @@ def test_reduce_and_gather_edge_cases():
 
 
 def test_check_in_sync_accepts_lists_and_passes_in_sync_state():
+    """In-sync objects pass, given alone, in a list or in a tuple; and every element of a list is
+    checked: a variable whose copies differ fails the list, named."""
     s = strategy_of(2)
     with s.scope():
         mnet = s.mirror(torch.nn.Linear(2, 2))
         opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
         v = md.Variable(torch.zeros(2))
-    s.check_in_sync([mnet, opt, v])
-    s.check_in_sync((mnet,))
+    assert s.check_in_sync([mnet, opt, v]) is None
+    assert s.check_in_sync((mnet,)) is None
+    with torch.no_grad():
+        v.values[1].add_(1.0)
+    with pytest.raises(md.OutOfSyncError, match="replica 0 and replica 1"):
+        s.check_in_sync([mnet, opt, v])
+    assert s.check_in_sync([mnet, opt]) is None
 
 
 def test_values_from_function_on_one_replica_is_plain():
