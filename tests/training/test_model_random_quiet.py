@@ -198,10 +198,14 @@ def test_verdicts_go_with_their_model():
 
 
 INTERRUPT = textwrap.dedent("""
-    import _thread, json, sys, torch
+    import _thread, json, signal, sys, torch
     from torch import nn
     import mirrored as mr
     from mirrored.distribute import random as replica_random
+
+    # Python's handler, even where pytest was started with SIGINT ignored (nohup, `make test &`): else
+    # _thread.interrupt_main() raises nothing in this child.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     class DrawsFromStep3(nn.Module):  # a first Ctrl-C arrives while step 3, the first to draw, runs
         def __init__(self):
