@@ -37,8 +37,7 @@ from collections.abc import Callable
 import torch
 
 import mirrored as mr
-from mirrored.distribute import context, replicas, rollback
-from mirrored.distribute import strategy as strategy_module
+from mirrored.distribute import _run_path, context, replicas, rollback
 
 _TARGET_US = 50.0  # issue 15: a no-op run on 2 replicas
 
@@ -141,7 +140,7 @@ def pieces(strategy: mr.MirroredStrategy) -> dict[str, Callable[[], object]]:
 
     def entry_checks() -> None:  # before handing out: nesting (no frame here), PerReplica lengths
         context._current()
-        strategy_module._argument_split(args, kwargs, len(devices))
+        _run_path._argument_split(args, kwargs, len(devices))
 
     def rendezvous() -> None:
         replicas.Rendezvous(devices, 300.0)
@@ -153,18 +152,18 @@ def pieces(strategy: mr.MirroredStrategy) -> dict[str, Callable[[], object]]:
         with strategy._guard(noop):
             pass
 
-    random_modes = strategy._random_modes(args, kwargs, strategy_module._SHARED, 0)
-    task = strategy._replica_task(noop, args, kwargs, strategy_module._SHARED, step, journals, (), random_modes)
+    random_modes = strategy._random_modes(args, kwargs, _run_path._SHARED, 0)
+    task = strategy._replica_task(noop, args, kwargs, _run_path._SHARED, step, journals, (), random_modes)
 
     def replica_wrapper() -> None:  # the task a replica thread runs around fn, with fn a no-op
         step._done.clear()  # (as if a new step: finish() refuses a replica that finished already)
         task(0)
 
     def results() -> None:
-        strategy_module._run_result([None] * len(devices))
+        _run_path._run_result([None] * len(devices))
 
     return {"entry checks, arguments": entry_checks, "rendezvous": rendezvous, "rollback journals": journals_,
-            "caller modes": strategy_module._caller_modes, "shared-state guard": guard,
+            "caller modes": _run_path._caller_modes, "shared-state guard": guard,
             "replica wrapper (x1)": replica_wrapper, "regroup results": results}
 
 

@@ -63,7 +63,7 @@ nitpick_ignore_regex = [(r"py:.*", r"(?!mirrored(\.|$)).*")]
 # gap (document the type, or keep it out of the signature); this list may only shrink.
 UNDOCUMENTED_TYPES = [
     "mirrored.data._pipeline.Node",  # Dataset's constructor argument
-    "mirrored.data._tfds_splits.ReadInstruction",  # parse_split's result (tfds.py re-exports it)
+    "mirrored.data._tfds_splits.ReadInstruction",  # parse_split's result
     "mirrored.datasets.registry.Builder",  # what mr.datasets.builder() returns
     "mirrored.distribute.cross_device_ops.Disagreement",  # CrossDeviceOps.all_reduce's result
     "mirrored.distribute.replicas.Rendezvous",  # CrossDeviceOps.all_reduce's argument

@@ -311,7 +311,7 @@ def test_layering_test_cites_the_architecture_page():
     """The import rule lives in docs/architecture.md; the test that enforces it points there."""
     page = (DOCS / "architecture.md").read_text()
     assert "## What may import what" in page
-    layering = (REPO / "tests" / "distribute" / "test_layering.py").read_text()
+    layering = (REPO / "tests" / "test_layering.py").read_text()
     assert "docs/architecture.md" in layering
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import mirrored as mr
 from mirrored import profiler as profiler_lib
 from mirrored.profiler import Span
+from _replicas import replica_id  # tests/_replicas.py
 
 MS = 1_000_000  # ns
 N_EXAMPLES, GLOBAL_BATCH = 48, 8
@@ -196,8 +197,7 @@ def test_on_cuda_devices_the_profiler_synchronises_steps_and_replica_spans(monke
     replicas, and the profiler is told its devices are GPUs."""
     main_syncs, replica_syncs = [], []
     monkeypatch.setattr(profiler_lib, "_device_sync", lambda devices: (lambda: main_syncs.append(tuple(devices))))
-    monkeypatch.setattr(profiler_lib, "_sync_current", lambda: replica_syncs.append(mr.get_replica_context()
-                                                                                  .replica_id_in_sync_group))
+    monkeypatch.setattr(profiler_lib, "_sync_current", lambda: replica_syncs.append(replica_id()))
     strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     with strategy.scope():
         mnet = strategy.mirror(torch.nn.Linear(5, 3))

@@ -9,9 +9,9 @@ the same synthetic 32x32 batches already in memory, so the input pipeline is not
 rows:
 
   alone x N    one replica's step alone (its per-replica batch, one intra-op thread, a plain loop),
-               times N: what N cores give if running N at once costs nothing (issue 15's limit)
+               times N: what N cores give if running N at once costs nothing (the limit)
   independent  N independent processes at once, 1 thread each, each training on its per-replica
-               batch, never communicating: what N busy cores really give here (issue 27's limit)
+               batch, never communicating: what N busy cores really give here
   fit          mr.Model.fit on N logical CPU replicas (threads, 1 intra-op thread each)
   DDP          torch DistributedDataParallel, gloo, N processes x 1 thread
   plain        one process, one plain loop at the global batch, intra-op threads on every core

@@ -14,12 +14,7 @@ import pytest
 import torch
 
 import mirrored.distribute as md
-
-TIMEOUT_S = 20.0
-
-
-def strategy_of(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
+from _replicas import TIMEOUT_S, strategy_of  # tests/_replicas.py
 
 
 def assert_default_state() -> None:

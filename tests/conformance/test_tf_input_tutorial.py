@@ -8,13 +8,7 @@ import torch
 
 import mirrored as mr
 from mirrored.data import Dataset
-
-TIMEOUT_S = 20.0
-
-
-def two_replicas() -> mr.MirroredStrategy:
-    # Made in each test, not a fixture: pytest would hold it (and its replica threads) past the thread check.
-    return mr.MirroredStrategy(devices=["cpu:0", "cpu:1"], timeout_s=TIMEOUT_S)
+from _replicas import strategy_of  # tests/_replicas.py
 
 
 def train_step(inputs):
@@ -23,7 +17,7 @@ def train_step(inputs):
 
 
 def test_a_global_batch_of_16_gives_each_replica_8():
-    strategy = two_replicas()
+    strategy = strategy_of(2)
     dataset = Dataset.from_tensors(([1.0], [1.0])).repeat(100).batch(16)
     dist_dataset = strategy.experimental_distribute_dataset(dataset)
     features, labels = next(iter(dist_dataset))
@@ -36,7 +30,7 @@ def test_a_global_batch_of_16_gives_each_replica_8():
 
 
 def test_options_with_an_auto_shard_policy_and_a_dataset_fn():
-    strategy = two_replicas()
+    strategy = strategy_of(2)
     dataset = Dataset.from_tensors(([1.0], [1.0])).repeat(64).batch(16)
     options = mr.data.Options()
     options.experimental_distribute.auto_shard_policy = mr.data.experimental.AutoShardPolicy.DATA
@@ -55,7 +49,7 @@ def test_options_with_an_auto_shard_policy_and_a_dataset_fn():
 
 
 def test_an_iterator_across_epochs_with_next_and_get_next():
-    strategy = two_replicas()
+    strategy = strategy_of(2)
     dataset = Dataset.from_tensors(([1.0], [1.0])).repeat(100).batch(16)
     dist_dataset = strategy.experimental_distribute_dataset(dataset)
     for _ in range(3):
@@ -67,7 +61,7 @@ def test_an_iterator_across_epochs_with_next_and_get_next():
 
 
 def test_get_next_as_optional_ends_the_loop_after_the_last_batch():
-    strategy = two_replicas()
+    strategy = strategy_of(2)
     dataset = Dataset.range(9).batch(4)
     distributed_iterator = iter(strategy.experimental_distribute_dataset(dataset))
     printed = []
@@ -81,7 +75,7 @@ def test_get_next_as_optional_ends_the_loop_after_the_last_batch():
 
 
 def test_element_spec_describes_the_distributed_batches():
-    strategy = two_replicas()
+    strategy = strategy_of(2)
     dataset = Dataset.from_tensors(([1.0], [1.0])).repeat(100).batch(16)
     dist_dataset = strategy.experimental_distribute_dataset(dataset)
     spec = dist_dataset.element_spec
@@ -90,7 +84,7 @@ def test_element_spec_describes_the_distributed_batches():
 
 
 def test_predictions_keep_their_order_through_enumerate():
-    strategy = two_replicas()
+    strategy = strategy_of(2)
     dataset = Dataset.range(24).enumerate().batch(6)
     result = {}
     for index, inputs in strategy.experimental_distribute_dataset(dataset):
@@ -102,7 +96,7 @@ def test_predictions_keep_their_order_through_enumerate():
 
 
 def test_values_from_a_function_and_a_generator():
-    strategy = two_replicas()
+    strategy = strategy_of(2)
     distributed_values = strategy.experimental_distribute_values_from_function(
         lambda ctx: torch.tensor(ctx.replica_id_in_sync_group))
     for _ in range(2):

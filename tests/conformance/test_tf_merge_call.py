@@ -14,20 +14,11 @@ import pytest
 import torch
 
 import mirrored.distribute as md
-
-TIMEOUT_S = 20.0
+from _replicas import replica_id, strategy_of  # tests/_replicas.py
 
 
 class _TestException(Exception):
     pass
-
-
-def strategy_of(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
-
-
-def replica_id() -> int:
-    return md.get_replica_context().replica_id_in_sync_group
 
 
 def test_merge_call_merges_args_runs_once_and_hands_back_result():

@@ -18,18 +18,10 @@ import pytest
 import torch
 
 import mirrored.distribute as md
+from _replicas import replica_id, strategy_of  # tests/_replicas.py
 
-TIMEOUT_S = 20.0
 AGG = md.VariableAggregation
 SYNC = md.VariableSynchronization
-
-
-def strategy_of(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
-
-
-def replica_id() -> int:
-    return md.get_replica_context().replica_id_in_sync_group
 
 
 def copies(var) -> list:

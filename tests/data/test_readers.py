@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mirrored as mr
-from mirrored.data import Dataset, _distribute
+from mirrored.data import Dataset, auto_shard
 from mirrored.data.tfrecord import write_records
 from mirrored.distribute import _input_workers
 
@@ -72,9 +72,9 @@ def test_unseeded_shuffles_are_the_ones_a_strategy_reseeds(four_files, tmp_path)
     given ones are not. Replaced seeds give the order of shuffles built with those seeds."""
     pattern = str(tmp_path / "train-*.tfrecord")
     ds = mr.data.TFRecordDataset(Dataset.list_files(pattern)).shuffle(12, seed=5).shuffle(12)
-    assert len(_distribute.drawn_seeds(ds)) == 2
-    _distribute.set_drawn_seeds(ds, [11, 12])
-    assert _distribute.drawn_seeds(ds) == [11, 12]
+    assert len(auto_shard.drawn_seeds(ds)) == 2
+    auto_shard.set_drawn_seeds(ds, [11, 12])
+    assert auto_shard.drawn_seeds(ds) == [11, 12]
     reference = mr.data.TFRecordDataset(Dataset.list_files(pattern, seed=12)).shuffle(12, seed=5).shuffle(12, seed=11)
     assert list(ds) == list(reference)
 
@@ -83,10 +83,10 @@ def test_file_sharding_gives_each_worker_every_second_file_and_leaves_the_datase
     files = Dataset.list_files(str(tmp_path / "train-*.tfrecord"), shuffle=False)
     ds = mr.data.TFRecordDataset(files).cache().batch(4)
     assert sum(list(ds), []) == _records(range(4))  # (the memory cache is full now)
-    parts = [_distribute.shard_files(ds, 2, w) for w in range(2)]
+    parts = [auto_shard.shard_files(ds, 2, w) for w in range(2)]
     assert [sum(part, []) for part in map(list, parts)] == [_records((0, 2)), _records((1, 3))]
     assert sum(list(ds), []) == _records(range(4))  # the dataset itself still reads every file
-    assert _distribute.describe_files(_distribute.file_sources(ds)) == "4 files"
+    assert auto_shard.describe_files(auto_shard.file_sources(ds)) == "4 files"
 
 
 def test_shard_hint_keeps_everything_until_hint_sharding_fills_it_in():
@@ -94,8 +94,8 @@ def test_shard_hint_keeps_everything_until_hint_sharding_fills_it_in():
     hint = mr.data.experimental.SHARD_HINT
     ds = Dataset.range(10).shard(hint, hint).batch(2)
     assert [t.tolist() for t in ds] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
-    assert len(_distribute.hint_shards(ds)) == 1
-    parts = [[t.tolist() for t in _distribute.fill_hints(ds, 2, w)] for w in range(2)]
+    assert len(auto_shard.hint_shards(ds)) == 1
+    parts = [[t.tolist() for t in auto_shard.fill_hints(ds, 2, w)] for w in range(2)]
     assert parts == [[[0, 2], [4, 6], [8]], [[1, 3], [5, 7], [9]]]
     assert [t.tolist() for t in ds] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]  # (the dataset itself is unchanged)
 
@@ -107,7 +107,7 @@ def test_tfds_shards_are_a_file_source(fixtures_dir):
         pytest.skip("no TFDS fixture")
     ds = mr.datasets.load(next(p.name for p in directory.iterdir() if p.is_dir()), split="train",
                           data_dir=str(directory))
-    assert [s.what for s in _distribute.file_sources(ds)] == ["shard"]
+    assert [s.what for s in auto_shard.file_sources(ds)] == ["shard"]
 
 
 def test_digest_of_a_batch_sees_its_labels_not_float_noise():

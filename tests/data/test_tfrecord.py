@@ -504,17 +504,3 @@ def test_unsupported_feature_values():
             encode_example({"bad": value})
     with pytest.raises(TypeError, match="feature names are str"):
         encode_example({1: b"x"})
-
-
-def test_build_messages_is_reusable():
-    from google.protobuf import descriptor_pb2
-    F = descriptor_pb2.FieldDescriptorProto
-    file_proto = descriptor_pb2.FileDescriptorProto(name="test/event.proto", package="probe",
-                                                    syntax="proto3")
-    event = file_proto.message_type.add(name="Event")
-    event.field.append(tfrecord._field("wall_time", 1, F.TYPE_DOUBLE))
-    event.field.append(tfrecord._field("tags", 2, F.TYPE_STRING, repeated=True))
-    classes = tfrecord._build_messages(file_proto)
-    message = classes["Event"](wall_time=1.5, tags=["a"])
-    assert classes["Event"].FromString(message.SerializeToString()) == message
-    assert tfrecord.Example.DESCRIPTOR.full_name == "tensorflow.Example"

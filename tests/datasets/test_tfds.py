@@ -16,7 +16,7 @@ from PIL import Image as PILImage
 
 import mirrored as mr
 from mirrored.data import tfds
-from mirrored.data.tfrecord import encode_example, read_records
+from mirrored.data.tfrecord import encode_example, parse_example, read_records
 
 LABELS = ["cbb", "cbsd", "cgm", "cmd", "healthy"]
 
@@ -155,7 +155,7 @@ def test_written_info_files_are_byte_identical_to_tfds(cassava_dir, tmp_path):
 
 
 def test_write_split_orders_records_as_tfds(cassava_dir, tmp_path, expected):
-    records = {tfds.parse_example(r)["image/filename"][0].decode(): r
+    records = {parse_example(r)["image/filename"][0].decode(): r
                for r in read_records(cassava_dir / "cassava-train.tfrecord-00000-of-00001")}
     shuffled = sorted(records)  # any input order: the key hash decides
     info = tfds.write_split(tmp_path, "cassava", "train", shuffled, records.__getitem__, total_bytes=1)

@@ -6,12 +6,7 @@ import torch
 
 import mirrored.distribute as md
 from mirrored.distribute import context
-
-TIMEOUT_S = 20.0
-
-
-def strategy_of(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
+from _replicas import strategy_of  # tests/_replicas.py
 
 
 def test_push_pops_even_on_error():

@@ -19,15 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored.distribute as md
+from _replicas import strategy_of  # tests/_replicas.py
 
-TIMEOUT_S = 20.0
 # Float reassociation: the replicas' gradient parts add in another order than one device's sum
 # (measured at most ~6e-8 on weights of order 0.1 to 1 over these few steps).
 RTOL, ATOL = 1e-6, 2e-7
-
-
-def strategy_of(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
 
 
 def net(bn: bool = True) -> nn.Module:
@@ -107,8 +103,6 @@ def assert_matches(mnet, ref: nn.Module, strategy) -> None:
     for (name, want), got in zip(ref.state_dict().items(), mnet.values[-1].state_dict().values()):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
     strategy.check_in_sync(mnet)  # and every replica bit for bit
-
-
 
 
 # ---- changes that reached replica 0's copy alone -----------------------------------------------------

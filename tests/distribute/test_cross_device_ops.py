@@ -16,20 +16,12 @@ from torch import nn
 
 import mirrored.distribute as md
 from mirrored.distribute import cross_device_ops as cdo
-from mirrored.distribute import reducer as reducer_mod
+from mirrored.distribute import devices, reducer as reducer_mod
 from mirrored.distribute import strategy as strategy_mod
+from _replicas import TIMEOUT_S, replica_id, strategy_of  # tests/_replicas.py
 
-TIMEOUT_S = 20.0
 CPU_OPS = [md.ReductionToOneDevice, md.HierarchicalCopyAllReduce, md.InMemoryAllReduce]
-SIZES = [1, 7, 1000, strategy_mod._DIRECT_NUMEL + 5]  # the last is reduced where it lies, not packed
-
-
-def strategy_of(n: int, ops: md.CrossDeviceOps | None = None) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], cross_device_ops=ops, timeout_s=TIMEOUT_S)
-
-
-def replica_id() -> int:
-    return md.get_replica_context().replica_id_in_sync_group
+SIZES = [1, 7, 1000, _replica_reduce._DIRECT_NUMEL + 5]  # the last is reduced where it lies, not packed
 
 
 def random_inputs(n: int, size: int, dtype=np.float32) -> list[np.ndarray]:
@@ -44,7 +36,7 @@ def test_strategy_all_reduce_equals_numpy_sum_on_every_replica(ops_cls):
     """Inside run: every replica gets the numpy sum (float64 reference, float32 rounding allowed),
     bitwise the same on every replica; MEAN is the sum / n; integers are exact. 2 and 3 replicas."""
     for n in (2, 3):
-        check_all_reduce(strategy_of(n, ops_cls()), n)
+        check_all_reduce(strategy_of(n, cross_device_ops=ops_cls()), n)
 
 
 def check_all_reduce(s: md.MirroredStrategy, n: int) -> None:
@@ -136,7 +128,7 @@ def check_packing(ops_cls, monkeypatch) -> None:
 
 def test_all_reduce_of_nested_values_with_tiny_packs():
     """A strategy whose ops pack 8 bytes at a time still reduces a nested structure correctly."""
-    s = strategy_of(3, md.InMemoryAllReduce(bytes_per_pack=8))
+    s = strategy_of(3, cross_device_ops=md.InMemoryAllReduce(bytes_per_pack=8))
 
     def fn():
         r = replica_id()
@@ -156,7 +148,7 @@ def test_gradient_none_on_every_replica_stays_none():
     """Through mirror_optimizer: a parameter no replica's loss reaches keeps grad None (and its value);
     one reached by some replicas only counts as zero gradient on the others; replicas stay in sync."""
     for ops_cls in CPU_OPS:
-        check_none_gradients(strategy_of(3, ops_cls()))
+        check_none_gradients(strategy_of(3, cross_device_ops=ops_cls()))
 
 
 def check_none_gradients(s: md.MirroredStrategy) -> None:
@@ -190,7 +182,7 @@ def check_none_gradients(s: md.MirroredStrategy) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a CPU-only machine")
 def test_nccl_all_reduce_on_cpu_box_fails_at_construction():
     with pytest.raises(ValueError) as info:
-        strategy_of(2, md.NcclAllReduce())
+        strategy_of(2, cross_device_ops=md.NcclAllReduce())
     msg = str(info.value)
     assert "NcclAllReduce needs CUDA GPUs, but torch sees none" in msg and "cross_device_ops=" in msg
 
@@ -199,7 +191,7 @@ def test_nccl_all_reduce_on_cpu_box_fails_at_construction():
 def test_nccl_all_reduce_refuses_cpu_devices():  # pragma: no cover - GPU machines only
     """The one-GPU refusal: NCCL across cuda:0 and a CPU replica is refused at construction."""
     with pytest.raises(ValueError, match="reduces across GPUs only"):
-        strategy_of(2, md.NcclAllReduce())
+        strategy_of(2, cross_device_ops=md.NcclAllReduce())
     with pytest.raises(ValueError, match="reduces across GPUs only"):
         md.MirroredStrategy(devices=["cuda:0", "cpu:0"], cross_device_ops=md.NcclAllReduce())
 
@@ -222,7 +214,7 @@ def test_constructor_validation():
     with pytest.raises(ValueError, match="unknown reduce op"):
         md.ReductionToOneDevice().reduce("max", md.PerReplica([torch.ones(1)]))
     with pytest.raises(TypeError, match="expected a CrossDeviceOps"):
-        strategy_of(2, "nccl")  # type: ignore[arg-type]
+        strategy_of(2, cross_device_ops="nccl")  # type: ignore[arg-type]
     assert repr(md.InMemoryAllReduce(bytes_per_pack=64)) == "InMemoryAllReduce(bytes_per_pack=64)"
     assert md.ReductionToOneDevice(reduce_to_device="/device:CPU:0").reduce_to_device == "cpu:0"
 
@@ -237,8 +229,8 @@ def test_batch_reduce_rejects_different_replica_counts():
 def test_results_are_complete_when_a_replica_is_released(ops_cls):
     """Every replica's outputs are written before any replica leaves the all-reduce, so one that
     modifies its result in place at once (gradient clipping, say) cannot change what the others got."""
-    s = strategy_of(3, ops_cls())
-    size = strategy_mod._DIRECT_NUMEL + 5  # large enough to be reduced in place, not packed
+    s = strategy_of(3, cross_device_ops=ops_cls())
+    size = _replica_reduce._DIRECT_NUMEL + 5  # large enough to be reduced in place, not packed
     xs = random_inputs(3, size)
 
     def fn():
@@ -294,8 +286,8 @@ def test_gradient_masks_that_vary_by_step_keep_few_buffers():
 def test_inputs_are_left_as_they_were(ops_cls):
     """4 replicas (a two-level tree for HierarchicalCopyAllReduce), large tensors read in place:
     every replica's input keeps its values."""
-    s = strategy_of(4, ops_cls())
-    xs = random_inputs(4, strategy_mod._DIRECT_NUMEL + 5)
+    s = strategy_of(4, cross_device_ops=ops_cls())
+    xs = random_inputs(4, _replica_reduce._DIRECT_NUMEL + 5)
     inputs = [torch.from_numpy(x.copy()) for x in xs]
     out = s.run(lambda: md.get_replica_context().all_reduce("sum", inputs[replica_id()]))
     for r in range(4):
@@ -307,7 +299,7 @@ def test_all_reduce_results_belong_to_the_caller():
     """ctx.all_reduce reuses its plan for tensors of the same shapes, but never its results: those of
     an earlier call keep their values after a later one, and differ in storage between calls."""
     s = strategy_of(2)
-    shapes = [(3, 2), (strategy_mod._DIRECT_NUMEL + 5,), ()]  # packed, read in place, a scalar
+    shapes = [(3, 2), (_replica_reduce._DIRECT_NUMEL + 5,), ()]  # packed, read in place, a scalar
 
     seen = {}
 
@@ -332,7 +324,7 @@ def test_all_reduce_results_belong_to_the_caller():
 def test_all_reduce_keeps_few_plans():
     """Many different shapes through ctx.all_reduce: each replica keeps a bounded number of plans."""
     s = strategy_of(2)
-    calls = strategy_mod._VALUE_LAYOUTS_KEPT + 5
+    calls = _replica_reduce._VALUE_LAYOUTS_KEPT + 5
 
     seen = {}
 
@@ -344,10 +336,10 @@ def test_all_reduce_keeps_few_plans():
     for results in seen.values():
         for n, t in enumerate(results, start=1):
             torch.testing.assert_close(t, torch.full((n,), 2.0))
-    assert {len(layouts) for layouts in s._value_layouts.values()} == {strategy_mod._VALUE_LAYOUTS_KEPT}
+    assert {len(layouts) for layouts in s._value_layouts.values()} == {_replica_reduce._VALUE_LAYOUTS_KEPT}
 
 
-@pytest.mark.parametrize("size", [3, strategy_mod._DIRECT_NUMEL + 5])
+@pytest.mark.parametrize("size", [3, _replica_reduce._DIRECT_NUMEL + 5])
 def test_all_reduce_is_differentiable_as_in_tf(size):
     """TF's all-reduce gradient is the same all-reduce of the upstream gradients. Each replica's
     loss is sum(w * y) with y = all_reduce(x_r): dL_total/dx_r = sum_k w_k for SUM, its mean for
@@ -439,7 +431,7 @@ def _replica_1_on_meta(monkeypatch) -> None:
     """Makes "cpu:1" mean the meta device for the strategy, its modules and its input."""
     from mirrored.distribute import modules
 
-    real = strategy_mod.torch_device
+    real = devices.torch_device
     fake = lambda d: torch.device("meta") if d == "cpu:1" else real(d)  # noqa: E731
     monkeypatch.setattr(strategy_mod, "torch_device", fake)
     monkeypatch.setattr(modules, "torch_device", fake)
@@ -450,7 +442,7 @@ def test_in_step_reductions_use_each_replicas_own_device(monkeypatch):
     own tensors, so replica 1 (a stand-in GPU) hands over and gets back tensors on its device only."""
     _replica_1_on_meta(monkeypatch)
     ops = DeviceRecorder(bytes_per_pack=64)
-    s = strategy_of(2, ops)
+    s = strategy_of(2, cross_device_ops=ops)
     with s.scope():
         mnet = s.mirror(nn.Sequential(nn.Linear(4, 300), nn.Linear(300, 2)))  # one gradient reduced in place
         opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
@@ -458,7 +450,7 @@ def test_in_step_reductions_use_each_replicas_own_device(monkeypatch):
     def step():
         ctx = md.get_replica_context()
         device = next(mnet.parameters()).device
-        summed = ctx.all_reduce("sum", [torch.ones(3, device=device), torch.ones(strategy_mod._DIRECT_NUMEL,
+        summed = ctx.all_reduce("sum", [torch.ones(3, device=device), torch.ones(_replica_reduce._DIRECT_NUMEL,
                                                                                   device=device)])
         mnet(torch.ones(2, 4, device=device)).sum().backward()
         opt.step()

@@ -7,6 +7,8 @@ installed for the first run of each replica function only.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,12 +17,7 @@ from torch.nn.modules import module as torch_module
 
 import mirrored as mr
 import mirrored.distribute as md
-
-TIMEOUT_S = 20.0
-
-
-def strategy_of(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
+from _replicas import strategy_of  # tests/_replicas.py
 
 
 def net() -> nn.Module:
@@ -80,14 +77,20 @@ def test_a_plain_module_trained_in_run_is_refused_before_it_changes_anything():
 
 def test_what_cannot_change_a_shared_module_is_allowed():
     """Frozen, parameter-free or no_grad use of a plain module changes nothing; one replica shares with
-    no other thread; a submodule added to the copies by hand belongs to its replica."""
+    no other thread; a submodule added to the copies by hand belongs to its replica. Each run is
+    allowed, and trains as plain PyTorch does: the mirrored Linear takes the sum of the two replicas'
+    gradients, each replica's `extra` keeps the gradient of its own half of the batch, the frozen
+    module is untouched, and one replica steps a plain optimizer as a plain loop does. Tolerances:
+    the rounding of SGD's update (torch may fuse p - lr * g), a few ulps."""
     s = strategy_of(2)
     frozen = net().requires_grad_(False)
+    frozen_before = snapshot([frozen])
     with s.scope():
         mnet = s.mirror(nn.Linear(2, 2))
         opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
     for m in mnet.values:
-        m.extra = nn.Linear(2, 2)  # by hand, after mirror
+        m.extra = nn.Linear(2, 2)  # by hand, after mirror: each replica's own, with its own weights
+    refs = [copy.deepcopy(m) for m in mnet.values]
 
     def step(x, y):
         with torch.no_grad():
@@ -96,25 +99,63 @@ def test_what_cannot_change_a_shared_module_is_allowed():
         F.cross_entropy(logits + mnet.extra(logits), y).backward()
         opt.step()
 
-    s.run(step, args=batch(s))
+    args = batch(s)
+    s.run(step, args=args)
+    for ref, x, y in zip(refs, *(s.experimental_local_results(a) for a in args)):  # each replica's half
+        logits = ref(F.relu(frozen(x)))
+        F.cross_entropy(logits + ref.extra(logits), y).backward()
+    with torch.no_grad():  # (the copies start equal: the Linear was mirrored)
+        want = [a - 0.1 * (a.grad + b.grad) for a, b in zip((refs[0].weight, refs[0].bias),
+                                                             (refs[1].weight, refs[1].bias))]
+    for got, ref in zip(mnet.values, refs):
+        for p, w in zip((got.weight, got.bias), want):
+            torch.testing.assert_close(p, w, rtol=1e-6, atol=1e-7)
+        for p, r in zip(got.extra.parameters(), ref.extra.parameters()):
+            assert torch.equal(p, r) and p.grad is not None  # not stepped: not the optimizer's
+            torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(mnet.values[0].extra.weight.grad, mnet.values[1].extra.weight.grad)
+    assert all(torch.equal(a, b) for a, b in zip(frozen_before, snapshot([frozen])))
+    assert all(p.grad is None for p in frozen.parameters())
+    assert torch.equal(mnet.values[0].weight, mnet.values[1].weight)  # (check_in_sync would refuse the extras)
+
     one = strategy_of(1)
     plain = net()
+    ref, initial = copy.deepcopy(plain), snapshot([plain])
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
 
     def plain_step(x, y):
         F.cross_entropy(plain(x), y).backward()
         plain_opt.step()
 
-    one.run(plain_step, args=batch(one))
+    args = batch(one)
+    one.run(plain_step, args=args)
+    F.cross_entropy(ref(args[0]), args[1]).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    for got, want, was in zip(plain.parameters(), ref.parameters(), initial):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(got, was)
 
 
 def test_model_fit_passes_the_guards():
+    """fit's replica step (a mirrored module and optimizer, a torch optimizer class) is not refused,
+    and trains as plain PyTorch does with Adam over the same two global batches (in order: no
+    shuffle). Tolerance: the replicas' gradient parts add in another order (a few ulps), which Adam's
+    first steps (about lr * sign(g)) do not amplify."""
     s = strategy_of(2)
     with s.scope():
         model = mr.Model(net())
         model.compile(optimizer=torch.optim.Adam, loss="sparse_categorical_crossentropy")
     g = torch.Generator().manual_seed(1)
-    model.fit(torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g), batch_size=8, verbose=0)
+    x, y = torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    ref = net()
+    opt = torch.optim.Adam(ref.parameters())
+    for i in (0, 8):
+        opt.zero_grad()
+        F.cross_entropy(ref(x[i:i + 8]), y[i:i + 8]).backward()
+        opt.step()
+    for got, want in zip(model.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     model.check_in_sync()
 
 

@@ -13,12 +13,7 @@ from hypothesis import strategies as st
 
 import mirrored.distribute as md
 from mirrored.distribute import input as dist_input
-
-TIMEOUT_S = 20.0
-
-
-def strategy_of(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
+from _replicas import strategy_of  # tests/_replicas.py
 
 
 @given(st.integers(0, 500), st.integers(1, 9))

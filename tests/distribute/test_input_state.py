@@ -12,10 +12,7 @@ import torch
 import mirrored as mr
 import mirrored.distribute as md
 from mirrored.data import _pipeline as pipeline_nodes
-
-
-def _strategy(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=20.0)
+from _replicas import strategy_of  # tests/_replicas.py
 
 
 def _pipeline() -> mr.data.Dataset:
@@ -30,7 +27,7 @@ def _rest(iterator) -> list[list[int]]:
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_a_restored_iterator_goes_on_with_the_original_batches(replicas):
-    strategy = _strategy(replicas)
+    strategy = strategy_of(replicas)
     dataset = _pipeline()
     dist = strategy.experimental_distribute_dataset(dataset)
     iter(dist)  # a pass before this one: the state must say which pass the iterator is on
@@ -49,7 +46,7 @@ def test_a_restored_iterator_goes_on_with_the_original_batches(replicas):
 
 def test_a_dataset_without_state_is_replayed_from_its_start():
     batches = [torch.full((2,), float(i)) for i in range(5)]
-    strategy = _strategy(1)
+    strategy = strategy_of(1)
     original = iter(strategy.experimental_distribute_dataset(batches))
     next(original), next(original)
     state = original.get_state()
@@ -60,7 +57,7 @@ def test_a_dataset_without_state_is_replayed_from_its_start():
 
 
 def test_states_that_do_not_fit_are_refused():
-    strategy = _strategy(1)
+    strategy = strategy_of(1)
     short = iter(strategy.experimental_distribute_dataset(mr.data.Dataset.range(8).batch(4)))
     with pytest.raises(ValueError, match="the state is 5 batches into the pass, but the dataset ran out after 2"):
         short.set_state({"dataset": None, "drawn": 5})
@@ -78,7 +75,7 @@ def test_states_that_do_not_fit_are_refused():
 def test_a_refused_state_leaves_the_iterator_where_it_was(wrong):
     """set_state ends the running pass before it restores (issue 25); a state the dataset refuses then
     left the iterator on a closed pass, which ended early as if the epoch were over (found in review)."""
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     def first_pass():
         return iter(strategy.experimental_distribute_dataset(mr.data.Dataset.range(16).shuffle(16, seed=2).batch(4)))
     reference = _rest(first_pass())
@@ -100,7 +97,7 @@ def test_a_prefetch_thread_that_starts_late_does_not_move_the_restored_pass(monk
     def pipeline() -> mr.data.Dataset:
         return mr.data.Dataset.range(12).shuffle(12, seed=5).batch(4).prefetch(1)  # fit adds prefetch(1) too
 
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     dist = strategy.experimental_distribute_dataset(pipeline())
     iter(dist)  # a pass before: the state is of pass 1
     original = iter(dist)

@@ -10,16 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored.distribute as md
-
-TIMEOUT_S = 20.0
-
-
-def strategy_of(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
-
-
-def replica_id() -> int:
-    return md.get_replica_context().replica_id_in_sync_group
+from _replicas import TIMEOUT_S, replica_id, strategy_of  # tests/_replicas.py
 
 
 def tiny() -> nn.Module:
@@ -164,10 +155,15 @@ def test_step_all_reduces_then_every_replica_applies_the_sum():
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_repeated_steps_stay_in_sync(set_to_none):
-    """Gradient buffers are reused step after step (zero_grad to None or to zeros in place)."""
+    """Gradient buffers are reused step after step (zero_grad to None or to zeros in place): the
+    replicas stay bitwise in sync, and after 4 steps equal plain PyTorch's Adam on the summed
+    gradient of the two halves' mean losses. Tolerance: the replicas' sum adds in another order than
+    one backward over both halves (a few ulps), which Adam's steps of about lr keep small."""
     s = strategy_of(2)
     mnet = s.mirror(tiny())
     opt = s.mirror_optimizer(torch.optim.Adam, mnet, lr=0.01)
+    ref = tiny()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(4, 3, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(4)]
 
@@ -180,6 +176,11 @@ def test_repeated_steps_stay_in_sync(set_to_none):
         s.run(step, args=(md.PerReplica((x[:2], x[2:])), md.PerReplica((y[:2], y[2:]))))
         s.check_in_sync(mnet)
         s.check_in_sync(opt)
+        (F.cross_entropy(ref(x[:2]), y[:2]) + F.cross_entropy(ref(x[2:]), y[2:])).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for got, want in zip(mnet.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_check_in_sync_names_the_perturbed_parameter():
@@ -204,7 +205,7 @@ def test_check_in_sync_reads_any_strides():
         mnet.replicas[1].weight[2, 3] += 1e-6
     with pytest.raises(md.OutOfSyncError, match="weight: replica 0 and replica 1"):
         s.check_in_sync(mnet)
-    from mirrored.distribute.strategy import _bitwise_equal
+    from mirrored.distribute._cross_replica import _bitwise_equal
 
     a, b = torch.arange(6.0).view(2, 3).t(), torch.arange(6.0).view(2, 3).t().contiguous()
     c = b.clone()
@@ -307,7 +308,7 @@ def test_large_gradients_reduced_where_they_lie_match_plain_torch(replicas, set_
     x, y = torch.randn(9, 300), torch.randint(0, 4, (9,))
     ref = copy.deepcopy(net)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas)
     with strategy.scope():
         mnet = strategy.mirror(net)
         opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
@@ -333,9 +334,9 @@ def test_large_gradients_are_reduced_in_their_own_tensors():
     """As DDP does with .grad: a large contiguous gradient is summed where it lies (p.grad stays the
     same tensor and the optimizer keeps no second copy); a non-contiguous one (a transposed view)
     is summed in a contiguous copy and the caller's tensor is left alone; small ones travel packed."""
-    from mirrored.distribute import strategy as strategy_mod
+    from mirrored.distribute import _replica_reduce
 
-    rows, cols = 256, strategy_mod._DIRECT_NUMEL // 256 + 1
+    rows, cols = 256, _replica_reduce._DIRECT_NUMEL // 256 + 1
     s = strategy_of(2)
     with s.scope():
         mnet = s.mirror(nn.ParameterList([nn.Parameter(torch.zeros(rows, cols)), nn.Parameter(torch.zeros(cols, rows)),
@@ -369,9 +370,9 @@ def test_odd_gradients_reduce_like_plain_sums():
     """What in-place reduction must not get wrong: an expanded gradient (stride 0: the gradient of
     a sum), one tensor tied to two parameters (summed once, not twice), and a step where no
     replica has any gradient (nothing to reduce)."""
-    from mirrored.distribute import strategy as strategy_mod
+    from mirrored.distribute import _replica_reduce
 
-    n = strategy_mod._DIRECT_NUMEL
+    n = _replica_reduce._DIRECT_NUMEL
     s = strategy_of(2)
     with s.scope():
         mnet = s.mirror(nn.ParameterList([nn.Parameter(torch.zeros(n)) for _ in range(3)]))
@@ -439,7 +440,7 @@ def test_a_buffer_no_step_changes_stays_bit_for_bit_on_three_replicas():
         mnet(torch.ones(2, 4)).sum().backward()
         opt.reduce_gradients()
         opt.optimizer.step()
-        opt.sync_buffers(weight=md.get_replica_context().replica_id_in_sync_group + 1 if weighted else None)
+        opt.sync_buffers(weight=replica_id() + 1 if weighted else None)
 
     for i in range(20):
         s.run(step, args=(i % 2 == 0,))
@@ -731,7 +732,7 @@ def test_buffers_replaced_between_steps_are_the_ones_synced():
         opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
 
     def step(values):
-        rid = md.get_replica_context().replica_id_in_sync_group
+        rid = replica_id()
         copy_ = mnet.replicas[rid]
         with torch.no_grad():
             for name, value in values.items():

@@ -36,7 +36,7 @@ COLLECTIVE_TIMEOUT_S = 60.0  # the strategy's timeout where nothing should fail:
 HANG_TIMEOUT_S = 2.0  # the strategy's timeout where a worker hangs on purpose
 STUCK_S = 60.0  # how long the hanging worker sleeps (it is killed long before)
 N_EXAMPLES, GLOBAL_BATCH, EPOCHS = 11, 4, 2  # global batches of 4, 4, 3: on 2 workers 2/2, 2/2, 2/1
-RTOL, ATOL = 1e-6, 2e-7  # as tests/distribute/test_equivalence.py, which explains them
+RTOL, ATOL = 1e-6, 2e-7  # as tests/distribute/test_strategy_equivalence.py, which explains them
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -285,16 +285,16 @@ def test_when_rank_0_dies_the_survivors_name_it(tmp_path):
 
 def test_store_gone_under_torchrun_names_rank_0s_machine(monkeypatch):
     """Under torchrun the store is the agent's on rank 0's machine: the message says so."""
-    from mirrored.distribute import multi_worker
+    from mirrored.distribute._collectives import _store_gone
 
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    message = multi_worker._store_gone("host0", 29500)
+    message = _store_gone("host0", 29500)
     assert message.startswith("Rank 0's machine is likely what is missing: the rendezvous store at host0:29500, "
                               "which torchrun's agent"), message
     # Issue 24: the store the strategy made is rank 0's own (a new one every attempt), even under torchrun.
-    assert multi_worker._store_gone("host0", 41000, agent_store=False).startswith("Rank 0 is likely the missing")
+    assert _store_gone("host0", 41000, agent_store=False).startswith("Rank 0 is likely the missing")
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
-    assert multi_worker._store_gone("host0", 29500).startswith("Rank 0 is likely the missing worker")
+    assert _store_gone("host0", 29500).startswith("Rank 0 is likely the missing worker")
 
 
 @pytest.mark.slow
@@ -452,7 +452,6 @@ class Recorded(Exception):
 
 def fake_collectives(monkeypatch, error: BaseException | None = None) -> list:
     """Replaces the collectives multi_worker calls; each records (name, devices of its tensors)."""
-    from mirrored.distribute import multi_worker
 
     log: list = []
 
@@ -466,17 +465,18 @@ def fake_collectives(monkeypatch, error: BaseException | None = None) -> list:
         return collective
 
     for name in ("all_reduce", "all_gather", "broadcast"):
-        monkeypatch.setattr(multi_worker.dist, name, record(name))
+        monkeypatch.setattr(dist, name, record(name))
     return log
 
 
 def test_backends_and_the_devices_they_carry():
     from mirrored.distribute import multi_worker as mw
+    from mirrored.distribute._collectives import _device_types_of
 
     assert mw._backend_for("cuda:0", "AUTO") == "cpu:gloo,cuda:nccl"  # CPU values go by gloo, not NCCL
     assert mw._backend_for("cpu:0", "AUTO") == mw._backend_for("cuda:0", "RING") == "gloo"
-    assert mw._device_types_of("cpu:gloo,cuda:nccl") == {"cpu", "cuda"}
-    assert mw._device_types_of("nccl") == {"cuda"} and mw._device_types_of("gloo") == {"cpu"}
+    assert _device_types_of("cpu:gloo,cuda:nccl") == {"cpu", "cuda"}
+    assert _device_types_of("nccl") == {"cuda"} and _device_types_of("gloo") == {"cpu"}
 
 
 def test_a_gpu_worker_creates_a_device_aware_group_with_a_longer_watchdog(monkeypatch):
@@ -484,22 +484,23 @@ def test_a_gpu_worker_creates_a_device_aware_group_with_a_longer_watchdog(monkey
     step reached NCCL. It is now "cpu:gloo,cuda:nccl", and NCCL's watchdog (which kills the process)
     waits longer than our timeout, whose error names the rank."""
     from mirrored.distribute import multi_worker as mw
+    from mirrored.distribute._collectives import _WATCHDOG_GRACE_S
 
     calls: list = []
     monkeypatch.setattr(mw, "visible_gpus", lambda: ["cuda:0"])
     monkeypatch.setattr(mw, "resolve_devices", lambda devices, where: tuple(devices))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
-    monkeypatch.setattr(mw.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
     monkeypatch.setattr(mw, "_rendezvous_store", lambda resolver, timeout: "store")
-    monkeypatch.setattr(mw.CollectiveAllReduce, "all_gather_row", lambda self, row, what, dtype=None: [list(row)] * 2)
-    monkeypatch.setattr(mw.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(md.CollectiveAllReduce, "all_gather_row", lambda self, row, what, dtype=None: [list(row)] * 2)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
     for key, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT="29500").items():
         monkeypatch.setenv(key, value)
     s = md.MultiWorkerMirroredStrategy(timeout_s=5)
     backend, kw = calls[1]
     assert backend == "cpu:gloo,cuda:nccl"
-    assert kw["timeout"].total_seconds() == 5 + mw._WATCHDOG_GRACE_S and kw["device_id"] == torch.device("cuda:0")
+    assert kw["timeout"].total_seconds() == 5 + _WATCHDOG_GRACE_S and kw["device_id"] == torch.device("cuda:0")
     assert kw["store"] == "store"
     ops = s.extended.cross_device_ops
     assert ops._wire == torch.device("cuda:0") and ops._carried(torch.ones(1))  # gloo takes the CPU tensor
@@ -512,7 +513,7 @@ def test_an_nccl_only_group_gets_cpu_tensors_on_the_wire_device(monkeypatch):
     from mirrored.distribute import multi_worker as mw
 
     log = fake_collectives(monkeypatch)
-    ops = mw.CollectiveAllReduce(0, 2, torch.device("meta"), timeout_s=7.0, backend="nccl")
+    ops = md.CollectiveAllReduce(0, 2, torch.device("meta"), timeout_s=7.0, backend="nccl")
     cpu = torch.tensor([3.0])
     for call in (lambda: ops.all_sum_([cpu], "sum"), lambda: ops.all_reduce(md.ReduceOp.SUM, [cpu], "reduce"),
                  lambda: ops.gather(torch.ones(2, 1), 0, "gather"), lambda: ops.broadcast_([torch.ones(3)], "b"),
@@ -525,11 +526,11 @@ def test_an_nccl_only_group_gets_cpu_tensors_on_the_wire_device(monkeypatch):
         collectives = [entry for entry in log if entry[0] != "wait"]
         assert collectives and all(devices == ["meta"] for _, devices in collectives), log
         assert ("wait", datetime.timedelta(seconds=7.0)) in log
-    gloo = mw.CollectiveAllReduce(0, 2, torch.device("cpu"), timeout_s=7.0)
+    gloo = md.CollectiveAllReduce(0, 2, torch.device("cpu"), timeout_s=7.0)
     log.clear()
     gloo.all_sum_([cpu], "sum")
     assert log == [("all_reduce", ["cpu"]), ("wait", None)]  # gloo's own timeout applies, as before
-    both = mw.CollectiveAllReduce(0, 2, torch.device("meta"), timeout_s=7.0, backend="cpu:gloo,cuda:nccl")
+    both = md.CollectiveAllReduce(0, 2, torch.device("meta"), timeout_s=7.0, backend="cpu:gloo,cuda:nccl")
     assert both._carried(torch.ones(1)) and both._carried(torch.ones(1, device="meta"))
     assert not gloo._carried(torch.ones(1, device="meta"))  # a tensor off the wire device travels via it
 
@@ -540,7 +541,7 @@ def test_an_nccl_timeout_raised_by_the_wait_names_the_rank(monkeypatch):
 
     error = dist.DistBackendError("[Rank 1] Work WorkNCCL(SeqNum=5, OpType=ALLREDUCE) timed out in blocking wait.")
     fake_collectives(monkeypatch, error)
-    ops = mw.CollectiveAllReduce(1, 2, torch.device("cpu"), timeout_s=3.0, backend="cpu:gloo,cuda:nccl")
+    ops = md.CollectiveAllReduce(1, 2, torch.device("cpu"), timeout_s=3.0, backend="cpu:gloo,cuda:nccl")
     with pytest.raises(md.CollectiveTimeoutError, match=r"^rank 1 of 2: all_reduce \(gradients\) \(collective #1 "
                                                         r"of this worker\) timed out after .* \(timeout_s=3"):
         ops.all_sum_([torch.ones(2)], "all_reduce (gradients)")
@@ -551,7 +552,7 @@ def test_a_restarted_jobs_errors_name_the_attempt(monkeypatch):
     from mirrored.distribute import multi_worker as mw
 
     fake_collectives(monkeypatch, RuntimeError("Timed out waiting 2000ms for recv operation to complete"))
-    ops = mw.CollectiveAllReduce(1, 2, torch.device("cpu"), timeout_s=3.0, attempt=2)
+    ops = md.CollectiveAllReduce(1, 2, torch.device("cpu"), timeout_s=3.0, attempt=2)
     with pytest.raises(md.CollectiveTimeoutError, match=r"^rank 1 of 2 \(restart attempt 2\): all_reduce \(gradients\)"):
         ops.all_sum_([torch.ones(2)], "all_reduce (gradients)")
 

@@ -20,16 +20,12 @@ from torch.optim import lr_scheduler
 
 import mirrored as mr
 import mirrored.distribute as md
+from _replicas import TIMEOUT_S, replica_id, strategy_of  # tests/_replicas.py
 
-TIMEOUT_S = 20.0
 # Float reassociation: "mean" scales each replica's gradient by its example count, sums, and divides
 # by the total, and the replicas' partial sums add in another order than one device's. Measured at
 # most 6e-8 absolute on weights of order 0.1 to 1 after the 3 to 12 steps of these runs.
 RTOL, ATOL = 1e-6, 2e-7
-
-
-def strategy_of(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
 
 
 def data(n: int = 22, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +206,7 @@ def test_mean_reduction_without_weights_is_ddps_plain_average():
         opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=1.0)
 
     def fn():
-        r = md.get_replica_context().replica_id_in_sync_group
+        r = replica_id()
         mnet.module.weight.grad = torch.full((1, 2), float(r + 1))
         opt.reduce_gradients()
         return mnet.module.weight.grad.clone()
@@ -511,7 +507,7 @@ def test_a_step_failing_after_the_backward_reduction_leaves_no_trace():
 
     def step(xb, yb, fail):
         F.cross_entropy(mnet(xb), yb).backward()  # reduced here, on every replica
-        if fail and md.get_replica_context().replica_id_in_sync_group == 1:
+        if fail and replica_id() == 1:
             raise ValueError("boom after backward")
         opt.step()
 

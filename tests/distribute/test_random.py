@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored as mr
+from mirrored._seeds import derive_seed
 from mirrored.distribute import random as replica_random
+from _replicas import strategy_of  # tests/_replicas.py
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,7 +90,7 @@ def test_replicas_draw_different_masks_and_the_default_generator_is_untouched():
     assert torch.equal(torch.get_rng_state(), before)  # replicas never drew from (or left a state in) it
     # Replica r's plain draws are those of a torch.Generator seeded by (seed, step 0, r) - the contract.
     for r in range(2):
-        g = torch.Generator().manual_seed(replica_random.derive_seed(3, 0, r, 0))
+        g = torch.Generator().manual_seed(derive_seed(3, 0, r, 0))
         mask = torch.empty(64).bernoulli_(0.5, generator=g)  # what F.dropout draws on CPU, with this state
         torch.testing.assert_close(masks[r], mask * 2.0, rtol=0, atol=0)
         assert torch.equal(rands[r], torch.rand(4, generator=g))
@@ -145,7 +147,7 @@ def test_per_example_draws_do_not_depend_on_the_replica_count(op):
           "rrelu": lambda t: F.rrelu(t, training=True)}[op]
     outs = []
     for n in (1, 2, 3):
-        strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], seed=9, per_example_random=True)
+        strategy = strategy_of(n, seed=9, per_example_random=True)
         dist = strategy.experimental_distribute_dataset(mr.data.Dataset.from_tensors(x))
         batch = next(iter(dist))
         outs.append(torch.cat(strategy.experimental_local_results(strategy.run(fn, args=(batch,)))))
@@ -161,7 +163,7 @@ def test_per_example_draws_with_an_empty_replica_part_and_an_explicit_generator(
     x = torch.randn(5, 7)  # batches of 4 and 1 over 3 replicas: parts of 2, 2, 0 and 1, 0, 0 examples
     outs = []
     for n in (1, 3):
-        strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], seed=4, per_example_random=True)
+        strategy = strategy_of(n, seed=4, per_example_random=True)
         dist = strategy.experimental_distribute_dataset(mr.data.Dataset.from_tensor_slices(x).batch(4))
 
         def fn(t):
@@ -203,7 +205,7 @@ def test_per_example_mode_refuses_ops_it_cannot_key_by_name():
 
 def _fit_weights(n: int, per_example: bool, dropout: float) -> list[torch.Tensor]:
     x, y = _data(60)
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], seed=2, per_example_random=per_example)
+    strategy = strategy_of(n, seed=2, per_example_random=per_example)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 3))
     with strategy.scope():

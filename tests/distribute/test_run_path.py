@@ -11,16 +11,7 @@ import pytest
 import torch
 
 import mirrored.distribute as md
-
-TIMEOUT_S = 20.0
-
-
-def strategy_of(n: int) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
-
-
-def replica_id() -> int:
-    return md.get_replica_context().replica_id_in_sync_group
+from _replicas import replica_id, strategy_of  # tests/_replicas.py
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])

@@ -9,16 +9,7 @@ import pytest
 import torch
 
 import mirrored.distribute as md
-
-TIMEOUT_S = 20.0
-
-
-def strategy_of(n: int, **kwargs) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S, **kwargs)
-
-
-def replica_id() -> int:
-    return md.get_replica_context().replica_id_in_sync_group
+from _replicas import TIMEOUT_S, replica_id, strategy_of  # tests/_replicas.py
 
 
 def mirrored_threads() -> set[threading.Thread]:
@@ -170,13 +161,20 @@ def test_reduce_and_gather_edge_cases():
 
 
 def test_check_in_sync_accepts_lists_and_passes_in_sync_state():
+    """In-sync objects pass, given alone, in a list or in a tuple; and every element of a list is
+    checked: a variable whose copies differ fails the list, named."""
     s = strategy_of(2)
     with s.scope():
         mnet = s.mirror(torch.nn.Linear(2, 2))
         opt = s.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
         v = md.Variable(torch.zeros(2))
-    s.check_in_sync([mnet, opt, v])
-    s.check_in_sync((mnet,))
+    assert s.check_in_sync([mnet, opt, v]) is None
+    assert s.check_in_sync((mnet,)) is None
+    with torch.no_grad():
+        v.values[1].add_(1.0)
+    with pytest.raises(md.OutOfSyncError, match="replica 0 and replica 1"):
+        s.check_in_sync([mnet, opt, v])
+    assert s.check_in_sync([mnet, opt]) is None
 
 
 def test_values_from_function_on_one_replica_is_plain():
@@ -189,9 +187,10 @@ def test_values_from_function_on_one_replica_is_plain():
 def test_values_from_function_places_nested_tensors_too(monkeypatch):
     """A bare tensor went to its replica's device but tensors inside a dict or tuple stayed where the
     function made them (review finding). Replica 1's device is mapped to "meta" here to see it on CPU."""
+    from mirrored.distribute import devices
     from mirrored.distribute import strategy as strategy_module
 
-    real = strategy_module.torch_device
+    real = devices.torch_device
     monkeypatch.setattr(strategy_module, "torch_device", lambda d: torch.device("meta") if d == "cpu:1" else real(d))
     s = md.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     values = s.experimental_distribute_values_from_function(

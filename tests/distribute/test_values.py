@@ -103,8 +103,11 @@ def test_regroup_mismatched_structures_wrap_whole():
 
 
 def test_regroup_with_mirrored_wrap():
-    out = v.regroup([(torch.ones(1), torch.zeros(1)), (torch.ones(1), torch.zeros(1))], wrap=v.Mirrored)
-    assert all(isinstance(x, v.Mirrored) for x in out)
+    ones, zeros = [torch.ones(1), torch.ones(1)], [torch.zeros(1), torch.zeros(1)]
+    out = v.regroup([(ones[0], zeros[0]), (ones[1], zeros[1])], wrap=v.Mirrored)
+    assert type(out) is tuple and len(out) == 2 and all(isinstance(x, v.Mirrored) for x in out)
+    for got, want in zip(out, (ones, zeros)):  # each position's values, in replica order, not copied
+        assert len(got.values) == 2 and all(a is b for a, b in zip(got.values, want))
 
 
 def test_reduce_op_members():

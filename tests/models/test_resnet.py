@@ -4,6 +4,7 @@ torchvision is not available, so the expected state_dict layout is written out h
 torchvision's naming rules (an independent reference, not our own code)."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -143,12 +144,16 @@ def test_channels_last_matches_contiguous(build, size):
 
 
 def test_channels_last_trains():
+    """Gradients in channels_last memory equal the same net's in NCHW (training-mode BatchNorm), up to
+    the reassociation of channels-last kernels (measured: 2.4e-7 at most, on gradients up to 0.4)."""
     torch.manual_seed(0)
-    net = resnet_cifar(8, num_classes=3, data_format="channels_first").to(memory_format=torch.channels_last).train()
-    x = torch.randn(4, 3, 32, 32).to(memory_format=torch.channels_last)
-    loss = nn.functional.cross_entropy(net(x), torch.tensor([0, 1, 2, 0]))
-    loss.backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters())
+    ref = resnet_cifar(8, num_classes=3, data_format="channels_first").train()
+    net = copy.deepcopy(ref).to(memory_format=torch.channels_last)
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0])
+    nn.functional.cross_entropy(net(x.to(memory_format=torch.channels_last)), y).backward()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    for (name, got), want in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def cifar_parameter_count(depth: int, width: int, num_classes: int, in_channels: int = 3) -> int:

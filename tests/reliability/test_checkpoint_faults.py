@@ -18,6 +18,7 @@ from torch import nn
 import mirrored as mr
 from mirrored.training import checkpoint
 from mirrored.training.checkpoint import CheckpointError
+from _replicas import strategy_of  # tests/_replicas.py
 
 GLOBAL_BATCH = 8
 
@@ -31,7 +32,7 @@ def _model(hidden: int = 8, replicas: int = 2, seed: int = 0, resnet: bool = Fal
     """A 2-layer MLP on 4 features, or (resnet=True) the smallest CIFAR ResNet, which mr.models
     records so that Model.load can rebuild it from the file alone."""
     torch.manual_seed(seed)
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas)
     with strategy.scope():
         net = (mr.models.resnet_cifar(depth=8, width=4, num_classes=3) if resnet
                else nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3)))

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 import mirrored as mr
+from _replicas import replica_id, strategy_of  # tests/_replicas.py
 
 GLOBAL = 12
 STEPS = 4
 FAULT_STEP = 2
-TIMEOUT_S = 20.0
 
 
 class Fault(Exception):
@@ -38,16 +38,12 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS)]
 
 
-def _strategy(n: int) -> mr.MirroredStrategy:
-    return mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=TIMEOUT_S)
-
-
 class _Loop:
     """A TF-style custom loop: loss scaled by the global batch, mirrored SGD with momentum, a Mean
     metric updated before the update, zero_grad after it (so a failed step's gradients would leak)."""
 
     def __init__(self, n: int, accumulate: int = 1, reduction: str = "sum"):
-        self.strategy = _strategy(n)
+        self.strategy = strategy_of(n)
         self.reduction = reduction  # "mean": DDP's rule, the unchanged mean loss line, reduced as backward ends
         with self.strategy.scope():
             self.net = self.strategy.mirror(_net())
@@ -61,7 +57,7 @@ class _Loop:
         self.fault: tuple[str, int] | None = None
 
     def _maybe_fail(self, where: str) -> None:
-        rid = mr.get_replica_context().replica_id_in_sync_group
+        rid = replica_id()
         if self.fault == (where, rid):
             raise Fault(f"{where} on replica {rid}")
 
@@ -211,7 +207,7 @@ def _raise_in_backward(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _model(n: int, replica: int = 0, at: int = 10**9, where: str = "forward", accumulate: int = 1) -> mr.Model:
-    with _strategy(n).scope():
+    with strategy_of(n).scope():
         model = mr.Model(_FailOnce(_net(), replica, at, where))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9,
                                                   gradient_accumulation_steps=accumulate if accumulate > 1 else None),
@@ -285,7 +281,7 @@ def test_fit_fault_in_the_second_step_of_an_execution_keeps_the_first():
 def test_replicas_returning_different_structures_fail_at_run_and_roll_back():
     """A 2-tuple against a 3-tuple, a dict against a tensor, None against a tensor: a ValueError at
     run naming the replicas and both structures (TF's nest refuses them too); nothing changes."""
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     with strategy.scope():
         metric = mr.metrics.Mean()
     cases = {
@@ -295,7 +291,7 @@ def test_replicas_returning_different_structures_fail_at_run_and_roll_back():
     }
     for first, fn in cases.items():
         def replica_fn(fn=fn):
-            rid = mr.get_replica_context().replica_id_in_sync_group
+            rid = replica_id()
             metric.update_state(torch.tensor([1.0]))
             return fn(rid)
 

@@ -174,4 +174,7 @@ def _scenario(name: str, arg: str) -> dict:
 
 
 if __name__ == "__main__":
+    # A process started with SIGINT ignored (by nohup, or `make test &`, whose children inherit it) gets
+    # no KeyboardInterrupt from Python: the scenarios need Python's own handler, whoever started pytest.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(json.dumps(_scenario(sys.argv[1], sys.argv[2])))

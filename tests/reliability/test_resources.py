@@ -35,9 +35,15 @@ def test_the_warning_comes_once_per_place_not_once_per_strategy(monkeypatch):
 
 
 def test_replicas_that_fit_pass(monkeypatch):
+    """Up to the planned 80% of the available memory, and any count of empty copies, pass; one copy
+    more than fits is refused (so the check is live here, not skipped)."""
     monkeypatch.setattr(devices, "available_memory_bytes", lambda: 10 * GB)
-    devices.check_replica_memory(GB, ["cpu:0", "cpu:1", "cpu:2"], "here")  # 3 GB of 8 GB planned
-    devices.check_replica_memory(0, [f"cpu:{i}" for i in range(1000)], "here")
+    cpus = [f"cpu:{i}" for i in range(1000)]
+    assert devices.check_replica_memory(GB, cpus[:3], "here") is None  # 3 GB of 8 GB planned
+    assert devices.check_replica_memory(GB, cpus[:8], "here") is None  # 8 GB of 8 GB: the limit itself
+    assert devices.check_replica_memory(0, cpus, "here") is None
+    with pytest.raises(ValueError, match="9 CPU replicas need about 9.0 GB.*Use at most 8 CPU"):
+        devices.check_replica_memory(GB, cpus[:9], "here")
 
 
 def test_replicas_that_do_not_fit_are_refused_with_the_estimate(monkeypatch):

@@ -1,5 +1,5 @@
 """Plain PyTorch playing a strategy's replicas by hand: the reference that fit's BatchNorm tests
-(test_fit_step_path.py, test_fit_overhead.py) compare mr.Model's fit with. No mirrored code."""
+(test_model_fit_step.py, test_model_prefetch.py) compare mr.Model's fit with. No mirrored code."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -348,18 +348,29 @@ def test_foreign_safetensors_file_needs_load_state_dict(tmp_path):
 
 
 def test_no_pickle_in_any_round_trip(tmp_path, no_pickle):
+    """Weights, optimizer state and RNG states go through a file and back with every unpickling entry
+    point made to raise, and come back equal: the reference is the objects saved."""
     net = _tiny_net(0)
     opt = torch.optim.Adam(net.parameters())
     _train(net, opt, 2, seed=1)
     opt_tensors, opt_meta = optimizer_state_to_flat(opt.state_dict())
     rng_tensors, rng_meta = capture_rng_state()
+    next_draws = torch.rand(4), random.random(), np.random.rand()  # what the saved states draw next
     tensors = {**{f"model/{k}": v for k, v in net.state_dict().items()}, **opt_tensors,
                **{f"rng/{k}": v for k, v in rng_tensors.items()}}
     save_checkpoint(tmp_path / "c.safetensors", tensors, {"optimizer": opt_meta, "rng": rng_meta})
     got, meta = load_checkpoint(tmp_path / "c.safetensors")
-    optimizer_state_from_flat(got, meta["optimizer"])
+    state = optimizer_state_from_flat(got, meta["optimizer"])
+    want = opt.state_dict()
+    assert state["param_groups"] == want["param_groups"] and state["state"].keys() == want["state"].keys()
+    for index, entry in want["state"].items():
+        assert all(torch.equal(state["state"][index][k], v) for k, v in entry.items())
     restore_rng_state({k[4:]: v for k, v in got.items() if k.startswith("rng/")}, meta["rng"])
-    load_state_dict(tmp_path / "c.safetensors")
+    again = torch.rand(4), random.random(), np.random.rand()
+    assert torch.equal(again[0], next_draws[0]) and again[1:] == next_draws[1:]
+    weights = load_state_dict(tmp_path / "c.safetensors")
+    assert weights.keys() == net.state_dict().keys()
+    assert all(torch.equal(weights[k], v) for k, v in net.state_dict().items())
 
 
 def test_module_never_imports_pickle_or_calls_torch_load():

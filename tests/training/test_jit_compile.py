@@ -19,6 +19,7 @@ import torch
 
 import mirrored as mr
 from mirrored.training import jit
+from _replicas import strategy_of  # tests/_replicas.py
 
 N_EXAMPLES, GLOBAL_BATCH = 22, 8  # batches of 8, 8, 6: parts of 4 then 3 on 2 replicas (a recompile)
 TIMEOUT_S = 60.0
@@ -57,7 +58,7 @@ def _dataset(x, y, batch: int = GLOBAL_BATCH):
 
 def _model(jit_compile, replicas: int = 2, **compile_kwargs) -> mr.Model:
     torch.manual_seed(0)
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)], timeout_s=TIMEOUT_S)
+    strategy = strategy_of(replicas, timeout_s=TIMEOUT_S)
     with strategy.scope():
         model = mr.Model(_Net())
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),

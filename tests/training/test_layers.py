@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import mirrored as mr
 from mirrored.training.layers import SyncBatchNorm, convert_sync_batchnorm
+from _replicas import replica_id, strategy_of  # tests/_replicas.py
 
 GLOBAL_BATCH, STEPS = 10, 3  # 10 over 3 replicas splits 4, 4, 2; over 2, 5, 5
 
@@ -26,10 +27,6 @@ GLOBAL_BATCH, STEPS = 10, 3  # 10 over 3 replicas splits 4, 4, 2; over 2, 5, 5
 # order 1 and atol 1e-7 for input gradients; the old E[x^2] - E[x]^2 formula was off by 4e-3 at a
 # mean of 100 (test_statistics_stay_precise_for_a_large_mean).
 RTOL, ATOL, GRAD_ATOL = 1e-5, 1e-6, 1e-7
-
-
-def _strategy(replicas: int) -> mr.MirroredStrategy:
-    return mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
 
 
 def _conv_net() -> torch.nn.Module:
@@ -71,7 +68,7 @@ def _reference(net: torch.nn.Module, batches) -> tuple[list[torch.Tensor], list[
 
 def _mirrored(net: torch.nn.Module, batches, replicas: int):
     """The same steps on `replicas` CPU replicas with SyncBatchNorm, in a custom loop."""
-    strategy = _strategy(replicas)
+    strategy = strategy_of(replicas)
     with strategy.scope():
         mnet = strategy.mirror(convert_sync_batchnorm(net))
         opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1, momentum=0.9)
@@ -152,7 +149,7 @@ def test_statistics_stay_precise_for_a_large_mean():
     with torch.no_grad():
         want = exact(x)
         plain = torch.nn.BatchNorm2d(4)(x.float()).double()
-    strategy = _strategy(3)
+    strategy = strategy_of(3)
     with strategy.scope():
         mnet = strategy.mirror(SyncBatchNorm(4))
     ds = strategy.experimental_distribute_dataset(mr.data.Dataset.from_tensor_slices(x.float()).batch(10))
@@ -177,7 +174,7 @@ def test_half_precision_model_trains_like_a_float32_batchnorm(dtype):
         ref.bias.uniform_(-0.5, 0.5, generator=g)
     want = ref(x.to(dtype).float())
     want.sum().backward()
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     with strategy.scope():
         mnet = strategy.mirror(convert_sync_batchnorm(copy.deepcopy(ref)).to(dtype))
     ds = strategy.experimental_distribute_dataset(mr.data.Dataset.from_tensor_slices(x.to(dtype)).batch(6))
@@ -197,7 +194,7 @@ def test_half_precision_model_trains_like_a_float32_batchnorm(dtype):
 
 
 def test_a_single_value_per_channel_is_refused_on_every_replica_without_hanging():
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     with strategy.scope():
         mnet = strategy.mirror(SyncBatchNorm(3))
     ds = strategy.experimental_distribute_dataset(mr.data.Dataset.from_tensor_slices(torch.randn(1, 3)).batch(1))
@@ -291,7 +288,7 @@ def test_model_fit_with_sync_batchnorm_and_a_last_batch_smaller_than_the_replica
         F.cross_entropy(ref(x[i:i + 4]), y[i:i + 4]).backward()
         opt.step()
         opt.zero_grad()
-    strategy = _strategy(replicas)
+    strategy = strategy_of(replicas)
     with strategy.scope():
         model = mr.Model(_bn_conv_net(sync=True))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
@@ -314,7 +311,7 @@ def test_backward_on_another_thread_still_all_reduces():
     ref = torch.nn.BatchNorm1d(3)
     xr = x.clone().requires_grad_()
     (ref(xr) * w).sum().backward()
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     with strategy.scope():
         mnet = strategy.mirror(SyncBatchNorm(3))
 
@@ -344,7 +341,7 @@ def test_frozen_weight_and_an_input_without_gradient_train_like_batchnorm():
         F.cross_entropy(ref(x), y).backward()
         opt.step()
         opt.zero_grad()
-    strategy = _strategy(3)
+    strategy = strategy_of(3)
     with strategy.scope():
         mnet = strategy.mirror(convert_sync_batchnorm(net))
         mopt = strategy.mirror_optimizer(lambda ps: torch.optim.SGD([p for p in ps if p.requires_grad], lr=0.1), mnet)
@@ -387,7 +384,7 @@ def test_model_with_sync_batchnorm_on_nhwc_images_under_bf16():
         F.cross_entropy(logits.float(), y[i:i + 8]).backward()
         opt.step()
         opt.zero_grad()
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     with strategy.scope():
         model = mr.Model(torch.nn.Sequential(_FromNHWC(), *_bn_conv_net(sync=True)))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
@@ -456,7 +453,7 @@ def test_sync_batchnorm_on_cuda_matches_batchnorm(affine):  # pragma: no cover -
     devices = [torch.device("cuda:0"), torch.device("cpu")]
 
     def step():
-        r = mr.get_replica_context().replica_id_in_sync_group
+        r = replica_id()
         xb = x[4 * r:4 * r + 4].to(devices[r]).requires_grad_()
         out = mbn(xb)
         out.backward(dy[4 * r:4 * r + 4].to(devices[r]))
@@ -486,7 +483,7 @@ def test_convert_after_mirroring_is_refused_naming_the_fix(passed):
     next fit failed with a CollectiveMismatchError that did not name the cause. Now refused at the call,
     with the replica count and the fix, and no copy changes."""
     net = _bn_mlp()
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     with strategy.scope():
         mnet = mr.Model(net)._net if passed == "module of mr.Model" else strategy.mirror(net)
     target = {"MirroredModule": mnet, "submodule": net[1]}.get(passed, net)
@@ -498,7 +495,7 @@ def test_convert_after_mirroring_is_refused_naming_the_fix(passed):
 def test_convert_is_allowed_again_once_the_mirror_is_gone():
     """The refusal lasts as long as the mirror: a module whose mr.Model was dropped converts as a plain one."""
     net = _bn_mlp()
-    with _strategy(2).scope():
+    with strategy_of(2).scope():
         model = mr.Model(net)
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     model.fit(torch.randn(8, 4), torch.randint(0, 3, (8,)), batch_size=8, verbose=0)  # (then kept by cycles till gc)
@@ -509,7 +506,7 @@ def test_convert_is_allowed_again_once_the_mirror_is_gone():
 
 
 def test_convert_of_an_mr_model_names_the_fix():
-    with _strategy(2).scope():
+    with strategy_of(2).scope():
         model = mr.Model(_bn_mlp())
     with pytest.raises(TypeError, match=r"expected a torch.nn.Module.*mr.Model\(mr.layers.convert_sync_batchnorm"):
         convert_sync_batchnorm(model)

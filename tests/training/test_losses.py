@@ -25,6 +25,7 @@ from mirrored.training.losses import (
     scale_regularization_loss,
     sparse_categorical_crossentropy,
 )
+from _replicas import strategy_of  # tests/_replicas.py
 
 
 def close(got, want, rtol=1e-6, atol=1e-6):
@@ -40,18 +41,11 @@ def batch():
     return logits, labels, weights
 
 
-def _strategy(num_replicas: int):
-    """A real strategy; its replica threads start only on run(), which these tests never call."""
-    import mirrored as mr
-
-    return mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(num_replicas)])
-
-
 @contextlib.contextmanager
 def in_replica(replica_id: int, num_replicas: int):
     """Runs the block as replica `replica_id` of `num_replicas`, through the real context module."""
     context = pytest.importorskip("mirrored.distribute.context")
-    strategy = _strategy(num_replicas)
+    strategy = strategy_of(num_replicas)
     with context.push(strategy, context.ReplicaContext(strategy, replica_id)):
         yield
 
@@ -59,7 +53,7 @@ def in_replica(replica_id: int, num_replicas: int):
 @contextlib.contextmanager
 def in_cross_replica():
     context = pytest.importorskip("mirrored.distribute.context")
-    with context.push(_strategy(2), None):
+    with context.push(strategy_of(2), None):
         yield
 
 
@@ -484,7 +478,7 @@ def test_no_replica_mean_warning_where_no_summed_update_follows(batch, case):
     the per-replica mean is DDP's right input) gives no warning; a "sum" optimizer beside them does."""
     context = pytest.importorskip("mirrored.distribute.context")
     logits, labels, _ = batch
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     net = strategy.mirror(nn.Linear(2, 2))
     if case == "mean optimizers only":
         strategy.mirror_optimizer(torch.optim.SGD, net, gradient_reduction="mean", lr=0.1)

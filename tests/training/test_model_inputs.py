@@ -17,18 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored as mr
+from _replicas import strategy_of  # tests/_replicas.py
 
 # Float reassociation only: N replicas add the per-replica partial sums of a gradient in another
 # order than one device, a few ulps per step; over the <= 20 steps here that stays far below 1e-5.
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _strategy(replicas: int) -> mr.MirroredStrategy:
-    return mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
-
-
 def _compiled(net: nn.Module, replicas: int, **compile_kwargs) -> mr.Model:
-    with _strategy(replicas).scope():
+    with strategy_of(replicas).scope():
         model = mr.Model(net)
         model.compile(**compile_kwargs)
     return model
@@ -53,7 +50,7 @@ def _plain_fit(net: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int, epo
 
 def test_the_tf_guide_example_runs_as_written():
     """TF's distributed-training guide; it failed with "mat1 and mat2 must have the same dtype"."""
-    with _strategy(2).scope():
+    with strategy_of(2).scope():
         model = mr.Model(nn.Linear(1, 1))
         model.compile(loss="mse", optimizer="sgd")
     model.fit(np.ones((100, 1)), np.ones((100, 1)), epochs=2, batch_size=10, verbose=0)

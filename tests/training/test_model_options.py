@@ -16,16 +16,13 @@ import torch
 import torch.nn.functional as F
 
 import mirrored as mr
+from _replicas import strategy_of  # tests/_replicas.py
 
 N_EXAMPLES, GLOBAL_BATCH = 22, 8  # batches of 8, 8, 6 (split 4/4, 4/4, 3/3 on 2 replicas)
 
 # Float reassociation only: per-replica partial sums of the gradients are added in another order
 # than one device's sum, which moves the weights by a few ulps per step (as in test_model.py).
 RTOL, ATOL = 1e-6, 2e-7
-
-
-def _strategy() -> mr.MirroredStrategy:
-    return mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
 
 
 def _data(n: int = N_EXAMPLES):
@@ -39,7 +36,7 @@ def _net() -> torch.nn.Module:
 
 
 def _model(net: torch.nn.Module, **compile_kwargs) -> mr.Model:
-    with _strategy().scope():
+    with strategy_of(2).scope():
         model = mr.Model(net)
         compile_kwargs.setdefault("optimizer", mr.optimizers.SGD(learning_rate=0.1, momentum=0.9))
         compile_kwargs.setdefault("loss", "sparse_categorical_crossentropy")
@@ -428,7 +425,7 @@ def test_sample_weights_of_shape_batch_by_one_weigh_like_a_vector():
 def test_load_rebuilds_an_mr_models_network_without_module(tmp_path):
     g = torch.Generator().manual_seed(5)
     x, y = torch.rand(8, 32, 32, 3, generator=g), torch.randint(0, 10, (8,), generator=g)  # NHWC
-    with _strategy().scope():
+    with strategy_of(2).scope():
         model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=10))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.05, momentum=0.9),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
@@ -436,7 +433,7 @@ def test_load_rebuilds_an_mr_models_network_without_module(tmp_path):
     model.fit(ds, epochs=1, verbose=0)
     path = tmp_path / "resnet.safetensors"
     model.save(path)
-    with _strategy().scope():
+    with strategy_of(2).scope():
         loaded = mr.Model.load(path)
     assert type(loaded.module) is type(model.module)
     for a, b in zip(loaded.get_weights(), model.get_weights()):
@@ -457,12 +454,12 @@ def test_load_never_rebuilds_a_loss_object_with_other_settings(tmp_path):
     (issue 13); one without a config (a class of the user's) is an error that says to load with
     compile=False, and such metrics are left out with a warning."""
     path = tmp_path / "model.safetensors"
-    with _strategy().scope():
+    with strategy_of(2).scope():
         model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=10))
         model.compile(loss=mr.losses.SparseCategoricalCrossentropy(from_logits=False),
                       metrics=["accuracy", mr.metrics.Precision(thresholds=0.3)])
     model.save(path)
-    with _strategy().scope():
+    with strategy_of(2).scope():
         loaded = mr.Model.load(path)
     assert loaded._loss.from_logits is False and loaded._metrics[1].thresholds == 0.3
 
@@ -474,15 +471,15 @@ def test_load_never_rebuilds_a_loss_object_with_other_settings(tmp_path):
 
     model.compile(loss=MyLoss(from_logits=False))
     model.save(path)
-    with _strategy().scope(), pytest.raises(ValueError, match=r"from_logits=False.*Load with compile=False"):
+    with strategy_of(2).scope(), pytest.raises(ValueError, match=r"from_logits=False.*Load with compile=False"):
         mr.Model.load(path)
-    with _strategy().scope():
+    with strategy_of(2).scope():
         loaded = mr.Model.load(path, compile=False)
     for a, b in zip(loaded.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
     model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy", MyMetric(name="mine")])
     model.save(path)
-    with _strategy().scope(), pytest.warns(UserWarning, match=r"metrics MyMetric\(.*compiled without them"):
+    with strategy_of(2).scope(), pytest.warns(UserWarning, match=r"metrics MyMetric\(.*compiled without them"):
         loaded = mr.Model.load(path)
     assert [m.name for m in loaded.metrics] == ["loss", "accuracy"]
 
@@ -539,14 +536,14 @@ def test_load_rebuilds_a_torch_optimizer_class_with_its_state(tmp_path):
     x, y, _ = _data()
     ds = mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     path = tmp_path / "model.safetensors"
-    with _strategy().scope():
+    with strategy_of(2).scope():
         model = mr.Model(mr.models.resnet_cifar(depth=8, num_classes=3))
     model.compile(optimizer=torch.optim.Adagrad, loss="sparse_categorical_crossentropy")
     images = torch.rand(len(x), 32, 32, 3, generator=torch.Generator().manual_seed(0))  # NHWC
     ds = mr.data.Dataset.from_tensor_slices((images, y)).batch(GLOBAL_BATCH)
     model.fit(ds, epochs=1, verbose=0)
     model.save(path)
-    with _strategy().scope():
+    with strategy_of(2).scope():
         loaded = mr.Model.load(path)
     assert loaded.optimizer.name == "Adagrad"
     model.fit(ds, epochs=1, verbose=0)

@@ -14,16 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored as mr
+from _replicas import strategy_of  # tests/_replicas.py
 
 N, BATCH = 24, 12  # 2 global batches per epoch: 12 over 1, 2, 3 replicas
 # Float reassociation only (the replicas' partial sums of each gradient are added in another order
 # than one device's): a few ulps per step, as in test_model_options.py; clipping rescales by a norm
 # computed from those sums, and torch's clip_grad_norm_ adds 1e-6 to the norm, both within this.
 RTOL, ATOL = 2e-6, 1e-6
-
-
-def _strategy(replicas: int) -> mr.MirroredStrategy:
-    return mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
 
 
 def _data(n: int = N):
@@ -38,7 +35,7 @@ def _net() -> nn.Module:
 
 def _fit(replicas: int, optimizer, batch: int = BATCH, epochs: int = 1, n: int = N, **fit_kwargs) -> mr.Model:
     x, y = _data(n)
-    with _strategy(replicas).scope():
+    with strategy_of(replicas).scope():
         model = mr.Model(_net())
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     model.fit(mr.data.Dataset.from_tensor_slices((x, y)).batch(batch), epochs=epochs, verbose=0, **fit_kwargs)
@@ -107,7 +104,7 @@ def test_global_clipnorm_gives_the_single_device_update_where_keras_doubles_it()
     with the summed gradient [20, 20] moves it by 0.0707; so do we, on 1 and on 2 replicas."""
     moved = {}
     for replicas in (1, 2):
-        strategy = _strategy(replicas)
+        strategy = strategy_of(replicas)
         linear = nn.Linear(2, 1, bias=False)
         nn.init.zeros_(linear.weight)
         with strategy.scope():
@@ -129,7 +126,7 @@ def test_global_clipnorm_gives_the_single_device_update_where_keras_doubles_it()
 @pytest.mark.parametrize("replicas", [1, 3])
 def test_a_custom_loop_gets_the_options_through_mirror_optimizer(replicas):
     x, y = _data()
-    strategy = _strategy(replicas)
+    strategy = strategy_of(replicas)
     with strategy.scope():
         mnet = strategy.mirror(_net())
         opt = strategy.mirror_optimizer(mr.optimizers.SGD(learning_rate=0.1, momentum=0.9, global_clipnorm=0.2), mnet)
@@ -170,7 +167,7 @@ def test_accumulating_k_steps_equals_one_step_on_a_k_times_bigger_batch(replicas
     batch = 6
     n = batch * k * 2  # two updates an epoch
     x, y = _data(n)
-    strategy = _strategy(replicas)
+    strategy = strategy_of(replicas)
     with strategy.scope():
         model = mr.Model(_net())
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9, gradient_accumulation_steps=k),
@@ -199,7 +196,7 @@ def test_under_accumulation_the_schedule_sees_keras_step_count():
 def test_a_custom_loop_accumulates_with_one_all_reduce_per_update():
     batch, k = 6, 2
     x, y = _data()
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     with strategy.scope():
         mnet = strategy.mirror(_net())
         opt = strategy.mirror_optimizer(
@@ -243,7 +240,7 @@ def test_a_saved_model_resumes_its_schedule_and_optimizer_options(tmp_path):
                                   global_clipnorm=2.0, gradient_accumulation_steps=2)
     x, y = _data()
     ds = mr.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    with _strategy(2).scope():
+    with strategy_of(2).scope():
         whole = mr.Model(_net())
         whole.compile(optimizer=optimizer(), loss=mr.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=[mr.metrics.SparseTopKCategoricalAccuracy(k=2)])
@@ -254,7 +251,7 @@ def test_a_saved_model_resumes_its_schedule_and_optimizer_options(tmp_path):
     half.fit(ds, epochs=1, verbose=0)
     path = tmp_path / "half.safetensors"
     half.save(path)
-    with _strategy(3).scope():  # another replica count
+    with strategy_of(3).scope():  # another replica count
         loaded = mr.Model.load(path, module=nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)))
     assert loaded.optimizer.get_config() == optimizer().get_config()
     assert loaded.optimizer.iterations == 1  # 2 steps, 1 update
@@ -274,7 +271,7 @@ def test_learning_rate_cannot_be_set_under_a_schedule_and_callbacks_that_set_it_
     x, y = _data()
     for callback in (mr.callbacks.LearningRateScheduler(lambda epoch, lr: lr / 2),
                      mr.callbacks.ReduceLROnPlateau(monitor="loss", patience=0)):
-        with _strategy(2).scope():
+        with strategy_of(2).scope():
             model = mr.Model(_net())
             model.compile(optimizer=mr.optimizers.SGD(learning_rate=schedule), loss="sparse_categorical_crossentropy")
         before = model.get_weights()
@@ -386,7 +383,7 @@ def test_bad_options_are_named():
         mr.optimizers.deserialize({"class_name": "Pickle", "config": {}})
     with pytest.raises(ValueError, match="torch_class 'system' is not a torch.optim optimizer"):
         mr.optimizers.deserialize({"class_name": "Optimizer", "config": {"torch_class": "system"}})
-    with _strategy(1).scope():
+    with strategy_of(1).scope():
         model = mr.Model(_net())
     with pytest.raises(ValueError, match=r"fp16.*gradient_accumulation_steps.*bf16"):
         model.compile(optimizer=mr.optimizers.SGD(gradient_accumulation_steps=2), loss="mse", precision="fp16")
@@ -489,7 +486,7 @@ def test_step_hooks_run_once_per_replica_step_as_for_a_plain_torch_optimizer():
     replica_optimizers: list[int] = []
 
     def fit(register_own):
-        with _strategy(2).scope():
+        with strategy_of(2).scope():
             model = mr.Model(_net())
             model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
                           loss="sparse_categorical_crossentropy")

@@ -22,12 +22,9 @@ from torch import nn
 
 import mirrored as mr
 from mirrored.training.checkpoint import CheckpointError, CheckpointMismatchError
+from _replicas import strategy_of  # tests/_replicas.py
 
 GLOBAL_BATCH = 6
-
-
-def _strategy(replicas: int) -> mr.MirroredStrategy:
-    return mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
 
 
 def _net(batchnorm: bool = True) -> nn.Module:
@@ -47,7 +44,7 @@ class _Run:
     mirrored step counter, a sync-on-read SUM variable (float and int), a metric, and an iterator."""
 
     def __init__(self, replicas: int, in_scope: bool = True, optimizer=None):
-        self.strategy = strategy = _strategy(replicas)
+        self.strategy = strategy = strategy_of(replicas)
         with strategy.scope():
             self.net = strategy.mirror(_net())
             self.opt = strategy.mirror_optimizer(optimizer or mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
@@ -196,7 +193,7 @@ def test_a_model_restores_into_another_replica_count_and_its_optimizer_resumes(t
     x, y = torch.randn(24, 4, generator=g), torch.randint(0, 3, (24,), generator=g)
 
     def model(replicas):
-        with _strategy(replicas).scope():
+        with strategy_of(replicas).scope():
             m = mr.Model(_net())
             schedule = mr.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5)
             m.compile(optimizer=mr.optimizers.Adam(learning_rate=schedule), loss="sparse_categorical_crossentropy")
@@ -285,7 +282,7 @@ def test_bad_arguments_and_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="'checkpoint' is the name of the file that lists"):
         mr.train.Checkpoint(w=torch.zeros(2)).write(tmp_path / "checkpoint")
     model_file = tmp_path / "model.safetensors"
-    with _strategy(1).scope():
+    with strategy_of(1).scope():
         mr.Model(nn.Linear(2, 2)).save(model_file)
     with pytest.raises(CheckpointError, match="It is a Model file: load it with mr.Model.load"):
         mr.train.Checkpoint(w=torch.zeros(2)).read(model_file)
@@ -299,7 +296,7 @@ def test_bad_arguments_and_files_are_named(tmp_path):
     assert mr.train.latest_checkpoint(tmp_path / "gone") is None
     with pytest.raises(ValueError, match="has not been built into an optimizer yet"):
         mr.train.Checkpoint(opt=mr.optimizers.SGD()).write(tmp_path / "x")
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     ckpt = mr.train.Checkpoint(w=torch.zeros(2))
     with pytest.raises(RuntimeError, match="inside strategy.run"):
         strategy.run(lambda: ckpt.write(tmp_path / "y"))
@@ -313,7 +310,7 @@ def _custom_loop(directory, steps: int, replicas: int = 2, stop_after: int | Non
     matter; the shuffled, repeated dataset makes the iterator's. No BatchNorm, whose per-replica
     statistics depend on the replica count. Returns the weights, or None when the run "dies" after
     `stop_after` steps of this process."""
-    strategy = _strategy(replicas)
+    strategy = strategy_of(replicas)
     with strategy.scope():
         net = strategy.mirror(_net(batchnorm=False))
         opt = strategy.mirror_optimizer(mr.optimizers.SGD(

@@ -1,12 +1,12 @@
 """tf.train.Example without TensorFlow: the protobuf messages and their dict form.
 
 Example, Features, Feature, BytesList, FloatList and Int64List are built at import time from a
-descriptor written here with TensorFlow's field numbers, so their bytes are TF's exactly;
-_build_messages() does the same for any other FileDescriptorProto (e.g. TensorBoard's Event).
+descriptor written here with TensorFlow's field numbers (by mirrored/_protobuf.py), so their bytes
+are TF's exactly.
 parse_example() and encode_example() turn a serialized Example into a dict of lists/arrays and back
 (float lists pass as one packed buffer, not a Python float per element). tfrecord.py re-exports the
-public names, which users import from there. Uses numpy, torch (tensors as feature values) and
-protobuf.
+public names, which users import from there. Uses numpy, torch (tensors as feature values),
+protobuf and _protobuf.py.
 """
 from __future__ import annotations
 
@@ -15,85 +15,43 @@ from typing import Any
 
 import numpy as np
 import torch
-from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
+from google.protobuf import descriptor_pb2, message
+
+from mirrored._protobuf import build_messages, message_field
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-# --------------------------------------------------------------------------------------------
-# Building protobuf message classes from a descriptor written in code
-
 _F = descriptor_pb2.FieldDescriptorProto
-
-
-def _field(name: str, number: int, type_: int, *, repeated: bool = False,
-           type_name: str | None = None, packed: bool = False,
-           oneof_index: int | None = None) -> descriptor_pb2.FieldDescriptorProto:
-    """One field of a message in a FileDescriptorProto; type_ is e.g. _F.TYPE_BYTES."""
-    proto = _F(name=name, number=number, type=type_,
-               label=_F.LABEL_REPEATED if repeated else _F.LABEL_OPTIONAL)
-    if type_name is not None:
-        proto.type_name = type_name
-    if packed:
-        proto.options.packed = True
-    if oneof_index is not None:
-        proto.oneof_index = oneof_index
-    return proto
-
-
-def _build_messages(file_proto: descriptor_pb2.FileDescriptorProto,
-                    pool: descriptor_pool.DescriptorPool | None = None) -> dict[str, type]:
-    """Message classes for every message in `file_proto`, keyed by name ("Outer.Inner" if nested).
-
-    Adds the file to `pool`, by default a new private pool, so nothing clashes with other users of
-    the same proto names (e.g. TensorFlow itself, if imported). Give one pool to several calls when
-    one file depends on another.
-    """
-    pool = descriptor_pool.DescriptorPool() if pool is None else pool
-    file_descriptor = pool.AddSerializedFile(file_proto.SerializeToString())
-    classes: dict[str, type] = {}
-
-    def add(descriptor, prefix: str) -> None:
-        if descriptor.GetOptions().map_entry:
-            return
-        classes[prefix + descriptor.name] = message_factory.GetMessageClass(descriptor)
-        for nested in descriptor.nested_types:
-            add(nested, f"{prefix}{descriptor.name}.")
-
-    for descriptor in file_descriptor.message_types_by_name.values():
-        add(descriptor, "")
-    return classes
-
 
 def _example_file_proto() -> descriptor_pb2.FileDescriptorProto:
     """tensorflow/core/example/{feature,example}.proto in one file, with TF's field numbers."""
     file_proto = descriptor_pb2.FileDescriptorProto(
         name="mirrored/tensorflow_example.proto", package="tensorflow", syntax="proto3")
     file_proto.message_type.add(name="BytesList").field.append(
-        _field("value", 1, _F.TYPE_BYTES, repeated=True))
+        message_field("value", 1, _F.TYPE_BYTES, repeated=True))
     file_proto.message_type.add(name="FloatList").field.append(
-        _field("value", 1, _F.TYPE_FLOAT, repeated=True, packed=True))
+        message_field("value", 1, _F.TYPE_FLOAT, repeated=True, packed=True))
     file_proto.message_type.add(name="Int64List").field.append(
-        _field("value", 1, _F.TYPE_INT64, repeated=True, packed=True))
+        message_field("value", 1, _F.TYPE_INT64, repeated=True, packed=True))
     feature = file_proto.message_type.add(name="Feature")
     feature.oneof_decl.add(name="kind")
     for number, (name, type_name) in enumerate(
             [("bytes_list", "BytesList"), ("float_list", "FloatList"),
              ("int64_list", "Int64List")], start=1):
-        feature.field.append(_field(name, number, _F.TYPE_MESSAGE,
-                                    type_name=f".tensorflow.{type_name}", oneof_index=0))
+        feature.field.append(message_field(name, number, _F.TYPE_MESSAGE,
+                                           type_name=f".tensorflow.{type_name}", oneof_index=0))
     features = file_proto.message_type.add(name="Features")
     entry = features.nested_type.add(name="FeatureEntry")  # how protoc spells map<string, Feature>
     entry.options.map_entry = True
-    entry.field.append(_field("key", 1, _F.TYPE_STRING))
-    entry.field.append(_field("value", 2, _F.TYPE_MESSAGE, type_name=".tensorflow.Feature"))
-    features.field.append(_field("feature", 1, _F.TYPE_MESSAGE, repeated=True,
-                                 type_name=".tensorflow.Features.FeatureEntry"))
+    entry.field.append(message_field("key", 1, _F.TYPE_STRING))
+    entry.field.append(message_field("value", 2, _F.TYPE_MESSAGE, type_name=".tensorflow.Feature"))
+    features.field.append(message_field("feature", 1, _F.TYPE_MESSAGE, repeated=True,
+                                        type_name=".tensorflow.Features.FeatureEntry"))
     file_proto.message_type.add(name="Example").field.append(
-        _field("features", 1, _F.TYPE_MESSAGE, type_name=".tensorflow.Features"))
+        message_field("features", 1, _F.TYPE_MESSAGE, type_name=".tensorflow.Features"))
     return file_proto
 
 
-_EXAMPLE_CLASSES = _build_messages(_example_file_proto())
+_EXAMPLE_CLASSES = build_messages(_example_file_proto())
 Example = _EXAMPLE_CLASSES["Example"]
 Features = _EXAMPLE_CLASSES["Features"]
 Feature = _EXAMPLE_CLASSES["Feature"]

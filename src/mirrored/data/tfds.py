@@ -27,8 +27,8 @@ import torch
 from mirrored._files import config_of
 from mirrored.data import _pipeline, _sources
 from mirrored.data._tfds_features import _TFDS, ClassLabel, Feature, FeaturesDict, Image, Text, _feature_from_json
-from mirrored.data._tfds_splits import (DEFAULT_FILEPATH_TEMPLATE, FileInstruction, ReadInstruction, SplitDict,
-                                        SplitInfo, _shard_takes, parse_split, split_ranges)
+from mirrored.data._tfds_splits import (DEFAULT_FILEPATH_TEMPLATE, FileInstruction, SplitDict, SplitInfo, _shard_takes,
+                                        parse_split, split_ranges)
 from mirrored.data.dataset import AUTOTUNE, Dataset
 from mirrored.data.tfrecord import TFRecordWriter, parse_example, read_records
 

@@ -22,8 +22,8 @@ from typing import BinaryIO
 
 import crc32c
 from mirrored._files import fsync_directory
-from mirrored.data._example import (BytesList, Example, Feature, Features, FeatureValue, FloatList, Int64List,
-                                    _build_messages, _field, encode_example, parse_example)
+from mirrored.data._example import (BytesList, Example, Feature, Features, FloatList, Int64List,
+                                    encode_example, parse_example)
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from mirrored.distribute.modules import (HookHandles, MirroredModule, mirror_hol
                                          register_copier, register_state_tensors)
 from mirrored.distribute.optimizer import MirroredOptimizer
 from mirrored.distribute.random import StrategyRandom, WithoutReplicaRandom
-from mirrored.distribute.multi_worker import CollectiveAllReduce, CommunicationOptions, MultiWorkerMirroredStrategy
+from mirrored.distribute._collectives import CollectiveAllReduce
+from mirrored.distribute.multi_worker import CommunicationOptions, MultiWorkerMirroredStrategy
 from mirrored.distribute.rollback import StepJournal, current_journal
 from mirrored.distribute.replicas import CollectiveMismatchError, CollectiveTimeoutError
 from mirrored.distribute.strategy import (MirroredStrategy, OneDeviceStrategy, OutOfSyncError, Strategy,

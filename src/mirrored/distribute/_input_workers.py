@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mirrored.data import Dataset, _distribute
+from mirrored.data import Dataset, auto_shard
 from mirrored.data.options import AutoShardPolicy
 from mirrored.distribute.values import flatten
 
@@ -39,7 +39,7 @@ def shard_policy(strategy: Strategy, dataset: Any) -> str:
     if workers == 1 or not isinstance(dataset, Dataset):
         return "DATA"  # a DataLoader or list: every worker reads it and keeps its part
     if policy is AutoShardPolicy.HINT:
-        if not _distribute.hint_shards(dataset):
+        if not auto_shard.hint_shards(dataset):
             raise ValueError(f"experimental_distribute_dataset: AutoShardPolicy.HINT shards where the pipeline calls "
                              f"shard(SHARD_HINT, SHARD_HINT), but {dataset!r} has no such call, so each of the "
                              f"{workers} workers would read all of it. Add "
@@ -48,7 +48,7 @@ def shard_policy(strategy: Strategy, dataset: Any) -> str:
         return "HINT"
     if policy in (AutoShardPolicy.OFF, AutoShardPolicy.DATA):
         return policy.name
-    sources = _distribute.file_sources(dataset)
+    sources = auto_shard.file_sources(dataset)
     enough = bool(sources) and all(len(s.items) >= workers for s in sources)
     if policy is AutoShardPolicy.AUTO:
         return "FILE" if enough else "DATA"
@@ -58,7 +58,7 @@ def shard_policy(strategy: Strategy, dataset: Any) -> str:
                          "unshardable source dataset. Use AutoShardPolicy.DATA (or AUTO) for it.")
     if not enough:
         raise ValueError(f"experimental_distribute_dataset: AutoShardPolicy.FILE gives each worker whole files, but "
-                         f"the dataset reads {_distribute.describe_files(sources)} for {workers} workers, not enough "
+                         f"the dataset reads {auto_shard.describe_files(sources)} for {workers} workers, not enough "
                          f"for the required {workers} shards/workers. Write at least {workers} files, or use "
                          "AutoShardPolicy.DATA (or AUTO, which picks DATA here).")
     return "FILE"
@@ -67,14 +67,14 @@ def shard_policy(strategy: Strategy, dataset: Any) -> str:
 def share_drawn_seeds(strategy: Strategy, dataset: Dataset) -> None:
     """Gives the dataset's unseeded shuffles the chief's seeds, so every worker reads one order whatever
     each process seeded (a broadcast; every worker distributes the same pipeline)."""
-    mine = _distribute.drawn_seeds(dataset)
+    mine = auto_shard.drawn_seeds(dataset)
     counts = strategy.gather_over_workers([len(mine)], "distributed input (shuffle seeds)")
     if len({row[0] for row in counts}) > 1:
         raise ValueError("experimental_distribute_dataset: the workers' pipelines have different numbers of "
                          f"unseeded shuffles ({', '.join(f'worker {w}: {row[0]}' for w, row in enumerate(counts))}); "
                          "every worker must build the same pipeline.")
     if mine:
-        _distribute.set_drawn_seeds(dataset, strategy.chief_ints(mine, "distributed input (shuffle seeds)"))
+        auto_shard.set_drawn_seeds(dataset, strategy.chief_ints(mine, "distributed input (shuffle seeds)"))
 
 
 _DIGEST_SAMPLES = 4096  # values per leaf hashed when a leaf is large: cheap, and any reordering shows

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mirrored.data import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, TensorSpec, _distribute
+from mirrored.data import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Dataset, TensorSpec, auto_shard
 from mirrored.distribute._input_workers import compare_first_batches, shard_policy, share_drawn_seeds
 from mirrored.distribute.devices import torch_device
 from mirrored.distribute.values import PerReplica, flatten, map_structure, pack_sequence_as
@@ -328,7 +328,7 @@ class DistributedIterator(_GetNext):
                              "iterator of the same dataset.")
         # The pass running now ends first: its threads (a prefetch) stop and are joined. Closed after the
         # restore, a prefetch thread that had yet to start its shuffle's pass counted one pass more on top
-        # of the restored count, and the restored pass shuffled as the next one (issue 25).
+        # of the restored count, and the restored pass shuffled as the next one.
         previous = self.get_state()
         close = getattr(self._source, "close", None)
         if close is not None:
@@ -457,9 +457,9 @@ class DistributedDataset:
             share_drawn_seeds(strategy, dataset)
             rank = strategy.first_replica_id // len(strategy.extended.worker_devices)
             if self._policy == "FILE":  # this worker's copy lists its own files: it reads about 1/W of them
-                dataset = _distribute.shard_files(dataset, strategy.num_workers, rank)
+                dataset = auto_shard.shard_files(dataset, strategy.num_workers, rank)
             elif self._policy == "HINT":  # its shard(SHARD_HINT, SHARD_HINT) placeholders become shard(W, rank)
-                dataset = _distribute.fill_hints(dataset, strategy.num_workers, rank)
+                dataset = auto_shard.fill_hints(dataset, strategy.num_workers, rank)
         self._strategy = strategy
         self._passes = _Passes(dataset, "experimental_distribute_dataset")
         self._options = options

@@ -84,8 +84,8 @@ def register_adapter_loader(package: str, load: Callable[[], None]) -> None:
 
 def _register_adapters(module: nn.Module) -> None:
     """Loads the adapter for `module`'s kind, so that its copier and state finder are registered even
-    when the program used only strategy.mirror (issue 23: without them a custom loop's
-    BatchNormalization statistics drifted apart silently)."""
+    when the program used only strategy.mirror (without them a custom loop's Keras
+    BatchNormalization statistics would drift apart silently)."""
     if not _ADAPTER_LOADERS:
         return
     packages = {c.__module__.partition(".")[0] for c in type(module).__mro__}
@@ -326,7 +326,7 @@ class MirroredModule:
                 for t in _found_state(copy_):  # and the state a registered finder names (Keras's moving statistics)
                     journal.before_write(t)
             # gradient_reduction="mean" weighs replicas by their examples; a forward without grad (an
-            # evaluation between training steps, issue 26) adds no gradient, so it adds no weight either.
+            # evaluation between training steps) adds no gradient, so it adds no weight either.
             if self._shared.examples is not None and torch.is_grad_enabled():
                 self._shared.add_examples(rid, journal, args, kwargs)
             if self._shared.grad_sync is not None and torch.is_grad_enabled():
@@ -736,7 +736,7 @@ class HookHandles:
 MEMORY_FORMATS = ("auto", "channels_last", "preserve")
 # Per convolution rank, the memory format whose kernels are fastest: oneDNN (CPU) and cuDNN (tensor
 # cores) compute convolutions in channels-last order, and convert NCHW operands to it and back on
-# every call (1.4-1.6x slower on the 2-core CPU, issue 29).
+# every call (1.4-1.6x slower on a 2-core CPU).
 _CONV_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
 _FORMAT_NAMES = {torch.channels_last: "channels_last", torch.channels_last_3d: "channels_last_3d"}
 # dtypes whose channels-last kernels are the fast ones (float64 has no oneDNN or tensor-core kernel).

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mirrored.distribute.devices import Device
+from mirrored.distribute.values import Device
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ step with summary{value{tag, simple_value}}) framed as TFRecords: uint64 length,
 the length, the data, masked CRC32C of the data. Unlike mirrored.data.tfrecord.TFRecordWriter
 (atomic: the file appears at close), it appends and flushes in place, because TensorBoard reads
 event files while training writes them. The message classes come from a descriptor written here
-with TensorFlow's field numbers, built by mirrored.data.tfrecord's _build_messages().
-Uses crc32c, protobuf and _callback.py.
+with TensorFlow's field numbers, built by mirrored/_protobuf.py.
+Uses crc32c, protobuf, _protobuf.py and _callback.py.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import crc32c
 from google.protobuf import descriptor_pb2
 
-from mirrored.data.tfrecord import _build_messages, _field
+from mirrored._protobuf import build_messages, message_field
 from mirrored.training._callback import NOT_METRICS, Callback, Logs, writes_summaries
 
 __all__ = ["Event", "EventFileWriter", "Summary", "TensorBoard"]
@@ -38,21 +38,21 @@ def _event_file_proto() -> descriptor_pb2.FileDescriptorProto:
     summary = file_proto.message_type.add(name="Summary")
     value = summary.nested_type.add(name="Value")
     value.oneof_decl.add(name="value")
-    value.field.append(_field("tag", 1, _F.TYPE_STRING))
-    value.field.append(_field("simple_value", 2, _F.TYPE_FLOAT, oneof_index=0))
-    summary.field.append(_field("value", 1, _F.TYPE_MESSAGE, repeated=True,
-                                type_name=".tensorflow.Summary.Value"))
+    value.field.append(message_field("tag", 1, _F.TYPE_STRING))
+    value.field.append(message_field("simple_value", 2, _F.TYPE_FLOAT, oneof_index=0))
+    summary.field.append(message_field("value", 1, _F.TYPE_MESSAGE, repeated=True,
+                                       type_name=".tensorflow.Summary.Value"))
     event = file_proto.message_type.add(name="Event")
     event.oneof_decl.add(name="what")
-    event.field.append(_field("wall_time", 1, _F.TYPE_DOUBLE))
-    event.field.append(_field("step", 2, _F.TYPE_INT64))
-    event.field.append(_field("file_version", 3, _F.TYPE_STRING, oneof_index=0))
-    event.field.append(_field("summary", 5, _F.TYPE_MESSAGE, type_name=".tensorflow.Summary",
-                              oneof_index=0))
+    event.field.append(message_field("wall_time", 1, _F.TYPE_DOUBLE))
+    event.field.append(message_field("step", 2, _F.TYPE_INT64))
+    event.field.append(message_field("file_version", 3, _F.TYPE_STRING, oneof_index=0))
+    event.field.append(message_field("summary", 5, _F.TYPE_MESSAGE, type_name=".tensorflow.Summary",
+                                     oneof_index=0))
     return file_proto
 
 
-_CLASSES = _build_messages(_event_file_proto())
+_CLASSES = build_messages(_event_file_proto())
 Event = _CLASSES["Event"]
 Summary = _CLASSES["Summary"]
 

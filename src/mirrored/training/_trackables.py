@@ -236,7 +236,7 @@ class _State:
 
 class _ReplicaRandom(_State):
     """A model's replicas' generators (seed, steps run). Backups written before mirrored saved them lack
-    the entry; they restore without it, with a warning, rather than being refused (issue 26)."""
+    the entry; they restore without it, with a warning, rather than being refused."""
 
     absent = ("holds no entry {path!r} for the replicas' random generators: it was written by a mirrored that did "
               "not save them. Resuming without it: the weights, optimizer and data resume as saved, but random "
@@ -246,7 +246,7 @@ class _ReplicaRandom(_State):
 
 class _StrategyRandom(_ReplicaRandom):
     """A strategy's random state that a Checkpoint saves on its own, for the mirrored objects it tracks
-    (issue 26: a custom loop that forgot random=strategy.random_state resumed with other dropout masks,
+    (else a custom loop that forgot random=strategy.random_state would resume with other dropout masks,
     silently). Marked implicit: a reader with no object of a strategy (plain torch modules) ignores it."""
 
     absent = ("holds no entry {path!r} for the replicas' random generators: it was written by a mirrored that did "

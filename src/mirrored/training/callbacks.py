@@ -529,7 +529,7 @@ def _csv_value(value: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# torch.optim.lr_scheduler in fit (issue 14)
+# torch.optim.lr_scheduler in fit
 
 
 class TorchLRScheduler(Callback):

@@ -154,7 +154,7 @@ def optimizer_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Any, op
     """The state_dict for optimizer.load_state_dict(), once it fits `optimizer`: as many groups of
     as many parameters, the same settings of the same kinds, every state tensor a scalar or shaped
     like its parameter, and mr.optimizers' own state (under "keras") of the kinds it holds. (torch
-    checks only the group sizes; a momentum buffer of the wrong shape used to load and fail in the
+    checks only the group sizes: a momentum buffer of the wrong shape would load and fail in the
     first step.) `prefix` is the optimizer's tensors' prefix in the file, for the messages."""
     if (not isinstance(meta, dict) or not isinstance(meta.get("state"), dict)
             or not isinstance(meta.get("param_groups"), list)):

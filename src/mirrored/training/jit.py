@@ -31,7 +31,7 @@ intra-op thread count (model(x) on the main thread); see DYNAMIC below. Past dyn
 limit (8 per model), new signatures run eager.
 
 `jit_compile="auto"` (Keras 3's torch default) starts eager, and fit decides after its first
-AUTO_PROBE_STEPS steps (issue 29): it compiles when the steps left in that fit, at the measured eager
+AUTO_PROBE_STEPS steps: it compiles when the steps left in that fit, at the measured eager
 step time, would save more than compiling costs (`pays_back`). Measured on 2 CPU replicas (small
 ResNet, benchmarks/jit_compile.py, figures in benchmarks/RESULTS.md) compiled steps are 1.16-1.92x
 faster and compiling takes 40-200 s, so short runs stay eager; the decision is logged (INFO). No GPU

@@ -8,17 +8,18 @@ divides by the GLOBAL batch size itself: `compute_average_loss` (tf.nn.compute_a
 "mse", "kld", "bce"), a loss object, a config, a torch.nn loss module or a function into a loss.
 Keras 3's other losses live in families beside this module, re-exported here: _regression_losses.py
 (Huber, LogCosh, Poisson, KLDivergence, ...), _classification_losses.py (hinges, focal
-crossentropies, CTC, ...) and _batch_losses.py (Dice, Tversky, Circle: statistics of a whole batch). Loss objects have Keras's get_config()/from_config(); serialize()/deserialize() turn one into
-JSON and back, from this module's classes only.
+crossentropies, CTC, ...) and _batch_losses.py (Dice, Tversky, Circle: statistics of a whole
+batch). Loss objects have Keras's get_config()/from_config(); serialize()/deserialize() turn one
+into JSON and back, from this module's classes only.
 
 Called inside `strategy.run` on several replicas, a loss object with the default mean reduction
 averages over one replica's batch; a mirrored optimizer then SUMs the replicas' gradients, which
 makes the update N times too large (TF 2.21 does so silently). The first such call warns, naming the
 fix. Model.fit never calls loss objects that way: it takes `per_example` losses.
 
-Uses torch and the families above only (and _config.py, on first use of a config); the replica context (for the replica
-count and the replica id in errors) is looked up at call time in mirrored.distribute.context when
-that module is loaded, so this module never imports mirrored.distribute.
+Uses torch and the families above only (and _config.py, on first use of a config); the replica
+context (for the replica count and the replica id in errors) is looked up at call time in
+mirrored.distribute when that package is loaded, so this module never imports it.
 """
 from __future__ import annotations
 
@@ -105,10 +106,10 @@ def _snake_case(name: str) -> str:
 
 
 def _context_module() -> Any:
-    """mirrored.distribute.context if something has imported it, else None. No strategy can exist
-    before that module is loaded, so looking it up (instead of importing it) is enough, and it keeps
-    this module usable without mirrored.distribute."""
-    return sys.modules.get("mirrored.distribute.context")
+    """mirrored.distribute if something has imported it, else None. No strategy can exist before
+    that package is loaded, so looking it up (instead of importing it) is enough, and it keeps this
+    module usable without mirrored.distribute."""
+    return sys.modules.get("mirrored.distribute")
 
 
 def _replica_context() -> Any:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mirrored.distribute.variables import Variable, VariableAggregation, VariableSynchronization
+from mirrored.distribute import Variable, VariableAggregation, VariableSynchronization
 from mirrored.training import _config
 from mirrored.training.losses import _broadcast_sample_weight
 

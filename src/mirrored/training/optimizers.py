@@ -299,7 +299,7 @@ class SGD(Optimizer):
                          nesterov=nesterov, weight_decay=weight_decay or 0.0, foreach=True)
         # foreach=True: torch defaults to a Python loop over the parameters on the CPU (~3 torch calls each,
         # held under the GIL that replica threads share); its foreach path does the same arithmetic in one
-        # call per step of the update, bit for bit (issue 27; tests/training/test_optimizers.py checks).
+        # call per step of the update, bit for bit (tests/training/test_optimizers.py checks).
         self._settings = {"weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov}
 
     def get_config(self) -> dict[str, Any]:
@@ -586,8 +586,8 @@ class _KerasSteps:
             return None  # non-finite gradients: no update and no step counted (Keras's LossScaleOptimizer)
         if ready:
             if (options.accumulation_steps > 1 or options.clipnorm is not None or options.clipvalue is not None
-                    or options.global_clipnorm is not None or options.loss_scale_factor is not None):
-                # (else no gradient is read: issue 27)
+                    or options.global_clipnorm is not None
+                    or options.loss_scale_factor is not None):  # (else no gradient is read)
                 grads = [p.grad for p in self._params() if p.grad is not None]
                 with torch.no_grad():
                     divisor = options.accumulation_steps * (options.loss_scale_factor or 1)
@@ -607,7 +607,7 @@ class _KerasSteps:
                             torch._foreach_mul_(decayed, 1 - options.decoupled_weight_decay * group["lr"])
             if closure is None and type(self).__mro__[2].__module__.startswith("torch.optim."):
                 # torch's own optimizers draw no random numbers: their update (~4 torch calls per parameter
-                # on the CPU, even with foreach: the state walk) skips the replica's random mode (issue 27).
+                # on the CPU, even with foreach: the state walk) skips the replica's random mode.
                 # _update runs no step hooks (a user's may draw: gradient noise): they run around this
                 # step(), in the mode.
                 with md.WithoutReplicaRandom():

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mirrored as mr
+from _replicas import strategy_of  # tests/_replicas.py
 
 # Float reassociation of the gradient sum only (see test_model_inputs.py): a few ulps per step.
 RTOL, ATOL = 1e-6, 2e-7
@@ -50,7 +51,7 @@ def _plain(net: nn.Module, x: torch.Tensor, y: torch.Tensor, sw: torch.Tensor | 
 
 
 def _fit(net: nn.Module, replicas: int, x, y, seen: _Seen, **fit_kwargs) -> mr.Model:
-    with mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)]).scope():
+    with strategy_of(replicas).scope():
         model = mr.Model(net)
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1), loss=seen.loss, metrics=[seen.metric])
     model.fit(x, y, epochs=1, shuffle=False, verbose=0, **fit_kwargs)

@@ -13,6 +13,7 @@ from _plain_replicas import batchnorm_data, replicas_by_hand  # tests/training/_
 
 import mirrored as mr
 from mirrored.distribute import rollback
+from _replicas import strategy_of  # tests/_replicas.py
 
 N_EXAMPLES, GLOBAL_BATCH, EPOCHS = 22, 8, 2  # batches 8, 8, 6: on 3 replicas 3/3/2, 3/3/2, 2/2/2
 
@@ -33,15 +34,15 @@ def test_fit_with_batchnorm_matches_plain_torch_playing_the_replicas(replicas):
     sync) is rewritten for speed; the trained weights and statistics must stay those of the math."""
     x, y = _data()
     ref, want_losses = replicas_by_hand(_net, x, y, replicas, GLOBAL_BATCH, EPOCHS)
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas)
     with strategy.scope():
         model = mr.Model(_net())
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
                       loss="sparse_categorical_crossentropy")
     history = model.fit(mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH), epochs=EPOCHS, verbose=0)
     # Float reassociation only: the reference runs on this thread's intra-op threads and each replica on
-    # one, so a matmul's sums may split otherwise (test_fit_overhead.py pins one thread and asks for the
-    # bits); a few ulps per step through 6 steps of momentum SGD (a wrong split, weighting or missed
+    # one, so a matmul's sums may split otherwise (test_model_prefetch.py pins one thread and asks for
+    # the bits); a few ulps per step through 6 steps of momentum SGD (a wrong split, weighting or missed
     # update is >1e-3 off).
     for (name, got), want in zip(model.module.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)

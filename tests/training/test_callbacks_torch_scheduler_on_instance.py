@@ -16,8 +16,9 @@ from torch import nn
 from torch.optim import lr_scheduler
 
 import mirrored as mr
+from _replicas import strategy_of  # tests/_replicas.py
 
-# As in test_compile_torch_optimizer.py: float reassociation of the gradient sum, a few ulps per step
+# As in test_optimizers_torch_instance.py: float reassociation of the gradient sum, a few ulps per step
 # (measured below 1e-7 absolute after these 9 steps).
 RTOL, ATOL = 1e-6, 2e-7
 BATCH, EPOCHS = 8, 3
@@ -74,7 +75,7 @@ def _plain(make, step_per: str, x, y) -> tuple[nn.Module, list[list[float]]]:
 
 
 def _model(net: nn.Module, optimizer, replicas: int = 2) -> mr.Model:
-    with mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)]).scope():
+    with strategy_of(replicas).scope():
         model = mr.Model(net)
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     return model

@@ -18,6 +18,7 @@ if keras.backend.backend() != "torch":
     pytest.skip("keras was imported with another backend than torch", allow_module_level=True)
 
 import mirrored as mr  # noqa: E402
+from _replicas import strategy_of  # tests/_replicas.py
 
 # 40 rows in global batches of 12: the last batch (4 rows) leaves 3 replicas' parts uneven (2, 2, 0).
 ROWS, SIZE, CLASSES, GLOBAL = 40, 6, 3, 12
@@ -45,13 +46,9 @@ def _net() -> keras.Model:
     return keras.Model(inp, keras.layers.Dense(CLASSES, activation="softmax")(h))
 
 
-def _strategy(replicas: int) -> mr.MirroredStrategy:
-    return mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
-
-
 def _replica_outputs(net: keras.Model, replicas: int, x: np.ndarray) -> np.ndarray:
     """net(x, training=True) on `replicas` replicas, each on its consecutive part of x, concatenated."""
-    strategy = _strategy(replicas)
+    strategy = strategy_of(replicas)
     with strategy.scope():
         mirrored = strategy.mirror(net)
     parts = np.array_split(x, replicas)
@@ -81,7 +78,7 @@ def test_fit_equals_keras_own_fit_on_one_device(replicas):
     ref.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
                 loss="sparse_categorical_crossentropy")
     h_ref = ref.fit(x, y, batch_size=GLOBAL, epochs=1, shuffle=False, verbose=0)
-    with _strategy(replicas).scope():
+    with strategy_of(replicas).scope():
         ours = mr.Model(mr.layers.convert_sync_batchnorm(_net()))
         ours.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
                      loss="sparse_categorical_crossentropy")
@@ -104,7 +101,7 @@ def test_one_replica_is_keras_own_batchnorm_and_a_masked_input_is_refused():
                                   expected)
     bn = mr.layers.convert_sync_batchnorm(keras.layers.BatchNormalization())
     bn.build((None, 3))
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     with strategy.scope():
         layer = strategy.mirror(bn)
     with pytest.raises(ValueError, match="mask"):
@@ -129,7 +126,7 @@ def test_convert_after_mirroring_is_refused_naming_the_fix(mirrored_by):
     the next fit failed on mismatched collectives without naming the cause. Now refused at the call,
     with the replica count and the fix, and no replica's layer is flagged."""
     net = _net()
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     with strategy.scope():
         mirrored = mr.Model(net) if mirrored_by == "mr.Model" else strategy.mirror(net)
     with pytest.raises(ValueError, match=r"already mirrored on 2 replica.*Convert before mirroring"):

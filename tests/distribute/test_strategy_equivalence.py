@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored.distribute as md
+from _replicas import strategy_of  # tests/_replicas.py
 
 TIMEOUT_S = 30.0
 N_EXAMPLES, GLOBAL_BATCH, EPOCHS = 10, 4, 2  # batches of 4, 4, 2 per epoch: 6 steps
@@ -88,7 +89,7 @@ def test_mirrored_training_matches_plain_torch(model_name, opt_name, n_replicas)
     data = global_batches(input_shape)
     want = reference_run(copy.deepcopy(net), opt_cls, hparams, data)
 
-    strategy = md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n_replicas)], timeout_s=TIMEOUT_S)
+    strategy = strategy_of(n_replicas, timeout_s=TIMEOUT_S)
     with strategy.scope():
         mnet = strategy.mirror(copy.deepcopy(net))
         opt = strategy.mirror_optimizer(opt_cls, mnet, **hparams)

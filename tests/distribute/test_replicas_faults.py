@@ -15,21 +15,13 @@ import pytest
 import torch
 
 import mirrored.distribute as md
+from _replicas import replica_id, strategy_of  # tests/_replicas.py
 
 STUCK_WAIT_S = 20.0  # the stuck replica gives up on its own after this, whatever happens
-LONG_TIMEOUT_S = 20.0
 
 
 class ReplicaFailure(Exception):
     pass
-
-
-def strategy_of(n: int, timeout_s: float = LONG_TIMEOUT_S) -> md.MirroredStrategy:
-    return md.MirroredStrategy(devices=[f"cpu:{i}" for i in range(n)], timeout_s=timeout_s)
-
-
-def replica_id() -> int:
-    return md.get_replica_context().replica_id_in_sync_group
 
 
 def all_reduce_ids(strategy) -> list[float]:

@@ -22,6 +22,7 @@ if keras.backend.backend() != "torch":
     pytest.skip("keras was imported with another backend than torch", allow_module_level=True)
 
 import mirrored as mr  # noqa: E402
+from _replicas import strategy_of  # tests/_replicas.py
 
 ROWS, FEATURES, CLASSES, GLOBAL = 100, 6, 3, 24  # the last batch (4 rows) leaves a replica of 3 empty
 
@@ -41,12 +42,8 @@ def _mlp(seed: int = 0, head: str | None = "softmax", dropout: float = 0.0) -> k
     return keras.Model(inp, out)
 
 
-def _strategy(replicas: int) -> mr.MirroredStrategy:
-    return mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
-
-
 def _ours(net: keras.Model, replicas: int, **compile_kwargs) -> mr.Model:
-    with _strategy(replicas).scope():
+    with strategy_of(replicas).scope():
         model = mr.Model(net)
         model.compile(**compile_kwargs)
     return model
@@ -353,7 +350,7 @@ def test_keras_archive_round_trip(tmp_path):
     model.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, batch_size=GLOBAL, verbose=0))
-    with _strategy(2).scope():
+    with strategy_of(2).scope():
         again = mr.Model.load(tmp_path / "m.keras")  # on 2 replicas, to compile and train on
     np.testing.assert_array_equal(again.predict(x, batch_size=GLOBAL, verbose=0), loaded.predict(x, verbose=0))
     with pytest.raises(ValueError, match="Keras's archive"):
@@ -433,7 +430,7 @@ def test_keras_fit_under_our_scope_warns_once():
     """Keras's own fit on a model compiled in a mirrored scope trains on one device: a warning, at
     the user's line, names mr.Model."""
     x, y = _data()
-    with _strategy(2).scope():
+    with strategy_of(2).scope():
         net = _mlp()
         net.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     with warnings.catch_warnings(record=True) as caught:
@@ -464,7 +461,7 @@ def test_refused_with_the_fix():
 def test_strategy_mirror_custom_loop_keeps_batchnorm_in_sync():
     """strategy.mirror(keras_model) in a custom loop: a mirrored optimizer's step syncs the moving
     statistics too, so the copies stay equal."""
-    strategy = _strategy(2)
+    strategy = strategy_of(2)
     x, y = _data(7)
     with strategy.scope():
         mnet = strategy.mirror(_bn_model(7))
@@ -526,7 +523,7 @@ def _seeded_dropout_outputs(replicas: int) -> list[np.ndarray]:
     keras.utils.set_random_seed(0)
     inp = keras.Input((32,))
     net = keras.Model(inp, keras.layers.Dropout(0.5, seed=7)(inp))
-    strategy = _strategy(replicas)
+    strategy = strategy_of(replicas)
     with strategy.scope():
         mnet = strategy.mirror(net)
     ones = strategy.experimental_distribute_values_from_function(lambda ctx: torch.ones(4, 32))
@@ -586,7 +583,6 @@ def test_strategy_mirror_alone_keeps_a_keras_models_state_in_sync():
              "s.check_in_sync(m)\n"
              "print('in sync')\n")
     assert _last_line_of_fresh_process(probe) == "in sync"
-
 
 
 @pytest.mark.parametrize("mirror", ["mr.Model(net)", "mr.MirroredStrategy(devices=['cpu:0', 'cpu:1']).mirror(net)"],
@@ -659,8 +655,7 @@ def test_per_example_random_keys_keras_dropout_and_refuses_a_seeded_one():
         keras.utils.set_random_seed(0)
         inp = keras.Input((32,))
         net = keras.Model(inp, keras.layers.Dropout(0.5, seed=seed)(inp))
-        strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)], per_example_random=True,
-                                       seed=3)
+        strategy = strategy_of(replicas, per_example_random=True, seed=3)
         with strategy.scope():
             mnet = strategy.mirror(net)
         batch = next(iter(strategy.experimental_distribute_dataset(mr.data.Dataset.from_tensors(torch.ones(4, 32)))))
@@ -698,7 +693,7 @@ def _unseeded_fit(replicas: int, slow: bool) -> list[np.ndarray]:
     h = keras.layers.Dense(16, activation="relu")(inp)
     h = keras.layers.Dropout(0.5)(keras.layers.GaussianNoise(0.2)(_SlowNoise()(h)))
     net = keras.Model(inp, keras.layers.Dense(CLASSES, activation="softmax")(h))
-    with mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)], seed=3).scope():
+    with strategy_of(replicas, seed=3).scope():
         model = mr.Model(net)
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     keras.utils.set_random_seed(1)  # Python's `random`, which Keras seeds its global SeedGenerators from
@@ -731,7 +726,7 @@ def test_seeded_keras_random_layers_on_one_replica_draw_what_keras_draws():
 
     ref = net()
     want = [ref(torch.ones(4, 32), training=True).detach().numpy() for _ in range(3)]
-    strategy = _strategy(1)
+    strategy = strategy_of(1)
     with strategy.scope():
         mnet = strategy.mirror(net())
     got = [strategy.run(lambda x: mnet(x, training=True), args=(torch.ones(4, 32),)).detach().numpy()

@@ -1,18 +1,22 @@
-"""What distributed input asks of a Dataset: the shuffle seeds this process drew (a multi-worker
-strategy replaces them with the chief's, so every worker reads one order), and the file sources that
-FILE auto-sharding divides between workers (a copy of the pipeline that lists this worker's files).
-distribute/input.py calls these. Uses dataset.py, _pipeline.py and _sources.py.
+"""What auto-sharding across workers asks of a Dataset (tf.data's AutoShardPolicy): the shuffle seeds
+this process drew (a multi-worker strategy replaces them with the chief's, so every worker reads one
+order), the file sources that FILE sharding divides between workers (a copy of the pipeline that lists
+this worker's files), and the SHARD_HINT placeholders HINT sharding fills. mirrored.distribute's
+distributed input calls these; a program rarely needs them. Uses dataset.py, _pipeline.py and
+_sources.py.
 """
 from __future__ import annotations
 
 import copy
 import threading
 from collections.abc import Callable
+
 from mirrored._seeds import derive_seed
 from mirrored.data import _pipeline, _sources
 from mirrored.data.dataset import Dataset, _graph
 
-__all__ = ["drawn_seeds", "file_sources", "fill_hints", "hint_shards", "set_drawn_seeds", "shard_files"]
+__all__ = ["describe_files", "drawn_seeds", "file_sources", "fill_hints", "hint_shards", "set_drawn_seeds",
+           "shard_files"]
 
 
 def _drawn_shuffles(dataset: Dataset) -> list[_pipeline.Shuffle]:
@@ -70,7 +74,7 @@ def _rewritten(dataset: Dataset, replace: Callable[[_pipeline.Node], _pipeline.N
     """The pipeline with the nodes `replace` returns a copy for replaced: the nodes between them and the
     output are copied (their inputs change), the others shared. A copied map_with_generator numbers
     this part's elements from 0, so its seed takes `part` (count, index) in: else worker w's k-th
-    element drew worker 0's k-th element's numbers (issues 24 x 26)."""
+    element drew worker 0's k-th element's numbers."""
     memo: dict[int, _pipeline.Node] = {}
 
     def clone(node: _pipeline.Node) -> _pipeline.Node:

@@ -10,6 +10,7 @@ from _plain_replicas import batchnorm_data, replicas_by_hand  # tests/training/_
 
 import mirrored as mr
 from mirrored.training import model as model_lib
+from _replicas import strategy_of  # tests/_replicas.py
 
 N_EXAMPLES, GLOBAL_BATCH, EPOCHS = 20, 8, 2  # batches 8, 8, 4
 
@@ -25,7 +26,7 @@ def _net():
 
 
 def _fit(replicas, data):
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas)
     with strategy.scope():
         model = mr.Model(_net())
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
@@ -96,7 +97,7 @@ def test_fit_with_batchnorm_is_bitwise_the_replicas_done_by_hand():
             want, _ = replicas_by_hand(_bn_net, x, y, replicas, GLOBAL_BATCH, EPOCHS)
         finally:
             torch.set_num_threads(threads)
-        strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+        strategy = strategy_of(replicas)
         with strategy.scope():
             model = mr.Model(_bn_net())
             model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),

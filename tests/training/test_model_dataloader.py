@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import mirrored as mr
+from _replicas import strategy_of  # tests/_replicas.py
 
 # Float reassociation only: each replica sums its part of a batch's gradient and loss, then the parts
 # are summed; one device sums the batch at once. A few ulps per step (measured below 6e-8 on these
@@ -33,7 +34,7 @@ def _net() -> nn.Module:
 
 
 def _compiled(net: nn.Module, replicas: int) -> mr.Model:
-    with mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)]).scope():
+    with strategy_of(replicas).scope():
         model = mr.Model(net)
         model.compile(optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])

@@ -21,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import mirrored as mr
 from mirrored.distribute import random as replica_random
+from _replicas import strategy_of  # tests/_replicas.py
 
 
 def _in_mode() -> bool:
@@ -69,7 +70,7 @@ def _fit(probe: Probe, steps: int = 5, replicas: int = 2, always_mode: bool = Fa
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8 * steps, 5, generator=g), torch.randint(0, 3, (8 * steps,), generator=g)
     torch.manual_seed(0)
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)], seed=7)
+    strategy = strategy_of(replicas, seed=7)
     with strategy.scope():
         model = mr.Model(nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), probe, nn.Linear(16, 3)))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9, **optimizer),
@@ -102,7 +103,7 @@ def test_a_model_that_draws_nothing_runs_its_steps_after_the_first_without_the_m
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_evaluate_and_predict_run_without_the_mode_after_their_first_step(replicas):
     probe = Probe()
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas)
     with strategy.scope():
         model = mr.Model(nn.Sequential(nn.Linear(5, 3), probe))
         model.compile(optimizer="sgd", loss="mse")
@@ -197,10 +198,14 @@ def test_verdicts_go_with_their_model():
 
 
 INTERRUPT = textwrap.dedent("""
-    import _thread, json, sys, torch
+    import _thread, json, signal, sys, torch
     from torch import nn
     import mirrored as mr
     from mirrored.distribute import random as replica_random
+
+    # Python's handler, even where pytest was started with SIGINT ignored (nohup, `make test &`): else
+    # _thread.interrupt_main() raises nothing in this child.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     class DrawsFromStep3(nn.Module):  # a first Ctrl-C arrives while step 3, the first to draw, runs
         def __init__(self):

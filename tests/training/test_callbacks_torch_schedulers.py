@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim import lr_scheduler
 
 import mirrored as mr
+from _replicas import strategy_of  # tests/_replicas.py
 
 # fit sums each replica's share of the global batch's mean loss: float reassociation only, a few ulps
 # per step (measured below 1e-7 absolute after these 12 steps).
@@ -27,7 +28,7 @@ def _net() -> nn.Module:
 
 
 def _model(net: nn.Module, optimizer, replicas: int = 2) -> mr.Model:
-    with mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)]).scope():
+    with strategy_of(replicas).scope():
         model = mr.Model(net)
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     return model

@@ -17,6 +17,7 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
 
 import mirrored as mr
+from _replicas import strategy_of  # tests/_replicas.py
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torch_ddp_style.py"
 
@@ -54,7 +55,7 @@ def test_the_port_trains_like_the_plain_recipe(example, replicas):
             F.nll_loss(ref(x), y).backward()
             ref_opt.step()
         ref_sched.step()
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas)
     with strategy.scope():
         model = strategy.mirror(_net(example))
         optimizer = strategy.mirror_optimizer(optim.Adadelta, model, gradient_reduction="mean", lr=1.0)

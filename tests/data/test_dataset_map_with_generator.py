@@ -112,7 +112,7 @@ def test_file_sharded_workers_draw_other_numbers_for_their_kth_elements(tmp_path
     map_with_generator numbers its own elements from 0; with the seed unchanged worker 1's k-th image
     drew worker 0's k-th image's numbers (the same crop and flip for different images). Each part's
     seed now takes the part in, so the two workers' draws differ, and each part repeats its own."""
-    from mirrored.data import _distribute
+    from mirrored.data import auto_shard
 
     for i in range(4):
         (tmp_path / f"f{i}.txt").write_text(str(i))
@@ -120,7 +120,7 @@ def test_file_sharded_workers_draw_other_numbers_for_their_kth_elements(tmp_path
         lambda path, g: torch.rand(3, generator=g), seed=0)
 
     def draws(index: int) -> list[torch.Tensor]:
-        return list(_distribute.shard_files(ds, 2, index))
+        return list(auto_shard.shard_files(ds, 2, index))
 
     zero, one = draws(0), draws(1)
     assert len(zero) == len(one) == 2

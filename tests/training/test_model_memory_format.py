@@ -13,6 +13,7 @@ from torch import nn
 
 import mirrored as mr
 from mirrored.distribute import input as input_lib
+from _replicas import strategy_of  # tests/_replicas.py
 
 N_EXAMPLES, GLOBAL_BATCH, EPOCHS = 24, 8, 2  # 3 steps an epoch; on 3 replicas 3/3/2 examples each
 
@@ -49,7 +50,7 @@ def _plain_torch(net, x, y):
 
 def _fit(replicas, **compile_kwargs):
     x, y = _data()
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas)
     with strategy.scope():
         model = mr.Model(_net())
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
@@ -233,7 +234,7 @@ def test_evaluate_and_predict_run_channels_last_and_match_the_plain_nchw_module(
         logits = plain(x)
     want_loss = F.cross_entropy(logits, y).item()  # 3 equal batches: the mean of their means
     want_accuracy = (logits.argmax(1) == y).double().mean().item()
-    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas)
     with strategy.scope():
         model = mr.Model(_net())  # (logits: mirrored's loss strings read logits)
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])

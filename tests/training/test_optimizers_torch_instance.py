@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored as mr
+from _replicas import strategy_of  # tests/_replicas.py
 
 # Float reassociation only: a replica adds its part of the batch's gradient, then the parts are
 # summed, where one device sums the whole batch at once; each gradient entry differs by a few ulps
@@ -75,7 +76,7 @@ def _plain_fit(net: nn.Module, opt: torch.optim.Optimizer, x, y, epochs: int = E
 
 
 def _model(net: nn.Module, optimizer, replicas: int) -> mr.Model:
-    with mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)]).scope():
+    with strategy_of(replicas).scope():
         model = mr.Model(net)
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     return model
