@@ -16,7 +16,7 @@ from torch import nn
 
 import mirrored.distribute as md
 from mirrored.distribute import cross_device_ops as cdo
-from mirrored.distribute import devices, reducer as reducer_mod
+from mirrored.distribute import _replica_reduce, devices, reducer as reducer_mod
 from mirrored.distribute import strategy as strategy_mod
 from _replicas import TIMEOUT_S, replica_id, strategy_of  # tests/_replicas.py
 

@@ -19,9 +19,9 @@ from torch import Tensor
 
 from mirrored.distribute import buckets
 from mirrored._cpus import usable_cores
-from mirrored.distribute.devices import Device, canonical, torch_device
+from mirrored.distribute.devices import canonical, torch_device
 from mirrored.distribute.replicas import Rendezvous
-from mirrored.distribute.values import DistributedValues, Mirrored, ReduceOp
+from mirrored.distribute.values import Device, DistributedValues, Mirrored, ReduceOp
 
 _PARALLEL_NUMEL = 1 << 19  # from 2 MB of float32 the summing thread borrows the idle replicas' cores; below,
 # starting the extra intra-op threads costs more than it saves (measured: 1 MB, 77 us on one thread, 88+ on two)

@@ -38,18 +38,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mirrored.distribute import cluster_resolver, context
-# (_store_gone is not used here: tests import it from this module, where it was defined before the split.)
 from mirrored.distribute._collectives import (_DEFAULT_BYTES_PER_PACK, _WATCHDOG_GRACE_S, CollectiveAllReduce,
-                                              HierarchicalAllReduce, _device_types_of, _shape_digest, _store_gone,
-                                              _value_digest, init_default_group)
+                                              HierarchicalAllReduce, _device_types_of, _shape_digest, _value_digest,
+                                              init_default_group)
+from mirrored.distribute._cross_replica import _as_tensor, _is_mirrored_variable
 from mirrored.distribute.context import ReplicaContext
 from mirrored.distribute.cross_device_ops import CrossDeviceOps, as_reduce_op, default_for, mean_of_sum
-from mirrored.distribute.devices import Device, resolve_devices, torch_device, visible_gpus
+from mirrored.distribute.devices import resolve_devices, torch_device, visible_gpus
 from mirrored.distribute.modules import named_copies
 from mirrored.distribute.reducer import Communicator
-from mirrored.distribute.strategy import (DEFAULT_TIMEOUT_S, OutOfSyncError, Strategy, _as_tensor,
-                                          _is_mirrored_variable)
-from mirrored.distribute.values import Mirrored, ReduceOp
+from mirrored.distribute.strategy import DEFAULT_TIMEOUT_S, OutOfSyncError, Strategy
+from mirrored.distribute.values import Device, Mirrored, ReduceOp
 
 logger = logging.getLogger(__name__)
 
