@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored as mr
+from mirrored.distribute import random as replica_random
 from mirrored.distribute.random import ReplicaRandom
 
 
@@ -61,13 +62,15 @@ def _alternate(contestants: dict[str, Callable[[], None]], samples: int, calls: 
 
 @contextlib.contextmanager
 def _without_mode(strategy: mr.MirroredStrategy):
-    """The strategy's runs without the replicas' generator mode (null contexts in its place)."""
-    original = strategy._random_modes
-    strategy._random_modes = lambda *a: None  # (what a step of fit that draws nothing runs with)
+    """The strategy's runs without the replicas' generator mode (none in its place: what a step of fit
+    that draws nothing runs with)."""
+    del strategy  # (every strategy's: the step's randomness is decided by random.StepRandom)
+    original = replica_random.StepRandom.modes
+    replica_random.StepRandom.modes = lambda self, *args: None
     try:
         yield
     finally:
-        strategy._random_modes = original
+        replica_random.StepRandom.modes = original
 
 
 def _toggled(strategy: mr.MirroredStrategy, step: Callable[[], None], with_mode: bool) -> Callable[[], None]:

@@ -152,7 +152,7 @@ def pieces(strategy: mr.MirroredStrategy) -> dict[str, Callable[[], object]]:
         with strategy._guard(noop):
             pass
 
-    random_modes = strategy._random_modes(args, kwargs, _run_path._SHARED, 0)
+    random_modes = strategy._begin_random(noop, mr.RunOptions()).modes(0, len(devices), None)
     task = strategy._replica_task(noop, args, kwargs, _run_path._SHARED, step, journals, (), random_modes)
 
     def replica_wrapper() -> None:  # the task a replica thread runs around fn, with fn a no-op

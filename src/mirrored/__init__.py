@@ -21,7 +21,7 @@ from mirrored.distribute import (CollectiveAllReduce, CollectiveMismatchError, C
                                  InputOptions, Mirrored, MirroredModule, MirroredOptimizer, MirroredStrategy,
                                  MirroredVariable, NcclAllReduce,
                                  OneDeviceStrategy, OutOfSyncError, PerReplica, ReduceOp, ReductionToOneDevice,
-                                 ReplicaContext, Strategy, SyncOnReadVariable, ValueContext, Variable,
+                                 ReplicaContext, RunOptions, Strategy, SyncOnReadVariable, ValueContext, Variable,
                                  VariableAggregation, VariableSynchronization, get_replica_context, get_strategy,
                                  has_strategy, in_cross_replica_context)
 from mirrored._allocator import tune_allocator
@@ -85,7 +85,7 @@ __all__ = [
     "CollectiveAllReduce", "CommunicationOptions", "MultiWorkerMirroredStrategy", "CollectiveMismatchError", "CollectiveTimeoutError", "CrossDeviceOps", "DistributedValues",
     "HierarchicalCopyAllReduce", "InMemoryAllReduce", "InputContext", "InputOptions", "Mirrored",
     "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable", "NcclAllReduce", "OneDeviceStrategy", "OutOfSyncError", "PerReplica",
-    "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "Strategy", "SyncOnReadVariable", "ValueContext",
+    "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "RunOptions", "Strategy", "SyncOnReadVariable", "ValueContext",
     "Variable", "VariableAggregation", "VariableSynchronization", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "tune_allocator", *_NAMESPACES, *_LAZY_NAMES,
 ]

@@ -1,5 +1,6 @@
 """The distribution core: strategies, replica contexts, distributed values and variables,
 cross-device ops and distributed input. Knows nothing of `mirrored.training`."""
+from mirrored.distribute._run_path import RunOptions
 from mirrored.distribute.cluster_resolver import ClusterResolver
 from mirrored.distribute.context import (ReplicaContext, get_replica_context, get_strategy, has_strategy,
                                          in_cross_replica_context, register_scope_hook)
@@ -17,7 +18,7 @@ from mirrored.distribute.rollback import StepJournal, current_journal
 from mirrored.distribute.replicas import CollectiveMismatchError, CollectiveTimeoutError
 from mirrored.distribute.strategy import (MirroredStrategy, OneDeviceStrategy, OutOfSyncError, Strategy,
                                           ValueContext)
-from mirrored.distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp
+from mirrored.distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp, flatten, map_structure
 from mirrored.distribute.variables import (MirroredVariable, SyncOnReadVariable, Variable, VariableAggregation,
                                            VariableSynchronization)
 
@@ -27,8 +28,8 @@ __all__ = [
     "DistributedValues", "HierarchicalCopyAllReduce", "HookHandles", "InMemoryAllReduce", "InputContext",
     "InputOptions", "Mirrored", "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable",
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "Optional", "OutOfSyncError", "PerReplica", "ReduceOp",
-    "ReductionToOneDevice", "ReplicaContext", "StepJournal", "Strategy", "StrategyRandom", "SyncOnReadVariable", "ValueContext", "Variable",
-    "VariableAggregation", "VariableSynchronization", "WithoutReplicaRandom", "current_journal", "get_replica_context",
-    "get_strategy", "has_strategy", "in_cross_replica_context", "mirror_holding", "register_adapter_loader", "register_copier",
+    "ReductionToOneDevice", "ReplicaContext", "RunOptions", "StepJournal", "Strategy", "StrategyRandom", "SyncOnReadVariable", "ValueContext", "Variable",
+    "VariableAggregation", "VariableSynchronization", "WithoutReplicaRandom", "current_journal", "flatten", "get_replica_context",
+    "get_strategy", "has_strategy", "in_cross_replica_context", "map_structure", "mirror_holding", "register_adapter_loader", "register_copier",
     "register_scope_hook", "register_state_tensors",
 ]

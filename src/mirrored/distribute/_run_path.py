@@ -1,6 +1,8 @@
-"""strategy.run's path around the replica function: what each replica thread gets, and the checks.
+"""strategy.run's path around the replica function: its options, what each replica thread gets, and
+the checks.
 
-_argument_split() decides once per run how the caller's arguments reach the replicas (as they are,
+RunOptions is what run's `options` may say (tf.distribute.RunOptions, and whether the function may be
+run again). _argument_split() decides once per run how the caller's arguments reach the replicas (as they are,
 a PerReplica picked per replica, or a nest rebuilt per replica) and _replica_arguments() gives one
 replica its own; _caller_modes() and _entered() carry the caller's autograd and autocast modes
 into the replica threads, which do not inherit them; _run_result() turns the replicas' results
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import threading
 from collections.abc import Iterator
@@ -25,6 +28,33 @@ from mirrored.distribute.values import DistributedValues, flatten, regroup, sele
 
 if TYPE_CHECKING:
     from mirrored.distribute.strategy import Strategy
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How strategy.run may run its function (tf.distribute.RunOptions, which takes TF's fields; they
+    have no effect here).
+
+    Args:
+      rerunnable: the function notes in the step journal everything it changes before its update -
+        it changes state only through mirrored modules, optimizers, metrics and variables, with no
+        Python side effects before optimizer.step() - so a step can be rolled back and run again up
+        to its update. A rerunnable function whose first step drew no random numbers then runs
+        without the replica random mode, which costs a few percent per step on CPU replicas, and is
+        run again with it in the one step where it draws. fit, evaluate and predict pass it for
+        mr.Model's own steps; by default a function keeps the mode in every step.
+    """
+
+    rerunnable: bool = False
+    experimental_enable_dynamic_batch_size: bool = True
+    experimental_bucketizing_dynamic_shape: bool = False
+    experimental_xla_options: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rerunnable, bool):
+            raise TypeError(f"RunOptions(rerunnable={self.rerunnable!r}): give True or False.")
+
+
+_DEFAULT_OPTIONS = RunOptions()
 
 # How strategy.run hands its arguments to each replica (see _argument_split).
 _SHARED, _FLAT, _NESTED = 0, 1, 2

@@ -7,21 +7,23 @@ TorchFunctionMode pushed on the replica's thread around its function - gives the
 torch.Generator per device seeded by (seed, step, replica_id_in_sync_group): ops that take
 `generator=` (torch.rand, Tensor.uniform_, nn.init, ...) get it; ops that take none (the dropout
 family, rrelu, RNN and attention dropout) run with the default generator's state swapped for the
-replica's, under one lock. Neither thread order nor a
-restart (the state is (seed, steps), saved in checkpoints) changes what a replica draws.
+replica's, under one lock. Neither thread order nor a restart (the state is (seed, steps), saved in
+checkpoints) changes what a replica draws.
 
 With per_example_random=True, the dropout family and rrelu draw each example's mask from a counter
 hash of (seed, step, op, index of the example in the global batch), so a run draws the same masks
 on any number of replicas; any other random op in a step is refused by name. The mode routes every
 torch call of the replica's thread through Python, which slows a replica step by a few percent on a
-CPU (issue 27), so a step function whose first step drew nothing runs without it (`StrategyRandom.quiet`),
-watched by `DefaultGenerators`: torch's default generators are the only way to draw without a
-generator, so a step that drew anyway moved them, and the step is redone with the mode (the replicas'
-meetings check before any update is applied; see strategy.run). WithoutReplicaRandom lifts the mode
-for mirrored's own work in a step, which draws nothing. Uses torch and mirrored._seeds.
+CPU, so a rerunnable step function (strategy.run's RunOptions; fit's own steps) whose first step drew
+nothing runs without it, watched by `DefaultGenerators`: torch's default generators are the only way
+to draw without a generator, so a step that drew anyway moved them, and the step is redone with the
+mode. That policy is one object per run, `StepRandom`, which strategy.run asks whether the step runs
+with the mode and what to do after it. WithoutReplicaRandom lifts the mode for mirrored's own work in
+a step, which draws nothing. Uses torch and mirrored._seeds.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -33,6 +35,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from mirrored._seeds import derive_seed
+
+logger = logging.getLogger(__name__)
 
 _M32 = 0xFFFFFFFF
 # Borrowing a default generator swaps its state; the lock keeps two replicas from swapping it at once.
@@ -82,18 +86,19 @@ class DrewWithoutMode(Exception):
 
 
 class StrategyRandom:
-    """A strategy's randomness: its seed and the number of steps (strategy.run calls) it ran.
-    get_state()/set_state() put it in checkpoints, so a resumed run draws what the first would have."""
+    """A strategy's randomness: its seed, the number of steps (strategy.run calls) it ran, and its
+    policy for running a step without the replica random mode. get_state()/set_state() put the first
+    two in checkpoints, so a resumed run draws what the first would have; begin() decides each run's."""
 
     def __init__(self, seed: int | None, per_example: bool):
         self._seed = seed
         self.per_example = per_example
         self.steps = 0
         self.seed_given = seed is not None  # by the strategy's seed= or set_state(); else decided at first use
-        # Per object a watched step method is bound to (an mr.Model), the codes of its step methods whose
-        # first step drew nothing (they run without the mode) and of those seen drawing (always with it:
-        # a method does not go quiet again). Weak: a verdict goes with its model, and a new model at a
-        # dead one's address starts afresh.
+        # Per object a rerunnable step function is bound to (an mr.Model; the function itself otherwise),
+        # the codes of its functions whose first step drew nothing (they run without the mode) and of
+        # those seen drawing (always with it: a function does not go quiet again). Weak: a verdict goes
+        # with its model, and a new model at a dead one's address starts afresh.
         self._quiet: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
         self._drawing: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
 
@@ -124,8 +129,17 @@ class StrategyRandom:
         self.steps += 1
         return step
 
+    def begin(self, fn: Callable[..., Any], number: int, rerunnable: bool, devices: list[torch.device],
+              watchable: bool) -> StepRandom:
+        """The randomness of one strategy.run of `fn`, step `number`: with the mode, or - for a rerunnable
+        function (RunOptions) whose first step drew nothing, where a draw would show on torch's default
+        generators of this process (`watchable`) - without it, watched."""
+        key = step_key(fn) if rerunnable else None
+        quiet = watchable and self.quiet(key)
+        return StepRandom(self, key, number, quiet, devices)
+
     def quiet(self, key: StepKey | None) -> bool:
-        """Whether the step method of `key` (step_key) runs without the replica random mode: its first
+        """Whether the step function of `key` (step_key) runs without the replica random mode: its first
         step, run with the mode, drew nothing."""
         return key is not None and key[0] in self._quiet.get(key[1], ())
 
@@ -146,30 +160,109 @@ class StrategyRandom:
         return f"StrategyRandom(seed={self._seed}, steps={self.steps}, per_example={self.per_example})"
 
 
-_WATCHED_STEPS: set[Any] = set()  # code objects of watched_step methods
-StepKey = tuple[Any, Any]  # (code of a watched step method, the object it is bound to)
-
-
-def watched_step(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Marks a step method (fit's) that may run without the replica random mode once its first step
-    drew nothing: everything it changes before its update is in the step journal, and it calls
-    StepJournal.before_update() before it changes the weights, so a step caught drawing before then
-    can be rolled back and run again with the mode. A custom loop's function gives no such promise:
-    it keeps the mode."""
-    _WATCHED_STEPS.add(fn.__code__)
-    return fn
+StepKey = tuple[Any, Any]  # (code of a step function, the object it is bound to, or the function itself)
 
 
 def step_key(fn: Callable[..., Any]) -> StepKey | None:
-    """The key of a watched_step method bound to an object (fit makes a new bound method each step, so
-    the key is its code and the object); None for any other function, which keeps the mode. A wrapper
-    made with functools.wraps (a benchmark's timer) counts as what it wraps."""
-    func = getattr(fn, "__func__", None)
+    """The key of a step function's verdict: its code, and the object it is bound to (fit makes a new
+    bound method each step) or the function itself. A wrapper made with functools.wraps (a benchmark's
+    timer) counts as what it wraps. None for a callable without code (a C function, a partial)."""
+    func = getattr(fn, "__func__", fn)
     code = getattr(getattr(func, "__wrapped__", func), "__code__", None)
+    if code is None:
+        return None
     owner = getattr(fn, "__self__", None)
-    if code not in _WATCHED_STEPS or owner is None:
+    if owner is None:
+        owner = func
+    try:
+        weakref.ref(owner)
+    except TypeError:
         return None
     return code, owner
+
+
+class StepRandom:
+    """One strategy.run's randomness, as StrategyRandom.begin decided it.
+
+    With the mode (`quiet` False): modes() gives each replica its generators for the step. Quiet: the
+    function runs without them, and torch's default generators - where any draw without a generator
+    comes from - are watched: at every meeting of the replicas (meeting_check), or right before the
+    update on a lone replica (update_check), a draw before any update fails the step with
+    DrewWithoutMode; redo() then says to roll it back and run it again with the mode, same step
+    number. A draw after the update cannot be undone: the step stands, with a warning. Either way the
+    function runs with the mode from then on. finished() records, after a step run with the mode,
+    whether it drew."""
+
+    __slots__ = ("_state", "_key", "number", "quiet", "_watch", "_modes")
+
+    def __init__(self, state: StrategyRandom, key: StepKey | None, number: int, quiet: bool,
+                 devices: list[torch.device]):
+        self._state, self._key, self.number, self.quiet = state, key, number, quiet
+        self._watch = DefaultGenerators(devices) if quiet else None
+        self._modes: list[ReplicaRandom] | None = None
+
+    def modes(self, first_replica_id: int, count: int, parts: list[tuple[int, int]] | None
+              ) -> list[ReplicaRandom] | None:
+        """Each of `count` local replicas' randomness for this step (None when quiet); with
+        per_example_random, `parts` holds where each replica's part of the global batch starts and its
+        size (None: the step has no batch to key by)."""
+        if self.quiet:
+            return None
+        seed, per_example = self._state.seed, self._state.per_example
+        if not per_example:
+            modes = [ReplicaRandom(seed, self.number, first_replica_id + i) for i in range(count)]
+        elif parts is None:
+            modes = [ReplicaRandom(seed, self.number, first_replica_id + i, True) for i in range(count)]
+        else:
+            modes = [ReplicaRandom(seed, self.number, first_replica_id + i, True, start, size)
+                     for i, (start, size) in enumerate(parts)]
+        self._modes = modes
+        return modes
+
+    def meeting_check(self, updating: Callable[[], bool]) -> Callable[[], None] | None:
+        """For a quiet step on replica threads: what the last replica to reach a meeting calls, when every
+        replica's draws so far are in. `updating()` says whether some replica began its update."""
+        if not self.quiet:
+            return None
+        watch = self._watch
+
+        def check() -> None:
+            if watch.moved() and not updating():
+                raise DrewWithoutMode()
+        return check
+
+    def update_check(self) -> Callable[[], None] | None:
+        """For a quiet step of a lone replica (no meeting to check at): the journal's check right before
+        the update (StepJournal.check)."""
+        return self._watch.refuse_moved if self.quiet else None
+
+    def redo(self, caught: bool, failed: bool, updating: bool, can_roll_back: bool, fn: Any) -> bool:
+        """After an attempt: whether to roll it back and run it again with the mode. `caught`: a check
+        raised DrewWithoutMode; `failed`: the attempt failed otherwise; `updating`: an update began;
+        `can_roll_back`: every replica stopped, none failed by itself."""
+        if not self.quiet or (not caught and (failed or not self._watch.moved())):
+            return False
+        self._state._drew(self._key)
+        if caught or not updating:
+            self.quiet = not can_roll_back  # (a replica stuck, or a failure of its own: raised as it is)
+            return can_roll_back
+        _warn_late_draw(fn, self.number)
+        return False
+
+    def finished(self) -> None:
+        """The step succeeded: a step run with the mode tells whether its function draws."""
+        if self._modes is not None:
+            self._state._observed(self._key, self._modes)
+
+
+def _warn_late_draw(fn: Callable[..., Any], number: int) -> None:
+    logger.warning(
+        "step %d of %s ran without the replica random mode (its first step drew nothing), and torch's "
+        "default generator moved after the update was applied: a draw there (a step hook adding noise), "
+        "or another thread's (a map function calling torch.rand without a generator). Draws of the step "
+        "after its update came in thread order, so this one step may not be reproducible; it runs with "
+        "the mode from now on. Draw from the first step on, or give such draws a generator.",
+        number, getattr(fn, "__qualname__", None) or repr(fn))
 
 
 class DefaultGenerators:
@@ -301,7 +394,7 @@ class WithoutReplicaRandom:
     """`with WithoutReplicaRandom():` mirrored's own work in a replica step (its reductions, buffer sync
     and step journal, which draw nothing) runs without the replica's ReplicaRandom on top of torch's
     function-mode stack: the mode routes every torch call through Python (~1 us each, ~1,000 calls
-    per ResNet-20 step; issue 27). A mode the caller entered above it stays, and so does this one."""
+    per ResNet-20 step). A mode the caller entered above it stays, and so does this one."""
 
     __slots__ = ("_mode",)
 

@@ -24,20 +24,19 @@ from torch.nn.parameter import is_lazy
 
 from mirrored.distribute import buckets, context, devices, guards, replicas, rollback
 from mirrored.distribute import random as replica_random
-# (_is_mirrored_variable and _SHARED are not used here: multi_worker.py, tests and
-# benchmarks import them from this module, where they were defined before the split.)
-from mirrored.distribute._cross_replica import (_as_tensor, _bitwise_equal, _component, _is_mirrored_variable,
-                                                _local_copies, gather_leaf, reduce_leaves)
+from mirrored.distribute._cross_replica import (_as_tensor, _bitwise_equal, _component, _local_copies, gather_leaf,
+                                                reduce_leaves)
 from mirrored.distribute._replica_reduce import (_DIRECT_NUMEL, _VALUE_LAYOUTS_KEPT, _AllReduceFunction, _recent,
                                                  _replica_entry)
-from mirrored.distribute._run_path import (_SHARED, _argument_split, _caller_modes, _entered, _inline_runs,
-                                           _replica_arguments, _run_result, refuse_nested_run, step_error)
+from mirrored.distribute._run_path import (_DEFAULT_OPTIONS, RunOptions, _argument_split, _caller_modes,
+                                           _entered, _inline_runs, _replica_arguments, _run_result, refuse_nested_run,
+                                           step_error)
 from mirrored.distribute.context import ReplicaContext
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, as_reduce_op, default_for,
                                                 mean_of_sum, shape_mismatch, shapes_of)
-from mirrored.distribute.devices import Device, intra_op_threads, resolve_devices, torch_device
+from mirrored.distribute.devices import intra_op_threads, resolve_devices, torch_device
 from mirrored.distribute.reducer import Communicator
-from mirrored.distribute.values import (DistributedValues, Nested, ReduceOp, flatten, is_nested, map_structure,
+from mirrored.distribute.values import (Device, DistributedValues, Nested, ReduceOp, flatten, is_nested, map_structure,
                                         pack_sequence_as, regroup, select_replica)
 
 if TYPE_CHECKING:  # input.py is imported where it is used (as before); the names are for annotations
@@ -230,7 +229,8 @@ class Strategy:
         return context.enter_scope(self)
 
     # ---- running replicas -------------------------------------------------------------------------
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+            options: RunOptions | None = None) -> Any:
         """Runs fn once per replica, concurrently; returns PerReplica results (or the object itself where
         every replica returned the same object). PerReplica arguments are unwrapped per replica.
 
@@ -241,14 +241,14 @@ class Strategy:
           args: positional arguments. A PerReplica or Mirrored value, at any depth of lists, tuples and
             dicts, gives each replica its own component; anything else reaches every replica as it is.
           kwargs: keyword arguments, handed out the same way.
-          options: TF's tf.distribute.RunOptions; accepted and ignored.
+          options: a RunOptions (TF's tf.distribute.RunOptions; `rerunnable` is ours). Another object (TF's
+            own RunOptions in ported code) runs as the defaults do.
 
         Returns:
           The replicas' results, a PerReplica per tensor (a nest keeps its structure), or the one object
           every replica returned (None, say). If a replica raises, every replica puts back what the step
           changed (rollback.py) and the error is raised here, prefixed "replica 1 (cpu:1): ".
         """
-        del options
         if not callable(fn):
             raise TypeError(f"strategy.run(fn={fn!r}): fn must be callable.")
         frame = context._current()
@@ -258,35 +258,38 @@ class Strategy:
         kwargs = dict(kwargs) if kwargs else {}
         split = _argument_split(args, kwargs, len(self._devices))
         if self._pool is None:
-            return self._run_inline(fn, args, kwargs, split)
+            return self._run_inline(fn, args, kwargs, split, _options(options))
         modes = _caller_modes()
-        number = self._random_step()
-        key = replica_random.step_key(fn)
-        quiet = self._quiet(key)
+        randomness = self._begin_random(fn, _options(options))
         interrupted = None
         with self._guard(fn):  # refuses plain torch optimizers and modules that the threads would share
             while True:
                 step = replicas.Rendezvous(self._devices, self._timeout_s)
                 journals = [rollback.StepJournal() for _ in self._devices]
-                random_modes = None if quiet else self._random_modes(args, kwargs, split, number)
-                watch = self._watch_draws(step, journals) if quiet else None
+                step.check = randomness.meeting_check(lambda: any(j.updating for j in journals))
+                random_modes = randomness.modes(self.first_replica_id, len(self._devices),
+                                                self._example_parts(args, kwargs, split))
                 task = self._replica_task(fn, args, kwargs, split, step, journals, modes, random_modes)
                 outcome = self._pool.run(task, grace_s=self._timeout_s, abort=step.abort)
-                if watch is not None and self._drew_without_mode(fn, key, number, watch, step, outcome, journals):
-                    # Redo the step with the mode: what it drew in thread order is undone. A first Ctrl-C
-                    # that came meanwhile (finish the step, then stop) is raised once the redo finished.
-                    quiet, interrupted = False, outcome.interrupted
+                failed = [e for e in outcome.errors.values() if not isinstance(e, replicas._Released)]
+                if randomness.redo(caught=isinstance(step.error, replica_random.DrewWithoutMode),
+                                   failed=bool(outcome.errors) or step.error is not None,
+                                   updating=any(j.updating for j in journals),
+                                   can_roll_back=all(outcome.finished) and not failed, fn=fn):
+                    # What the attempt drew in thread order is undone, and it runs again with the mode. A
+                    # first Ctrl-C that came meanwhile (finish the step, then stop) is raised after the redo.
+                    self._roll_back(journals, outcome.finished)
+                    interrupted = outcome.interrupted
                     continue
                 break
         if interrupted is not None and outcome.interrupted is None:
             outcome = outcome._replace(interrupted=interrupted)
-        if random_modes is not None and not outcome.errors and step.error is None:
-            self._random._observed(key, random_modes)
         if outcome.errors or step.error is not None:
             self._roll_back(journals, outcome.finished)
             if outcome.interrupted is not None:
                 raise outcome.interrupted
             raise step_error(self, outcome.errors, step)
+        randomness.finished()
         if outcome.interrupted is not None:  # the step finished on every replica first: it stays applied
             raise outcome.interrupted
         try:
@@ -295,82 +298,34 @@ class Strategy:
             self._roll_back(journals, outcome.finished)
             raise
 
-    def _random_step(self) -> int:
-        """Counts the step about to run (random.py) and returns its number."""
+    def _begin_random(self, fn: Callable[..., Any], options: RunOptions) -> replica_random.StepRandom:
+        """The randomness of the step about to run (random.py): its number, and whether fn runs without
+        the replica random mode - only a rerunnable function on one worker, where a draw shows on this
+        process's default generators (cpu and cuda devices)."""
         state = self._random
         if not state.seed_given and self.num_workers > 1:
             # seed=None: the chief's seed on every worker, so that a restore from the chief's backup (which
-            # holds the chief's) goes on drawing what the uninterrupted run drew (issues 24 x 26).
+            # holds the chief's) goes on drawing what the uninterrupted run drew.
             mine = state.seed
             high, low = self.chief_ints([mine >> 32, mine & 0xFFFFFFFF], "the replicas' random seed (the chief's)")
             state.set_state({"seed": (high << 32) | low, "steps": state.steps})
-        return state.begin_step()
+        return state.begin(fn, state.begin_step(), options.rerunnable, self._torch_devices,
+                           watchable=self._watchable and self.num_workers == 1)
 
-    def _quiet(self, key: replica_random.StepKey | None) -> bool:
-        """Whether step function `key` runs without the replica random mode (random.py): it is one of
-        fit's (watched_step), its first step drew nothing, and a draw would show on torch's default
-        generators of this process alone (one worker; cpu and cuda devices), so that the replicas'
-        meetings can catch one before an update."""
-        return self._watchable and self._random.quiet(key) and self.num_workers == 1
-
-    def _watch_draws(self, step: replicas.Rendezvous, journals: list[rollback.StepJournal]
-                     ) -> replica_random.DefaultGenerators:
-        """Watches a step run without the mode: at each meeting of the replicas (every replica's draws
-        so far are in), a draw from a default generator before any update was applied fails the step
-        with DrewWithoutMode, which strategy.run rolls back and redoes with the mode."""
-        watch = replica_random.DefaultGenerators(self._torch_devices)
-
-        def check() -> None:
-            if watch.moved() and not any(j.updating for j in journals):
-                raise replica_random.DrewWithoutMode()
-        step.check = check
-        return watch
-
-    def _drew_without_mode(self, fn: Callable[..., Any], key: replica_random.StepKey, number: int,
-                           watch: replica_random.DefaultGenerators, step: replicas.Rendezvous,
-                           outcome: replicas.Outcome, journals: list[rollback.StepJournal]) -> bool:
-        """After a step run without the mode: whether it drew and is to be redone with it (rolled back
-        here). A draw after an update was applied cannot be undone: the step stands, with a warning."""
-        redo = isinstance(step.error, replica_random.DrewWithoutMode)
-        if not redo and (outcome.errors or step.error is not None or not watch.moved()):
-            return False
-        self._random._drew(key)
-        if redo or not any(j.updating for j in journals):
-            failed = [e for e in outcome.errors.values() if not isinstance(e, replicas._Released)]
-            if all(outcome.finished) and not failed:
-                self._roll_back(journals, outcome.finished)
-                return True
-            return False  # (a replica stuck, or a failure of its own: raised as it is; redone by nobody)
-        self._warn_late_draw(fn, number)
-        return False
-
-    @staticmethod
-    def _warn_late_draw(fn: Callable[..., Any], number: int) -> None:
-        logger.warning(
-            "step %d of %s ran without the replica random mode (its first step drew nothing), and torch's "
-            "default generator moved after the update was applied: a draw there (a step hook adding noise), "
-            "or another thread's (a map function calling torch.rand without a generator). Draws of the step "
-            "after its update came in thread order, so this one step may not be reproducible; it runs with "
-            "the mode from now on. Draw from the first step on, or give such draws a generator.",
-            number, getattr(fn, "__qualname__", None) or repr(fn))
-
-    def _random_modes(self, args: tuple, kwargs: dict, split: int, number: int) -> list[replica_random.ReplicaRandom]:
-        """Each local replica's randomness for step `number` (random.py); with per_example_random,
-        where each replica's part of the global batch starts."""
-        state = self._random
-        seed, first = state.seed, self.first_replica_id
-        n = len(self._devices)
-        if not state.per_example:
-            return [replica_random.ReplicaRandom(seed, number, first + i) for i in range(n)]
+    def _example_parts(self, args: tuple, kwargs: dict, split: int) -> list[tuple[int, int]] | None:
+        """With per_example_random: where each local replica's part of the global batch starts, and its
+        size (None where a replica has no batch tensor to key by)."""
+        if not self._random.per_example:
+            return None
         sizes = []
-        for i in range(n):
+        for i in range(len(self._devices)):
             leaves = flatten(_replica_arguments(i, args, kwargs, split))
             batch = next((x for x in leaves if isinstance(x, Tensor) and x.dim() > 0), None)
-            sizes.append(None if batch is None else int(batch.shape[0]))
-        if None in sizes:
-            return [replica_random.ReplicaRandom(seed, number, first + i, True) for i in range(n)]
-        starts = list(itertools.accumulate([0] + sizes[:-1]))
-        return [replica_random.ReplicaRandom(seed, number, first + i, True, starts[i], sizes[i]) for i in range(n)]
+            if batch is None:
+                return None
+            sizes.append(int(batch.shape[0]))
+        starts = itertools.accumulate([0] + sizes[:-1])
+        return list(zip(starts, sizes))
 
     def _replica_task(self, fn: Callable[..., Any], args: tuple, kwargs: dict, split: int, step: replicas.Rendezvous,
                       journals: list[rollback.StepJournal], modes: tuple[Any, ...],
@@ -382,7 +337,7 @@ class Strategy:
             ctx._step = step
             ctx._journal = journals[replica_id]
             # The frame goes on this thread's context stack directly: context.push, a generator-based
-            # context manager, costs ~3 us per replica per step, a tenth of a no-op run (issue 15).
+            # context manager, costs ~3 us per replica per step, a tenth of a no-op run.
             stack = context._stack()
             stack.append(context._Frame(self, ctx))
             try:
@@ -418,36 +373,33 @@ class Strategy:
             self._watched.add(code)
         return watch
 
-    def _run_inline(self, fn: Callable[..., Any], args: tuple, kwargs: dict, split: int) -> Any:
-        """One replica on the caller's thread (the default and one-device strategies, one device). A step
-        of fit's whose first step drew nothing runs without the random mode, watched as on replica
-        threads; with no meeting to check at, the check comes before the update (before_update)."""
+    def _run_inline(self, fn: Callable[..., Any], args: tuple, kwargs: dict, split: int,
+                    options: RunOptions) -> Any:
+        """One replica on the caller's thread (the default and one-device strategies, one device): the
+        same step as on replica threads, with its journal, its randomness and its redo; with no meeting
+        to check a quiet step at, the check comes right before the update (StepJournal.check)."""
         ctx = ReplicaContext(self, 0) if not self._is_default else self._default_replica_context
         _inline_runs.depth = getattr(_inline_runs, "depth", 0) + 1
         try:
             if self._is_default:
                 return self._inline_attempt(ctx, fn, args, kwargs, split, rollback.StepJournal(), None)
-            number, key = self._random_step(), replica_random.step_key(fn)
-            if self._quiet(key):
+            randomness = self._begin_random(fn, options)
+            while True:
                 journal = rollback.StepJournal()
-                watch = replica_random.DefaultGenerators(self._torch_devices)
-                journal.check = watch.refuse_moved
+                journal.check = randomness.update_check()
+                modes = randomness.modes(self.first_replica_id, 1, self._example_parts(args, kwargs, split))
+                caught = False
                 try:
-                    result = self._inline_attempt(ctx, fn, args, kwargs, split, journal, None)
-                except replica_random.DrewWithoutMode:
-                    self._random._drew(key)  # (rolled back: run again with the mode, below)
-                else:
-                    if not watch.moved():
-                        return result
-                    self._random._drew(key)
-                    if journal.updating:
-                        self._warn_late_draw(fn, number)
-                        return result
-                    journal.rollback()
-            mode = self._random_modes(args, kwargs, split, number)[0]
-            result = self._inline_attempt(ctx, fn, args, kwargs, split, rollback.StepJournal(), mode)
-            self._random._observed(key, [mode])
-            return result
+                    result = self._inline_attempt(ctx, fn, args, kwargs, split, journal, modes[0] if modes else None)
+                except replica_random.DrewWithoutMode:  # (rolled back already)
+                    caught = True
+                if randomness.redo(caught=caught, failed=False, updating=journal.updating, can_roll_back=True,
+                                   fn=fn):
+                    if not caught:
+                        journal.rollback()
+                    continue
+                randomness.finished()
+                return result
         finally:
             _inline_runs.depth -= 1
 
@@ -740,6 +692,11 @@ class Strategy:
         from mirrored.distribute.input import DistributedDatasetsFromFunction
 
         return DistributedDatasetsFromFunction(self, dataset_fn, options)
+
+
+def _options(options: Any) -> RunOptions:
+    """strategy.run's options as ours: TF's own RunOptions (or None) run as the defaults."""
+    return options if isinstance(options, RunOptions) else _DEFAULT_OPTIONS
 
 
 class MirroredStrategy(Strategy):
