@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import mirrored as mr
 import mirrored.distribute as md
 from _replicas import TIMEOUT_S, replica_id, strategy_of  # tests/_replicas.py
 
@@ -476,7 +477,8 @@ def test_module_changes_outside_run_reach_every_copy():
     s.run(step)
     assert all(torch.equal(m[0].weight, b) for m, b in zip(mnet.replicas, before))  # frozen everywhere
     s.check_in_sync([mnet, opt])
-    assert s.run(lambda: mnet[0] is mnet.replicas[replica_id()][0]) is True  # in run: the replica's own
+    # In run, a submodule is mirrored as well (a call of it is journaled), and it is the replica's own.
+    assert s.run(lambda: mnet[0].module is mnet.replicas[replica_id()][0]) is True
 
 
 def test_optimizer_hyperparameters_set_outside_run_reach_every_replica():
@@ -752,3 +754,36 @@ def test_buffers_replaced_between_steps_are_the_ones_synced():
         assert torch.equal(copy_.stat, torch.full((2, 2), 3.0))  # (2 + 4) / 2
         assert torch.equal(copy_.extra, torch.tensor(6.0))  # (4 + 8) / 2
     s.check_in_sync(mnet)
+
+
+def test_a_step_that_calls_only_submodules_is_rolled_back_and_weighed_by_its_examples():
+    """Issue 37: inside strategy.run, mnet.encoder was the replica's raw submodule, so a step that called
+    only submodules (a GAN's generator and discriminator) was neither noted in the step journal nor
+    counted in its examples: its gradient_reduction="mean" weighed uneven parts alike, and a failed step
+    left its gradients. A submodule is mirrored in run too. Reference: plain torch on the whole batch."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    ref = copy.deepcopy(net)
+    x, y = torch.randn(5, 3), torch.randn(5, 2)  # parts 2/2/1 on 3 replicas
+    F.mse_loss(ref[2](ref[1](ref[0](x))), y).backward()
+    s = strategy_of(3)
+    with s.scope():
+        mnet = s.mirror(net)
+        opt = s.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.1)
+    batch = next(iter(s.experimental_distribute_dataset(mr.data.Dataset.from_tensors((x, y)))))
+
+    def step(xb, yb, fail=False):
+        h = mnet[0](xb)
+        F.mse_loss(mnet[2](mnet[1](h)), yb).backward()
+        if fail and replica_id() == 2:
+            raise RuntimeError("boom")
+        opt.step()
+
+    with pytest.raises(RuntimeError, match="boom"):
+        s.run(step, args=(*batch, True))
+    assert all(p.grad is None for m in mnet.replicas for p in m.parameters())  # rolled back
+    s.run(step, args=batch)
+    for copy_ in mnet.replicas:
+        for got, want in zip(copy_.parameters(), ref.parameters()):
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-7)
+    s.check_in_sync([mnet, opt])

@@ -1,6 +1,7 @@
 """Mirrored torch modules: `strategy.mirror(net)`, one copy of an nn.Module per replica.
 
-Inside strategy.run a call, an attribute and every method use the calling replica's copy. Outside
+Inside strategy.run a call, an attribute and every method use the calling replica's copy; a submodule
+(mnet.encoder, mnet[0]) is mirrored too, so that calling it is noted as calling the module. Outside
 it (cross-replica context) each public nn.Module method is one of three kinds, listed in
 MirroredModule.EVERY_COPY, READS and REFUSED: it reaches every copy (train, to(dtype), apply,
 load_state_dict, register_forward_hook, ...), reads replica 0's copy, which equals the others
@@ -355,10 +356,12 @@ class MirroredModule:
             raise AttributeError(name)  # (during construction, and protocols that must not reach a copy)
         rid = self._replica()
         value = getattr(self.replicas[rid or 0], name)
+        if isinstance(value, nn.Module):
+            # A submodule is mirrored too, inside strategy.run as outside: a call of it is the replica's
+            # copy's, noted in the step's journal and counted in its examples as the module's own calls.
+            return self._view([getattr(m, name) for m in self.replicas])
         if rid is not None:
             return value
-        if isinstance(value, nn.Module):
-            return self._view([getattr(m, name) for m in self.replicas])
         if inspect.ismethod(value) and value.__self__ is self.replicas[0]:
             return _refused_method(self, name)
         return value
@@ -372,9 +375,6 @@ class MirroredModule:
                              "(for m in mnet.values: ...) so the replicas stay identical.")
 
     def __getitem__(self, index: Any) -> Any:
-        rid = self._replica()
-        if rid is not None:
-            return self.replicas[rid][index]
         return self._view([m[index] for m in self.replicas])
 
     def __len__(self) -> int:
@@ -387,9 +387,6 @@ class MirroredModule:
         return key in self.module
 
     def __iter__(self) -> Iterator[Any]:
-        rid = self._replica()
-        if rid is not None:
-            return iter(self.replicas[rid])
         return (self._view(list(parts)) for parts in zip(*self.replicas))
 
     def __deepcopy__(self, memo: dict) -> MirroredModule:
