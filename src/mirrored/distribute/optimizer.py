@@ -175,8 +175,15 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return [p for g in self.replicas[rid].param_groups for p in g["params"]]
 
     # ---- one step, in replica context ------------------------------------------------------------
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Replica context: all-reduce this replica's gradients, then apply them with its optimizer."""
+    def step(self, closure: Callable[[], Any] | None = None, *, grad_scaler: Any = None) -> Any:
+        """Replica context: all-reduce this replica's gradients, then apply them with its optimizer.
+
+        Args:
+          closure: not supported (run the forward and backward in the replica function).
+          grad_scaler: the replica's torch.amp.GradScaler, for fp16 loss scaling: the gradients are
+            all-reduced first, then the scaler unscales them and skips the update where they hold an inf
+            or NaN - on every replica alike, since they are the same. Call grad_scaler.update() after.
+        """
         if closure is not None:
             raise ValueError("MirroredOptimizer.step(closure) is not supported: run the forward/backward in "
                              "the replica function, then call step().")
@@ -198,7 +205,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
             else:
                 self.reduce_gradients()  # (through the public method, which mr.profiler times)
             examples = None if ctx is None else self._examples[ctx.local_replica_id]
-        result = self.optimizer.step()
+            journal = journal_of(ctx)
+            if journal is not None:
+                journal.before_update()  # the weights change now: a step cannot be run again from here
+        result = self.optimizer.step() if grad_scaler is None else grad_scaler.step(self.optimizer)
         self.finish_step(weight=examples, commit=update)
         return result
 
@@ -217,7 +227,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
             return  # already reduced when backward ended ("mean")
         examples = self._take_examples(ctx)
         if ctx is not None:
-            self._examples[ctx.local_replica_id] = examples  # for step()'s buffer average
+            # For step()'s buffer average. A copy not called in the step (an empty part of a short batch)
+            # changed no buffer: it weighs as its gradients were said to (set_gradient_weight(0)).
+            declared = self._sync[ctx.local_replica_id].weight
+            if examples is None and declared is not None and isinstance(declared[0], (int, float)):
+                examples = declared[0]
+            self._examples[ctx.local_replica_id] = examples
         self._reduce(ctx, examples)
         if ctx is not None:
             state = self._sync_state(ctx.local_replica_id, journal_of(ctx))
@@ -434,7 +449,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     def _buffer_groups(self, rid: int) -> list[_BufferGroup]:
         """Replica `rid`'s state tensors (modules.state_tensors) packed by kind and device for the sync,
-        worked out again only when they are not the same tensors as last step. Issue 27: the walk and
+        worked out again only when they are not the same tensors as last step. The walk and
         the ~4 torch calls per buffer it saves were a third of the step's own work."""
         tensors = state_tensors(self._module.replicas[rid])
         key = tuple((id(t), how) for t, how in tensors)

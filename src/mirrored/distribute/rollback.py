@@ -72,10 +72,11 @@ def _parameters_and_buffers(module: nn.Module) -> tuple[list[Tensor], list[Tenso
 class StepJournal:
     """What one replica's step changed first, to put back if the step fails."""
 
-    __slots__ = ("_modules", "_tensors", "_grads_only", "_others", "updating", "check")
+    __slots__ = ("_modules", "_tensors", "_grads_only", "_others", "updating", "updates", "check")
 
     def __init__(self) -> None:
         self.updating = False  # whether this step began to apply an update (before_update)
+        self.updates = 0  # how many updates it began (several in a group of steps: steps_per_execution)
         # Called by before_update first: raising there fails the step before the weights change (the
         # watch over a step on the caller's thread without the replica random mode, strategy.py).
         self.check: Callable[[], None] | None = None
@@ -110,6 +111,7 @@ class StepJournal:
         if self.check is not None and not self.updating:
             self.check()
         self.updating = True
+        self.updates += 1
 
     def commit(self) -> None:
         """The step's update is applied (on every replica): buffers, metrics and variables changed so
