@@ -152,12 +152,13 @@ def threads(batches: list, n: int) -> dict[str, tuple[float, float]]:
 
 def _instrument(timers: Timers) -> None:
     M, MO = model_lib.Model, mirrored_optimizer.MirroredOptimizer
-    timers.wrap_step(M, "_train_replica")
-    timers.wrap(M, "_step_loss", "forward + loss")
-    timers.wrap(M, "_forward", "  module forward (Model._forward)")
+    timers.wrap_step(M, "train_step")
+    timers.wrap(M, "_forward", "module forward (Model._forward)")
+    timers.wrap(M, "compute_loss", "loss (Model.compute_loss)")
     timers.wrap(losses.Loss, "per_example", "  per-example loss (checked)")
     timers.wrap(torch.Tensor, "backward", "backward")
-    timers.wrap(M, "_track", "loss and metric bookkeeping (_track)")
+    timers.wrap(M, "_track_loss", "loss tracker (Model._track_loss)")
+    timers.wrap(M, "compute_metrics", "metrics (Model.compute_metrics)")
     timers.wrap(MO, "reduce_gradients", "gradient all-reduce (reduce_gradients)")
     timers.wrap(torch.optim.SGD, "step", "optimizer step (torch SGD)")
     timers.wrap(torch.optim.Optimizer, "zero_grad", "zero_grad")

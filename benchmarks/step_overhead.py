@@ -13,7 +13,7 @@ holds the GIL:
   split     cutting it into per-replica parts and placing them (DistributedIterator's splitter)
   hand-off  strategy.run on the main thread: waking the replica threads and collecting them
   all-reduce  the gradient and BatchNorm-buffer all-reduces, CPU only (waiting is not CPU)
-  metrics   the loss tracker and metric updates of a replica step (Model._track)
+  metrics   the loss tracker and metric updates of a replica step (Model._track_loss, compute_metrics)
   checks    the copy watch (replicas' requires_grad / mode / write counts) and the step journal
             (rollback of a failed step)
   compute   the rest of the process's CPU time: forward, backward, optimizer, torch's own work
@@ -48,10 +48,11 @@ _WRAPPED = (  # (class, method, phase)
     (input_lib.DistributedIterator, "_fetch", "input"),
     (input_lib._Splitter, "split", "split"),
     (mr.MirroredStrategy, "run", "hand-off"),
-    (model_lib.Model, "_train_replica", "replica step"),  # (one replica runs it on the caller's thread)
+    (model_lib.Model, "train_step", "replica step"),  # (one replica runs it on the caller's thread)
     (optimizer_lib.MirroredOptimizer, "reduce_gradients", "all-reduce"),
     (optimizer_lib.MirroredOptimizer, "sync_buffers", "all-reduce"),
-    (model_lib.Model, "_track", "metrics"),
+    (model_lib.Model, "_track_loss", "metrics"),
+    (model_lib.Model, "compute_metrics", "metrics"),
     (_copy_watch.CopyWatch, "signature", "checks"),
     (_copy_watch.CopyWatch, "settle", "checks"),
     (rollback.StepJournal, "before_forward", "checks"),

@@ -577,7 +577,7 @@ def test_the_loss_scale_is_saved_and_restored(tmp_path):
     assert [s.get_scale() for s in model._scalers] == [65536.0 * 8] * 2
     model.save(tmp_path / "model.safetensors")
     _, meta = mr.training.checkpoint.load_checkpoint(tmp_path / "model.safetensors")
-    assert meta["loss_scale"]["scale"] == 65536.0 * 8
+    assert meta["objects"]["model.loss_scale"]["state"]["scale"] == 65536.0 * 8
     mr.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
     other = _model(torch.nn.Linear(5, 3))
     other._scalers = [torch.amp.GradScaler("cpu", growth_interval=2) for _ in other.replicas]

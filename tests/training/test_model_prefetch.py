@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from _plain_replicas import batchnorm_data, replicas_by_hand  # tests/training/_plain_replicas.py
 
 import mirrored as mr
-from mirrored.training import model as model_lib
+from mirrored.training import data_adapter
 from _replicas import strategy_of  # tests/_replicas.py
 
 N_EXAMPLES, GLOBAL_BATCH, EPOCHS = 20, 8, 2  # batches 8, 8, 4
@@ -67,11 +67,11 @@ def test_fit_on_two_replicas_is_bitwise_the_same_with_and_without_its_prefetch()
 def test_fit_prefetches_a_pipeline_without_prefetch_only():
     x, y = _data()
     plain = mr.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
-    assert model_lib._prefetched(plain).get_state()["pipeline"][:2] == ["prefetch", "batch"]
+    assert data_adapter.prefetched(plain).get_state()["pipeline"][:2] == ["prefetch", "batch"]
     ahead = plain.prefetch(mr.data.AUTOTUNE)
-    assert model_lib._prefetched(ahead) is ahead
+    assert data_adapter.prefetched(ahead) is ahead
     batches = list(plain)
-    assert model_lib._prefetched(batches) is batches
+    assert data_adapter.prefetched(batches) is batches
 
 
 # ---- the cheaper step (buffer sync, journal, reductions outside the replica's random mode, foreach SGD) ----

@@ -33,10 +33,12 @@ class TorchAdapter:
         del replicas
         if keras_adapter.is_keras(identifier, "optimizer"):
             name = identifier.__name__ if isinstance(identifier, type) else type(identifier).__name__
-            ours = f"mr.optimizers.{name} (the same options)" if name in optimizers.__all__ else \
-                f"one of mr.optimizers ({', '.join(_optimizer_classes())}) or a torch.optim class"
+            ours = getattr(optimizers, name, None)
+            fix = (f"Use mr.optimizers.{name} (the same options) for a torch module." if isinstance(ours, type)
+                   and issubclass(ours, optimizers.Optimizer) else
+                   f"mr.optimizers has no {name}: " + optimizers._NOT_HERE.get(name.lower(), "use mr.optimizers.AdamW."))
             raise TypeError(f"compile(optimizer={name}(...)) on a torch module: a Keras optimizer updates a Keras "
-                            f"model's variables. Use {ours} for a torch module.")
+                            f"model's variables. {fix}")
         return optimizers.get(identifier)
 
     def loss(self, identifier: Any) -> losses.Loss:
@@ -73,10 +75,6 @@ class TorchAdapter:
 
     def save_archive(self, module: nn.Module, path: str | Path) -> None:
         self.check_archive(module, path, f"Model.save({str(path)!r})")
-
-
-def _optimizer_classes() -> list[str]:
-    return sorted(n for n in optimizers.__all__ if n[:1].isupper() and n != "Optimizer")
 
 
 def adapter_for(module: Any) -> TorchAdapter | keras_adapter.KerasAdapter:

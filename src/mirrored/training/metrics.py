@@ -23,13 +23,15 @@ Uses torch, the public names of mirrored.distribute (Variable and its enums) and
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from mirrored.distribute import Variable, VariableAggregation, VariableSynchronization
+from mirrored.distribute import (Variable, VariableAggregation, VariableSynchronization, WithoutReplicaRandom,
+                                 get_replica_context, has_strategy)
 from mirrored.training import _config
 from mirrored.training.losses import _broadcast_sample_weight
 
@@ -98,7 +100,23 @@ _RESULT_DTYPE = torch.float32
 
 
 class Metric:
-    """Base class: state Variables made by `add_state`; subclasses implement update_state and result."""
+    """Base class: state Variables made by `add_state`; subclasses implement update_state and result.
+
+    Inside a replica step of several replicas, result() is the metric over every replica (all of
+    them read it at once, as tf.keras's result() does through merge_call), so a train_step that
+    returns {m.name: m.result()} reports the global value; elsewhere it reads the replicas' summed
+    state. The updates of mirrored's own metrics skip the replica random mode: they draw nothing."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "result" in cls.__dict__:
+            cls.result = _read_across_replicas(cls.__dict__["result"])
+        if "update_state" in cls.__dict__ and cls.__module__.startswith("mirrored."):
+            cls.update_state = _without_random_mode(cls.__dict__["update_state"])
+
+    def _draws_nothing(self) -> bool:
+        """Whether update_state runs only mirrored's own arithmetic (no function of the user's)."""
+        return True
 
     def __init__(self, name: str):
         if not isinstance(name, str) or not name:
@@ -157,6 +175,26 @@ class Metric:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _read_across_replicas(result: Callable[[Metric], Tensor]) -> Callable[[Metric], Tensor]:
+    @functools.wraps(result)
+    def read(self: Metric) -> Tensor:
+        ctx = get_replica_context() if has_strategy() else None
+        if ctx is None or ctx.num_replicas_in_sync < 2:
+            return result(self)
+        return ctx.merge_call(lambda strategy: result(self))
+    return read
+
+
+def _without_random_mode(update_state: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(update_state)
+    def update(self: Metric, *args: Any, **kwargs: Any) -> None:
+        if not self._draws_nothing():
+            return update_state(self, *args, **kwargs)
+        with WithoutReplicaRandom():  # (~40 torch calls that the replica's random mode would route through Python)
+            return update_state(self, *args, **kwargs)
+    return update
 
 
 def _divide_no_nan(num: Tensor, den: Tensor) -> Tensor:
@@ -244,6 +282,10 @@ class MeanMetricWrapper(Mean):
         super().__init__(name or getattr(fn, "__name__", type(fn).__name__))
         self._fn = fn
         self._fn_kwargs = kwargs
+
+    def _draws_nothing(self) -> bool:
+        """A function of the user's may draw random numbers: it runs in the replica's random mode."""
+        return getattr(self._fn, "__module__", "").startswith("mirrored.")
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         """Adds fn(y_true, y_pred, **kwargs), one value per example, to the mean, weighted by

@@ -1,23 +1,26 @@
-"""`mr.Model`: a Keras-style compile / fit / evaluate / predict / save around any torch.nn.Module.
+"""`mr.Model`: Keras's compile / fit / evaluate / predict / save around any torch.nn.Module.
 
-Created in a strategy's scope, the module is mirrored on every replica and each training step runs
-on all of them (`strategy.run`). Loss scaling is exact: per-example losses are summed and divided by
-the number of examples in the GLOBAL step (the real count, so an uneven last batch weighs right),
-which makes N replicas give one device's update. Keras on TF instead averages per-replica means in
-that last batch; we do not, on purpose. Metrics keep sync-on-read state: each replica accumulates,
-a read sums across replicas. fit's epochs and its place in the data are an EpochIterator
-(epochs.py), which BackupAndRestore saves and restores. Uses the public surface of
-`mirrored.distribute` and `mirrored.data`.
+Created in a strategy's scope, the module is mirrored on every replica. The step is a seam, as in
+Keras 3: fit, evaluate and predict run `train_step(data)`, `test_step(data)` and `predict_step(data)`
+on every replica, inside strategy.run, each on its part of a global batch; a subclass overrides
+them, and the optimizer's step() inside all-reduces. The default train_step is plain code: forward,
+compute_loss, backward, optimizer.step(). compute_loss gives this replica's loss of its part, as
+Keras computes one device's, and the optimizer averages the replicas' gradients weighted by what
+each loss averaged (its examples; the labels ignore_class kept), so N replicas give one device's
+update on the global batch, an uneven last batch included (Keras on TF averages per-replica means
+there; we do not, on purpose). Metrics keep sync-on-read state: each replica accumulates, a read
+sums across replicas. What differs by the module's kind (a Keras 3 model) is its adapter
+(adapters.py); fit's epochs and place in the data are an EpochIterator (epochs.py), which
+BackupAndRestore saves and restores; the data's conversions are data_adapter.py's. Uses the public
+surface of `mirrored.distribute` and `mirrored.data`.
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import math
-import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,120 +29,13 @@ import torch
 from torch import Tensor, nn
 
 import mirrored.distribute as md
-from mirrored.training import callbacks as callbacks_lib
-from mirrored.training import checkpoint, checkpoint_checks, epochs as epochs_lib, losses, metrics as metrics_lib, optimizers
-from mirrored.training import adapters, jit
+from mirrored.training import adapters, jit, losses, optimizers, saving
+from mirrored.training import callbacks as callbacks_lib, data_adapter, epochs as epochs_lib, metrics as metrics_lib
 from mirrored.training._trackables import LossScale
-from mirrored.distribute.random import watched_step
+from mirrored.training.data_adapter import unpack_x_y_sample_weight
 from mirrored.training.layers import has_sync_batchnorm
 
 logger = logging.getLogger(__name__)
-
-_FORMAT = "mirrored.Model/1"
-INFINITE = -1  # mr.data's INFINITE_CARDINALITY
-
-
-def _device_of(module: nn.Module) -> str:
-    for t in list(module.parameters()) + list(module.buffers()):
-        return str(t.device) if t.device.type != "cpu" else "cpu:0"
-    return "cpu:0"
-
-
-def _unpack(batch: Any) -> tuple[Any, Any, Any]:
-    """(x, y, sample_weight) from a dataset element, as Keras' unpack_x_y_sample_weight."""
-    if isinstance(batch, (tuple, list)):
-        if len(batch) == 1:
-            return batch[0], None, None
-        if len(batch) == 2:
-            return batch[0], batch[1], None
-        if len(batch) == 3:
-            return batch[0], batch[1], batch[2]
-        raise ValueError(f"a dataset element has {len(batch)} parts; expected (x,), (x, y) or (x, y, sample_weight).")
-    if isinstance(batch, dict) and "image" in batch and "label" in batch:
-        return batch["image"], batch["label"], None
-    return batch, None, None
-
-
-def _as_array(value: Any, where: str, arg: str) -> Any:
-    """Array data as the user gives it: a numpy array or tensor as is; a (nested) list or tuple of
-    numbers becomes a numpy array (anything else is a dataset, or None)."""
-    if not isinstance(value, (list, tuple)) or not _numbers(value):
-        return value
-    try:
-        return np.asarray(value)
-    except ValueError as e:  # a ragged list
-        raise ValueError(f"Model.{where}: {arg} is a list of numbers but not a rectangular array ({e}). Give "
-                         "one row per example, all of the same shape.") from None
-
-
-def _numbers(value: Any) -> bool:
-    """Whether a list or tuple holds numbers (down its first elements), not batches or arrays."""
-    while isinstance(value, (list, tuple)) and value:
-        value = value[0]
-    return isinstance(value, (bool, int, float, np.number))
-
-
-def _as_input(value: Any, device: torch.device) -> Any:
-    """One input of model(x): an array as a tensor on the module's device."""
-    if isinstance(value, np.ndarray):
-        return torch.as_tensor(value, device=device)
-    return value.to(device) if isinstance(value, Tensor) else value
-
-
-def _module_dtype(net: Any) -> torch.dtype | None:
-    """The dtype of the module's floating-point parameters (its buffers' without any)."""
-    for t in itertools.chain(net.parameters(), net.buffers()):
-        if t.is_floating_point():
-            return t.dtype
-    return None
-
-
-def _cast_inputs(x: Any, dtype: torch.dtype | None) -> Any:
-    """Floating-point inputs in the module's dtype, as Keras casts inputs to floatx: float64 numpy data
-    meets a float32 module, and a float64 module keeps float64. Nothing else changes: integer inputs
-    (token ids, uint8 images) stay, and the layout is the module's business (it is never guessed)."""
-    if dtype is None:
-        return x
-    return md.values.map_structure(
-        lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype else t, x)
-
-
-def _as_labels(y: Any) -> Any:
-    """Integer labels as int64, which torch's losses and metrics take (numpy's int32 labels too)."""
-    if isinstance(y, Tensor) and not (y.is_floating_point() or y.is_complex()) and y.dtype not in (torch.int64,
-                                                                                                    torch.bool):
-        return y.long()
-    return y
-
-
-def _weights_like(sw: Any, per_example: Tensor) -> Any:
-    """Sample weights shaped like the per-example losses: (B, 1) is squeezed to (B,), as Keras does."""
-    if sw is None:
-        return None
-    while isinstance(sw, Tensor) and sw.dim() > per_example.dim() and sw.shape[-1] == 1:
-        sw = sw.squeeze(-1)
-    if isinstance(sw, Tensor) and sw.dim() > per_example.dim():
-        raise ValueError(f"sample_weight of shape {tuple(sw.shape)} does not fit per-example losses of shape "
-                         f"{tuple(per_example.shape)}: give one weight per example, shape (batch,) or (batch, 1).")
-    if isinstance(sw, Tensor) and 0 < sw.dim() < per_example.dim():  # one weight per example, for all its values
-        sw = sw.reshape(*sw.shape, *[1] * (per_example.dim() - sw.dim()))
-    return sw
-
-
-def _check_validation_freq(freq: Any) -> None:
-    """Keras's validation_freq: validate every `freq` epochs (an int >= 1), or after the epochs
-    listed (1-based, e.g. [1, 5, 10]). Checked before training, not after the first epoch."""
-    if isinstance(freq, bool) or not (
-            (isinstance(freq, int) and freq >= 1)
-            or (isinstance(freq, (list, tuple, set, range)) and freq
-                and all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in freq))):
-        raise ValueError(f"fit(validation_freq={freq!r}): give an int >= 1 (validate every that many epochs) or "
-                         "a list of 1-based epoch numbers, e.g. [1, 5, 10].")
-
-
-def _should_validate(epoch: int, freq: int | Iterable[int]) -> bool:
-    return (epoch + 1) % freq == 0 if isinstance(freq, int) else epoch + 1 in freq
-
 
 class Model:
     """Wraps a torch.nn.Module (which returns logits) with Keras's training API, under a strategy.
@@ -148,7 +44,8 @@ class Model:
     numpy arrays, lists of numbers and tensors are taken as given; only floating-point inputs change,
     to the module's dtype (as Keras casts to floatx), and integer labels become int64. A layout is
     never guessed from a shape: the module declares it (mr.models' data_format), or the pipeline
-    makes it."""
+    makes it. The module's attributes are the Model's (model.generator for a module holding one):
+    inside a step, its submodules are the replica's own copies."""
 
     def __init__(self, module: nn.Module, name: str | None = None):
         # What differs by the module's kind (a Keras 3 model follows Keras's conventions), decided once.
@@ -157,7 +54,8 @@ class Model:
             raise TypeError(f"mr.Model({type(module).__name__}): expected a torch.nn.Module.")
         strategy = md.get_strategy()
         if not md.has_strategy():  # outside any scope: one replica where the module already lives
-            strategy = md.OneDeviceStrategy(_device_of(module))
+            device = data_adapter.device_of(module)
+            strategy = md.OneDeviceStrategy(str(device) if device.type != "cpu" else "cpu:0")
         if md.get_replica_context() is not None and md.has_strategy():
             raise RuntimeError("mr.Model(...) was created inside strategy.run; create it in `with strategy.scope():`.")
         self.name = name or type(module).__name__
@@ -170,6 +68,8 @@ class Model:
         self._loss: losses.Loss | None = None
         self._metrics: list[Any] = []
         self._loss_tracker: Any = None
+        self._logs_view: _Logs | None = None  # what the default steps return: the metrics, read when asked
+        self._loss_records: dict[int, Any] = {}  # per local replica: its last compute_loss's part of the reported loss
         self._compiled = False
         self.stop_training = False
         self.history: Any = None
@@ -220,26 +120,45 @@ class Model:
         """The loss tracker (once compiled) and the compiled metrics, as Keras's `model.metrics`."""
         return ([self._loss_tracker] if self._loss_tracker is not None else []) + list(self._metrics)
 
-    def __call__(self, x: Any, *args: Any, training: bool = False, **kwargs: Any) -> Any:
+    def __getattr__(self, name: str) -> Any:
+        # The module's attributes, as a Keras model's layers are its attributes: through the mirror, so
+        # that a submodule called in a step is the replica's own copy (and its step journal notes it).
+        if name.startswith("_") or "_net" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            return getattr(self.__dict__["_net"], name)
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}, and its module "
+                                 f"{type(self.module).__name__} has none either") from None
+
+    def __call__(self, x: Any, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
         """The module on `x`, fed as fit, evaluate and predict feed it: arrays and lists become tensors on
-        its device, floating-point inputs take its dtype, nothing else changes. training=False (Keras's
-        default) runs in inference mode, so model(x) equals predict(x); inside strategy.run it is the
-        replica's own copy, in the mode the module is in."""
+        its device, floating-point inputs take its dtype, nothing else changes. Outside strategy.run it
+        runs in inference mode unless training=True, so model(x) equals predict(x); inside it, it is the
+        replica's own copy, in the mode `training` says (train_step passes True), or the module's
+        mode where None."""
         net = self._net
-        own = net.module
-        device = next(itertools.chain(own.parameters(), own.buffers()), torch.empty(0)).device
-        x = _as_input(_as_array(x, "__call__", "x"), device)
-        x = md.values.map_structure(lambda v: _as_input(v, device), x)  # a dict or tuple of inputs, each
+        own = net.module  # (the calling replica's copy inside strategy.run)
+        device = data_adapter.device_of(own)
+        if not isinstance(x, Tensor) or x.device != device:
+            x = data_adapter.as_input(data_adapter.as_array(x, "__call__", "x"), device)
+            x = md.map_structure(lambda v: data_adapter.as_input(v, device), x)  # a dict or tuple of inputs
         ctx = md.get_replica_context()
-        if ctx is not None and ctx.strategy is self.distribute_strategy:
+        in_step = ctx is not None and ctx.strategy is self.distribute_strategy
+        if training is None:
+            training = own.training if in_step else False
+        copies = [own] if in_step else net.values
+        if all(m.training == training for m in copies):
             return self._forward(net, x, *args, training=training, **kwargs)
-        modes = [m.training for m in net.values]
-        net.train(training)
+        modes = [{m: m.training for m in copy_.modules()} for copy_ in copies]
+        for copy_ in copies:
+            copy_.train(training)
         try:
             return self._forward(net, x, *args, training=training, **kwargs)
         finally:
-            for m, mode in zip(net.values, modes):
-                m.train(mode)
+            for saved in modes:
+                for m, mode in saved.items():
+                    m.training = mode
 
     def summary(self, print_fn: Any = print) -> None:
         """Prints the top-level layers with their parameter counts, and the totals (a Keras model's
@@ -254,11 +173,13 @@ class Model:
         """Chooses the optimizer, loss and metrics. Strings mean Keras names; losses take logits.
 
         Args:
-          optimizer: a name ("sgd", "adam", "adamw", "rmsprop"), an mr.optimizers.Optimizer, its
-            serialize() config, or a torch.optim class or instance (its class and defaults are reused:
-            every replica gets its own).
+          optimizer: a Keras name ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adamax", "nadam",
+            "adadelta", "adafactor", "lion", "ftrl", "lamb"), an mr.optimizers.Optimizer, its serialize()
+            config, or a torch.optim class or instance (its class and defaults are reused: every replica
+            gets its own). `model.optimizer` is it; a step calls its step().
           loss: a name ("sparse_categorical_crossentropy", "mse", ...; crossentropies take logits), an
-            mr.losses.Loss, a torch.nn loss module, or fn(y_true, y_pred) -> per-example losses. Required.
+            mr.losses.Loss, a torch.nn loss module, or fn(y_true, y_pred) -> per-example losses. The
+            default train_step needs one; a train_step of your own may compute its loss itself.
           metrics: names ("accuracy" follows the loss, as in Keras), mr.metrics.Metric objects, or
             functions fn(y_true, y_pred) -> one value per example.
           steps_per_execution: batches each strategy.run call trains on, one update each: fewer hand-offs
@@ -275,8 +196,6 @@ class Model:
             given. Results equal the NCHW path's up to float reassociation; checkpoints hold the standard
             layout either way. `model.memory_format` says which ran.
         """
-        if loss is None:
-            raise ValueError("compile(loss=None): give a loss, e.g. loss=\"sparse_categorical_crossentropy\".")
         # (set on the model once built: a refused instance changes nothing)
         recipe = self._adapter.optimizer(optimizer, self._net.replicas)
         if not isinstance(steps_per_execution, int) or steps_per_execution < 1:
@@ -298,9 +217,7 @@ class Model:
         # Before the optimizer is built: its gradient buckets follow the weights' layout.
         self._net.set_memory_format(memory_format)
         with strategy.scope():
-            self._mopt = strategy.mirror_optimizer(lambda params: recipe.build(params), self._net)
-            self.optimizer = recipe
-            self._loss = self._adapter.loss(loss)
+            self._loss = None if loss is None else self._adapter.loss(loss)
             if getattr(self._loss, "reduction", None) == "none":
                 raise ValueError(f"compile(loss={loss!r}): reduction='none' leaves one loss per example, but fit "
                                  "needs one number to minimise. Use reduction='sum_over_batch_size' (the mean, "
@@ -308,9 +225,12 @@ class Model:
             loss_name = getattr(self._loss, "name", None)
             self._metrics = [self._adapter.metric(m, loss_name) for m in (metrics or [])]
             self._loss_tracker = metrics_lib.Mean(name="loss")
-        self._steps_per_execution = steps_per_execution
         self._precision = None if precision == "fp32" else precision
         self._scalers = [torch.amp.GradScaler("cuda") for _ in devices] if precision == "fp16" else []
+        self._mopt = self._bind(recipe, self._net)
+        self.optimizer = recipe
+        self._logs_view = _Logs(self)
+        self._steps_per_execution = steps_per_execution
         if self._jit is not None:
             self._jit.remove()
         self._jit = jit.ReplicaCompiler(self._net.replicas, devices) if use_jit else None
@@ -323,11 +243,41 @@ class Model:
         # can say what to pass.
         self._compile_config = {
             "optimizer": _config_or_repr(self.optimizer, self.optimizer, optimizers.serialize),
-            "loss": _config_or_repr(loss, self._loss, losses.serialize),
+            "loss": None if loss is None else _config_or_repr(loss, self._loss, losses.serialize),
             "metrics": [_config_or_repr(m, compiled, metrics_lib.serialize)
                         for m, compiled in zip(metrics or [], self._metrics)],
             "precision": precision, "jit_compile": use_jit, "memory_format": memory_format}
         self._compiled = True
+
+    def build_optimizer(self, optimizer: Any, module: Any = None) -> optimizers.Optimizer:
+        """An optimizer for `module` (a part of this model, such as a GAN's self.discriminator; the whole
+        module by default) on every replica, made as compile() makes its own: a name, an
+        mr.optimizers object or a torch.optim class or instance. Its step() inside a step all-reduces
+        that part's gradients, averaged over the replicas by their examples. For models with several
+        optimizers: call it in an overridden compile() and keep what it returns.
+
+        Returns:
+          The optimizer recipe (learning_rate, iterations, step(), zero_grad(), apply()), bound to this
+          model's replicas.
+        """
+        part = self._net if module is None else module
+        if not isinstance(part, md.MirroredModule) or part.distribute_strategy is not self.distribute_strategy:
+            raise TypeError(f"Model.build_optimizer(module={type(module).__name__}): pass a part of this model as "
+                            "the model gives it (self.discriminator, an attribute of the module it wraps), so that "
+                            "every replica's optimizer gets that replica's copy of it.")
+        recipe = self._adapter.optimizer(optimizer, part.replicas)
+        self._bind(recipe, part)
+        return recipe
+
+    def _bind(self, recipe: optimizers.Optimizer, part: Any) -> Any:
+        """The mirrored optimizer of `recipe` over `part`, with the model's rule for its gradients: the
+        replicas' average weighted by their examples (or what compute_loss says each loss averaged),
+        reduced in step(); `recipe.step()` and the others then act on it."""
+        with self.distribute_strategy.scope():
+            mopt = self.distribute_strategy.mirror_optimizer(lambda params: recipe.build(params), part,
+                                                             gradient_reduction="mean", reduce_in_backward=False)
+        recipe._steps = _OptimizerSteps(mopt, self)
+        return mopt
 
     def _require_compiled(self, what: str) -> None:
         if not self._compiled:
@@ -339,16 +289,14 @@ class Model:
         dtype = torch.bfloat16 if self._precision == "bf16" else torch.float16
         return torch.autocast(device_type=device.type, dtype=dtype)
 
-    # ---- one replica's steps (replica context) ----------------------------------------------------
-    def _forward(self, net: Any, x: Any, *args: Any, training: bool = False, **kwargs: Any) -> Tensor:
+    def _forward(self, net: Any, x: Any, *args: Any, training: bool = False, **kwargs: Any) -> Any:
         """The module on what the data yields, in fit, evaluate, predict and model(x) alike: only
         floating-point inputs change, to the module's dtype. A Keras model also gets `training`, as
         Keras's trainer passes it (True in fit's train steps only)."""
-        dtype = _module_dtype(net)
-        device = next((p.device for p in net.parameters()), torch.device("cpu"))
-        with self._autocast(device):
+        dtype = data_adapter.module_dtype(net)
+        with self._autocast(data_adapter.device_of(net)):
             try:
-                out = self._adapter.call(net, _cast_inputs(x, dtype), training, *args, **kwargs)
+                out = self._adapter.call(net, data_adapter.cast_inputs(x, dtype), training, *args, **kwargs)
             except RuntimeError as e:
                 if "view size is not compatible" not in str(e) or self.memory_format == "as given":
                     raise
@@ -358,188 +306,212 @@ class Model:
                     "torch.flatten() there, or compile(..., memory_format=\"preserve\").") from e
         return out.float() if isinstance(out, Tensor) and out.dtype in (torch.bfloat16, torch.float16) else out
 
-    def _step_loss(self, ctx: Any, net: nn.Module, x: Any, y: Any, sw: Any, count: int, training: bool = False
-                   ) -> tuple[Tensor | None, Tensor | None, Any]:
-        """This replica's share of the step's loss (the shares of all replicas add up to the loss of
-        the global batch, reduced as the loss object says, as Keras reduces it on one device), its
-        logits, and its sample weights. An empty part (a short last batch) has no share and no
-        logits, but joins whatever collective the others make: with ignore_class, the count of
-        kept labels; with SyncBatchNorm, the forward pass's statistics."""
-        rows = _rows(x)
+    # ---- the steps: run on every replica (inside strategy.run) -------------------------------------
+    def train_step(self, data: Any) -> Any:
+        """One training step on this replica's part of a global batch, as Keras 3's: the forward pass,
+        compute_loss, backward, and the optimizer's step, which all-reduces the gradients with every
+        other replica's and applies the same update. fit runs it on every replica; override it to
+        change what a step does (the optimizer's step() must be called on every replica, as any
+        collective). Returns the logs: compute_metrics's, or a dict of values (replica 0's are
+        reported, as tf.keras reports the first replica's)."""
+        x, y, sample_weight = unpack_x_y_sample_weight(data)
+        if not data_adapter.rows(x) and not self._sync_bn:
+            # An empty part (a short last batch): nothing to learn from, but every replica's update meets.
+            self._empty_part(training=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            return self.get_metrics_result()
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(x, y, y_pred, sample_weight, training=True)
+        self._track_loss(loss, x)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight)
+        self.optimizer.scale_loss(loss).backward()
+        self.optimizer.step()
+        # (cleared after the update rather than before the forward, as Keras's does: nothing holds the
+        # gradients between steps, and fit clears any a loop of your own left before its first step)
+        self.optimizer.zero_grad()
+        return logs
+
+    def test_step(self, data: Any) -> Any:
+        """One evaluation step on this replica's part: the forward pass in inference mode, the loss and
+        the metrics (Keras 3's test_step). evaluate and fit's validation run it on every replica."""
+        x, y, sample_weight = unpack_x_y_sample_weight(data)
+        if not data_adapter.rows(x):
+            self._empty_part(training=False)
+            return self.get_metrics_result()
+        y_pred = self(x, training=False)
+        if self._loss is not None:
+            self._track_loss(self.compute_loss(x, y, y_pred, sample_weight, training=False), x)
+        return self.compute_metrics(x, y, y_pred, sample_weight)
+
+    def predict_step(self, data: Any) -> Any:
+        """The outputs on this replica's part (Keras 3's predict_step); predict concatenates every
+        replica's in the order of the input rows."""
+        x, _, _ = unpack_x_y_sample_weight(data)
+        return self(x, training=False)
+
+    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None,
+                     training: bool = True) -> Tensor:
+        """This replica's loss on its part of the batch, as Keras computes one device's: the compiled loss
+        reduced over the part (sample_weight as Keras weighs it), plus the module's regularization.
+        With training=True it also tells the model's optimizer how the part's gradients weigh in the
+        average over the replicas - by the loss values it averaged: its examples, or the labels kept
+        with ignore_class - so the update is one device's on the global batch."""
+        del x
+        if self._loss is None:
+            raise ValueError("Model.compute_loss: no loss to compute. Provide a `loss` argument in `compile()`, or "
+                             "compute the loss yourself in an overridden train_step.")
+        dtype = data_adapter.module_dtype(self._net)
         # Labels and weights as Keras's data adapters make them: float ones in the module's dtype (floatx).
-        dtype = _module_dtype(net)
-        y, sw = _cast_inputs(_as_labels(y), dtype), _cast_inputs(sw, dtype)
-        logits = per_example = None
-        if rows or self._sync_bn:
-            logits = self._forward(net, x, training=training)
-            per_example = self._loss.per_example(y, logits)
-            sw = _weights_like(sw, per_example)
-            if sw is not None:
-                per_example = per_example * sw
+        y = data_adapter.cast_inputs(data_adapter.as_labels(y), dtype)
+        per_example = self._loss.per_example(y, y_pred)
+        sw = data_adapter.weights_like(data_adapter.cast_inputs(sample_weight, dtype), per_example)
+        if sw is not None:
+            per_example = per_example * sw
+        penalty = self._adapter.regularization(self._net)
+        ctx = md.get_replica_context()
+        rid = 0 if ctx is None else ctx.local_replica_id
+        rows = per_example.shape[0] if per_example.dim() else 1
         ignore = getattr(self._loss, "ignore_class", None)
-        if self._loss.reduction == "sum":
-            denominator: Any = 1
-        elif ignore is not None:  # Keras divides by the labels kept, over the whole global batch
-            denominator = ctx.all_reduce(md.ReduceOp.SUM, self._loss.kept(y)).clamp(min=1)
-        else:  # every loss value of the global batch: rows times the values per row (a sequence's steps)
-            denominator = count * (math.prod(per_example.shape[1:]) if per_example is not None else 1)
-        share = per_example.sum() / denominator if per_example is not None else None
-        return share, logits, sw
+        total = per_example.sum()
+        if self._loss.reduction == "sum" or ignore is not None:
+            # Keras reports each step's loss weighted by its batch size, and these losses are no mean over
+            # examples: the reported one needs the global batch's rows (and labels kept) - one meeting,
+            # which an empty part joins too (_empty_part).
+            kept = self._loss.kept(y) if ignore is not None else None
+            kept_all, rows_all = self._global_counts(ctx, kept, rows)
+            if self._loss.reduction == "sum":
+                # The replicas' sums add up to one device's, so they are summed, not averaged; the penalty is
+                # shared by rows.
+                loss = total + penalty * (rows / rows_all).to(total.dtype)
+                record = (loss.detach().double() * rows_all, rows)
+                if training and self._mopt is not None:
+                    self._mopt.set_gradient_weight(1, divide=False)
+            else:  # a mean over the labels kept: the replicas' gradients weigh by the labels each kept
+                loss = total / kept.clamp(min=1) + penalty
+                record = (total.detach().double() * rows_all / kept_all.clamp(min=1)
+                          + _as_double(penalty) * rows, rows)
+                if training and self._mopt is not None:
+                    self._mopt.set_gradient_weight(kept)
+        else:
+            # A mean over every loss value of the part: rows times the values per row (a sequence's steps).
+            # The optimizer weighs the part by its rows, which is the same ratio.
+            loss = total / max(per_example.numel(), 1) + penalty
+            record = (loss.detach().double() * rows, rows)
+        self._loss_records[rid] = record
+        return loss
 
-    def _track(self, y: Any, logits: Tensor | None, share: Tensor | None, sw: Any, count: int,
-               regularization: Tensor | float) -> None:
-        """The reported loss is Keras's: each step's loss (regularization included) weighted by its
-        batch size; this replica adds its share of that, and its rows to the count."""
-        rows = _rows(logits) if logits is not None else 0
-        if not rows:
-            return
-        penalty = regularization.detach().float() if isinstance(regularization, Tensor) else regularization
-        with md.WithoutReplicaRandom():  # (the loss tracker draws nothing; a user's metric may, so it keeps it)
-            self._loss_tracker.total.assign_add(share.detach().float() * count + penalty * rows)  # no device sync
-            self._loss_tracker.count.assign_add(rows)
-        y = _cast_inputs(_as_labels(y), logits.dtype if logits.is_floating_point() else None)
-        for m in self._metrics:
-            if _draws_nothing(m):
-                with md.WithoutReplicaRandom():
-                    m.update_state(y, logits.detach(), sw)
-            else:
-                m.update_state(y, logits.detach(), sw)
+    def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Mapping[str, Any]:
+        """Updates the compiled metrics with this replica's part and returns the logs (get_metrics_result)."""
+        del x
+        if y_pred is not None and self._metrics:
+            y = data_adapter.cast_inputs(data_adapter.as_labels(y),
+                                         y_pred.dtype if y_pred.is_floating_point() else None)
+            sw = sample_weight
+            while isinstance(sw, Tensor) and sw.dim() > 1 and sw.shape[-1] == 1:
+                sw = sw.squeeze(-1)
+            y_pred = y_pred.detach()
+            for m in self._metrics:
+                m.update_state(y, y_pred, sw)
+        return self.get_metrics_result()
 
-    def _watchable_steps(self) -> bool:
-        """Whether every weight change of a train step follows a meeting of the replicas, where a step
-        run without the random mode is checked: not with use_ema and gradient accumulation, whose
-        averages may be written into the weights in a step that only accumulates, with no meeting."""
-        optimizer = self._mopt.optimizer
-        return not (_averages_weights(optimizer) and getattr(optimizer._options, "accumulation_steps", 1) > 1)
+    def get_metrics_result(self) -> Mapping[str, Any]:
+        """Every metric's result by name (Keras's), each read across the replicas when it is asked for:
+        fit reads them after the step, in cross-replica context."""
+        return self._logs_view if self._logs_view is not None else {}
 
-    def _train_group(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
-        """_train_replica on several batches, as a step function that keeps the replica random mode."""
-        self._train_replica(batches, global_counts)
+    def zero_grad(self) -> None:
+        """Clears the gradients of the replica's copy (every copy's outside strategy.run), as Keras's
+        train_step does first."""
+        self._net.zero_grad(set_to_none=True)
 
-    @watched_step  # (runs without the replica random mode where it draws nothing)
-    def _train_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
+    def _empty_part(self, training: bool) -> None:
+        """An empty part of a short last batch: it joins the count of the global batch that a loss with
+        reduction="sum" or ignore_class makes, and in training weighs nothing in the replicas' average."""
+        if self._loss is not None and (self._loss.reduction == "sum"
+                                       or getattr(self._loss, "ignore_class", None) is not None):
+            self._global_counts(md.get_replica_context(), torch.zeros((), dtype=torch.int64), 0)
+        if training and self._mopt is not None:
+            self._mopt.set_gradient_weight(0, divide=self._loss is None or self._loss.reduction != "sum")
+
+    @staticmethod
+    def _global_counts(ctx: Any, kept: Tensor | None, rows: int) -> tuple[Tensor, Tensor]:
+        """The labels kept and the rows of the global batch, as float64 tensors (one meeting of every
+        replica; nothing is read on the host)."""
+        device = kept.device if kept is not None else None
+        local = torch.tensor([0.0, float(rows)], dtype=torch.float64, device=device)
+        local[0] = kept if kept is not None else rows
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            local = ctx.all_reduce(md.ReduceOp.SUM, local)
+        return local[0], local[1]
+
+    def _track_loss(self, loss: Tensor, x: Any) -> None:
+        """The reported loss is Keras's: each step's loss (regularization included) weighted by its batch
+        size. This replica adds what compute_loss worked out as its part of that (so the sum over the
+        replicas is one device's), or, for a compute_loss of your own, its loss weighted by its rows."""
         ctx = md.get_replica_context()
-        # Called through the mirror, which notes this replica's gradients and buffers first: a failed
-        # step puts them back (issue 17), so the next step does not add a failed step's gradients in.
-        net = self._net
-        opt = self._mopt
-        own = self._net.module  # this replica's copy (on a multi-worker strategy, the process's one)
-        scaler = self._scalers[[m is own for m in self._net.replicas].index(True)] if self._scalers else None
-        loss_scale = getattr(self.optimizer, "loss_scale_factor", None)
-        for (x, y, sw), count in zip(batches, global_counts):
-            # An empty part (a short last batch) still joins the gradient all-reduce.
-            share, logits, sw = self._step_loss(ctx, net, x, y, sw, count, training=True)
-            regularization = self._regularization(net)
-            # Every replica adds its 1 / replicas of the penalty, an empty part too: the gradients are summed.
-            loss = regularization / ctx.num_replicas_in_sync + (share if share is not None else 0.0)
-            if loss_scale is not None and isinstance(loss, Tensor):  # a Keras optimizer's, which apply() undoes
-                loss = loss * loss_scale
-            if isinstance(loss, Tensor) and loss.requires_grad:
-                (scaler.scale(loss) if scaler else loss).backward()
-            elif scaler is not None:  # an empty part: its scaler must still hold the scale that step() unscales by
-                scaler.scale(torch.zeros((), device=next(own.parameters()).device))
-            if share is not None:
-                with torch.no_grad():
-                    self._track(y, logits, share, sw, count, regularization)
-            # With gradient_accumulation_steps, a step that only accumulates keeps its gradients local: one
-            # all-reduce per update. Then step() clips the reduced gradients and applies the schedule and EMA.
-            update = opt.optimizer.accumulate_gradients()
-            if update:
-                opt.reduce_gradients()
-            journal = md.current_journal()
-            if journal is not None and (update or _averages_weights(opt.optimizer)):
-                journal.before_update()  # the weights change now: a step caught drawing later is not run again
-            if scaler is not None:
-                scaler.step(opt.optimizer)
-                scaler.update()
-            else:
-                opt.optimizer.step()
-            if type(opt.optimizer).zero_grad is torch.optim.Optimizer.zero_grad:
-                with md.WithoutReplicaRandom():  # (torch's draws nothing: see the optimizer's step)
-                    opt.optimizer.zero_grad(set_to_none=True)
-            else:
-                opt.optimizer.zero_grad(set_to_none=True)
-            opt.finish_step(weight=_rows(x), commit=update)  # (an empty part did not update BatchNorm's statistics)
+        record = self._loss_records.pop(0 if ctx is None else ctx.local_replica_id, None)
+        if record is None:
+            rows = data_adapter.rows(x)
+            record = (loss.detach().double() * rows, rows)
+        self._loss_tracker.total.assign_add(record[0])  # (no device sync: the values stay tensors)
+        self._loss_tracker.count.assign_add(record[1])
 
-    def _regularization(self, net: nn.Module) -> Tensor | float:
-        """A module's `regularization_loss()`, if it has one, or a Keras model's `losses` (each replica's
-        gradient takes its share of it, 1 / replicas, as TF does; the reported loss includes all of it,
-        as Keras's does)."""
-        return self._adapter.regularization(net)
+    # ---- fit / evaluate / predict: the loops, on the caller's thread ----------------------------------
+    def _train_function(self, batches: list[Any]) -> Any:
+        """What fit runs on every replica for one strategy.run: train_step on each batch of the group
+        (steps_per_execution), returning the last one's logs. A step of the group that updated the
+        weights is kept whole - what it wrote after its update too (metrics a train_step of your own
+        updates after optimizer.step()) - if a later one fails."""
+        logs = None
+        journal = md.current_journal() if len(batches) > 1 else None
+        for data in batches:
+            updates = journal.updates if journal is not None else 0
+            logs = self.train_step(data)
+            if journal is not None and journal.updates > updates:
+                journal.commit()
+        return logs
 
-    @watched_step  # (runs without the replica random mode where it draws nothing)
-    def _test_replica(self, batches: list[tuple[Any, Any, Any]], global_counts: list[int]) -> None:
-        ctx = md.get_replica_context()
-        net = self._net.module
-        with torch.no_grad():
-            for (x, y, sw), count in zip(batches, global_counts):
-                share, logits, sw = self._step_loss(ctx, net, x, y, sw, count)
-                if share is not None:
-                    self._track(y, logits, share, sw, count, self._regularization(net))
+    @torch.no_grad()
+    def _test_function(self, batches: list[Any]) -> Any:
+        """What evaluate runs on every replica: test_step on each batch of the group, without autograd
+        (as Keras's test function)."""
+        logs = None
+        for data in batches:
+            logs = self.test_step(data)
+        return logs
 
-    @watched_step  # (runs without the replica random mode where it draws nothing)
-    def _predict_replica(self, x: Any) -> Tensor:
-        """This replica's outputs; for an empty part (a short last batch), no rows of the shape and
-        dtype of the others' rows, so that the parts concatenate (across workers too). Only when no
-        output was seen yet (a single batch smaller than the replica count) does the model run on
-        zero rows to learn that shape."""
-        net = self._net.module
-        with torch.no_grad():
-            if _rows(x) or self._predict_like is None:
-                return self._forward(net, x)
-            shape, dtype = self._predict_like
-            return torch.empty((0, *shape), dtype=dtype, device=next(iter(net.parameters())).device)
+    @torch.no_grad()
+    def _predict_function(self, data: Any) -> Any:
+        """predict_step on this replica's part; for an empty part (a short last batch), no rows of the
+        shape and dtype of the others' rows, so that the parts concatenate (across workers too). Only
+        when no output was seen yet (a single batch smaller than the replica count) does the model run
+        on zero rows to learn that shape."""
+        x, _, _ = unpack_x_y_sample_weight(data)
+        if data_adapter.rows(x) or self._predict_like is None:
+            return self.predict_step(data)
+        shape, dtype = self._predict_like
+        return torch.empty((0, *shape), dtype=dtype, device=data_adapter.device_of(self._net.module))
 
-    # ---- data -----------------------------------------------------------------------------------------
-    def _as_dataset(self, x: Any, y: Any, batch_size: int | None, sample_weight: Any, shuffle: bool,
-                    where: str) -> Iterable[Any]:
-        from mirrored.data import Dataset
+    def _run_options(self, group: int) -> md.RunOptions:
+        """How fit's strategy.run calls may run. A step of this class's own train_step notes everything it
+        changes before its update in the step journal, so the strategy may roll it back and run it again
+        up to the update (rerunnable); a train_step of your own, a group of several batches (which
+        updates between them) and moving averages written into the weights by a step that only
+        accumulates gradients (use_ema with gradient accumulation: no meeting before that write) are not."""
+        own = type(self).train_step is Model.train_step
+        optimizer = getattr(self._mopt, "optimizer", None)
+        ema_without_meeting = _averages_weights(optimizer) and getattr(
+            getattr(optimizer, "_options", None), "accumulation_steps", 1) > 1
+        return md.RunOptions(rerunnable=own and group == 1 and not ema_without_meeting)
 
-        if x is None:
-            raise ValueError(f"Model.{where}: no data given (x=None).")
-        x, y = _as_array(x, where, "x"), _as_array(y, where, "y")
-        sample_weight = _as_array(sample_weight, where, "sample_weight")
-        if isinstance(y, np.ndarray) and y.dtype.kind in "iu":
-            y = y.astype(np.int64)  # class ids: what torch's losses take
-        if isinstance(x, (np.ndarray, Tensor)):
-            n = len(x)
-            if batch_size is None:
-                batch_size = 32 * self.distribute_strategy.num_replicas_in_sync
-                logger.info("%s: batch_size not given; using %d (32 per replica)", where, batch_size)
-            parts = tuple(p for p in (x, y, sample_weight) if p is not None)
-            for p in parts:
-                if len(p) != n:
-                    raise ValueError(f"Model.{where}: x has {n} rows but another array has {len(p)}; "
-                                     "x, y and sample_weight must have one row per example.")
-            if n == 0:
-                raise ValueError(f"Model.{where}: x has no rows (shape {tuple(x.shape)}), so there is nothing to "
-                                 "train or evaluate on. Pass at least one example.")
-            ds = Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
-            if shuffle:
-                ds = ds.shuffle(n)
-            return ds.batch(batch_size)
-        if y is not None:
-            raise ValueError(f"Model.{where}: y= is only for arrays; a dataset yields (x, y) pairs itself.")
-        if batch_size is not None:
-            raise ValueError(f"Model.{where}: batch_size= is only for arrays; a dataset is batched already "
-                             "(by the GLOBAL batch size).")
-        if isinstance(x, Iterator):  # (a DataLoader is Iterable; its iterator, like a generator, is one pass)
-            raise TypeError(f"Model.{where}: got a {type(x).__name__}, which can be read only once, but every epoch "
-                            "(and validation) reads the data again. Give something re-iterable that yields GLOBAL "
-                            "batches: a torch DataLoader, a list of batches, mr.data.Dataset.from_generator(fn) "
-                            "(fn returns a new generator each pass), or arrays with batch_size=.")
-        if not isinstance(x, Iterable):
-            raise TypeError(f"Model.{where}: expected an mr.data.Dataset of GLOBAL batches (or arrays with "
-                            f"batch_size=, a torch DataLoader, a list of batches); got {type(x).__name__}.")
-        return x
-
-    # ---- fit / evaluate / predict ------------------------------------------------------------------------
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
             verbose: Any = "auto", callbacks: Sequence[Any] | None = None, validation_data: Any = None,
             shuffle: bool = True, sample_weight: Any = None, initial_epoch: int = 0,
             steps_per_epoch: int | None = None, validation_steps: int | None = None,
             validation_freq: int | Sequence[int] = 1) -> Any:
-        """Trains for `epochs` epochs over a dataset of GLOBAL batches (or arrays with batch_size).
+        """Trains for `epochs` epochs over a dataset of GLOBAL batches (or arrays with batch_size): each
+        batch split over the replicas, train_step run on every one.
 
         Args:
           x: an mr.data.Dataset (or any iterable) of GLOBAL batches, each (x, y) or (x, y, sample_weight);
@@ -567,22 +539,29 @@ class Model:
           per-epoch values.
         """
         self._require_compiled("fit")
-        _check_validation_freq(validation_freq)
-        dataset = self._as_dataset(x, y, batch_size, sample_weight, shuffle, "fit")
+        if self._loss is None and type(self).train_step is Model.train_step:
+            raise ValueError("Model.fit: compile() was given no loss, and the default train_step minimises the "
+                             "compiled loss. Pass one, e.g. model.compile(optimizer=..., loss=\"sparse_categorical_"
+                             "crossentropy\"), or override train_step to compute your own.")
+        data_adapter.check_validation_freq(validation_freq)
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        dataset = data_adapter.as_dataset(x, y, batch_size, sample_weight, shuffle, "fit", replicas)
         val = None
         if validation_data is not None:
             if isinstance(validation_data, tuple) and len(validation_data) in (2, 3):
                 vx, vy, *vsw = validation_data
-                val = self._as_dataset(vx, vy, batch_size, vsw[0] if vsw else None, False, "fit(validation_data)")
+                val = data_adapter.as_dataset(vx, vy, batch_size, vsw[0] if vsw else None, False,
+                                              "fit(validation_data)", replicas)
             else:
-                val = self._as_dataset(validation_data, None, None, None, False, "fit(validation_data)")
+                val = data_adapter.as_dataset(validation_data, None, None, None, False, "fit(validation_data)",
+                                              replicas)
         strategy = self.distribute_strategy
         # Keras: with steps_per_epoch, each epoch continues the previous one's iterator (so ds.repeat()
         # with steps_per_epoch sees all the data); without it, every epoch is a fresh full pass.
-        _check_ends(dataset, steps_per_epoch, "fit", "steps_per_epoch")
+        data_adapter.check_ends(dataset, steps_per_epoch, "fit", "steps_per_epoch")
         if val is not None:
-            _check_ends(val, validation_steps, "fit(validation_data)", "validation_steps")
-        source = _prefetched(dataset)
+            data_adapter.check_ends(val, validation_steps, "fit(validation_data)", "validation_steps")
+        source = data_adapter.prefetched(dataset)
         epoch_iterator = epochs_lib.EpochIterator(
             strategy.experimental_distribute_dataset(source, self._input_options()), steps_per_epoch=steps_per_epoch,
             steps_per_execution=self._steps_per_execution, initial_epoch=initial_epoch,
@@ -597,8 +576,8 @@ class Model:
             optimizers.warn_if_instance_changed(self.optimizer, stacklevel=2)
             if epoch_iterator.resume_learning_rate is not None:
                 self.optimizer.learning_rate = epoch_iterator.resume_learning_rate
-            for m in self._net.replicas:
-                m.train()
+            self._net.train()
+            self._net.zero_grad()
             epoch_logs = self._fit_epochs(epoch_iterator, epochs, cbs, dataset, val, validation_steps,
                                           validation_freq)
             if self.optimizer.use_ema and epochs > 0:  # as Keras, before on_train_end
@@ -617,39 +596,53 @@ class Model:
             if not epoch_iterator.step:  # a resumed epoch goes on with the metrics restored with it
                 self.reset_metrics()
             cbs.on_epoch_begin(epoch)
-            logs: dict[str, float] = {}
+            logs: Any = None
             batch_logs = _reads_batch_logs(cbs)
+            options = {True: self._run_options(1), False: self._run_options(2)}  # by whether a group is one batch
             for step, group in epoch_iterator.steps():
                 cbs.on_train_batch_begin(step)
-                # A group of several batches (steps_per_execution) updates between them, so a draw caught
-                # in a later one could not be redone: a group runs in the random mode (_train_group).
-                strategy.run(self._train_replica if len(group) == 1 and self._watchable_steps() else self._train_group,
-                             args=([_unpack(b) for b, _ in group], [n for _, n in group]))
-                if batch_logs:  # (a read of every metric across replicas, while they wait; else once per epoch)
-                    logs = self._logs()
-                cbs.on_train_batch_end(step + len(group) - 1, {**logs, "num_examples": sum(n for _, n in group)})
+                logs = strategy.run(self._train_function, args=([b for b, _ in group],), options=options[len(group) == 1])
+                # (the logs read every metric across replicas, while they wait: only for callbacks that read
+                # each batch's; else once per epoch)
+                cbs.on_train_batch_end(step + len(group) - 1,
+                                       {**self._read_logs(logs), "num_examples": sum(n for _, n in group)}
+                                       if batch_logs else {"num_examples": sum(n for _, n in group)})
                 if self._auto_jit is not None and self._auto_jit.after_step(
-                        len(group), _steps_left(epoch_iterator.num_batches, epochs - epoch - 1, step + len(group))):
+                        len(group), data_adapter.steps_left(epoch_iterator.num_batches, epochs - epoch - 1,
+                                                            step + len(group))):
                     self._jit = jit.ReplicaCompiler(self._net.replicas, strategy.extended.worker_devices,
                                                     where='Model.fit(jit_compile="auto")')
                 if self.stop_training:
                     break
             if epoch_iterator.step == 0 and epoch_iterator.num_batches != 0:  # (a resumed epoch may be done)
-                raise _no_batches("fit", dataset, f"epoch {epoch + 1}")
+                raise data_adapter.no_batches("fit", dataset, f"epoch {epoch + 1}")
             epoch_iterator.end_epoch()
-            epoch_logs = dict(logs) if logs else self._logs()
+            epoch_logs = self._read_logs(logs)
             # As Keras: validation runs (through the fit callbacks' test hooks) even in the epoch that
             # a callback stopped, so its end has val_* logs for EarlyStopping, checkpoints and History.
-            if val is not None and _should_validate(epoch, validation_freq):
+            if val is not None and data_adapter.should_validate(epoch, validation_freq):
                 val_logs = self._evaluate(val, validation_steps, cbs)
                 epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-                for m in self._net.replicas:
-                    m.train()
+                self._net.train()
             cbs.on_epoch_end(epoch, epoch_logs)
             optimizers.warn_if_instance_changed(self.optimizer, stacklevel=3)  # (a scheduler stepped by hand)
             if self.stop_training:
                 break
         return epoch_logs
+
+    def _read_logs(self, returned: Any) -> dict[str, float]:
+        """The logs of a step as numbers, from what its step function returned on the replicas: the
+        metrics' results (read across replicas) for get_metrics_result()'s view or nothing, else the first
+        replica's values (tf.keras reports the first replica's)."""
+        if returned is None or returned is self._logs_view:
+            return self._logs()
+        first = self.distribute_strategy.experimental_local_results(returned)[0]
+        if isinstance(first, _Logs):
+            return self._logs()
+        if not isinstance(first, Mapping):
+            raise TypeError(f"{type(self).__name__}.train_step/test_step returned a {type(first).__name__}; return "
+                            "a dict of logs ({name: value}), self.compute_metrics(...), or None.")
+        return {k: _as_float(k, v) for k, v in first.items()}
 
     def _input_options(self) -> md.InputOptions:
         """Batches copied to a replica's device (a GPU) are written there in the convolutions' layout."""
@@ -668,24 +661,24 @@ class Model:
 
     def _evaluate(self, dataset: Iterable[Any], steps: int | None, cbs: Any) -> dict[str, float]:
         strategy = self.distribute_strategy
-        for m in self._net.replicas:
-            m.eval()
+        self._net.eval()
         self.reset_metrics()
         if cbs is not None:
             cbs.on_test_begin()
         batches = epochs_lib.EpochIterator(strategy.experimental_distribute_dataset(dataset, self._input_options()),
                                            steps_per_epoch=steps,
                                            steps_per_execution=self._steps_per_execution)
-        i = -1
+        options = md.RunOptions(rerunnable=type(self).test_step is Model.test_step)
+        i, logs = -1, None
         for i, (_, group) in enumerate(batches.steps()):
             if cbs is not None:
                 cbs.on_test_batch_begin(i)
-            strategy.run(self._test_replica, args=([_unpack(b) for b, _ in group], [n for _, n in group]))
+            logs = strategy.run(self._test_function, args=([b for b, _ in group],), options=options)
             if cbs is not None:
-                cbs.on_test_batch_end(i, self._logs())
+                cbs.on_test_batch_end(i, self._read_logs(logs))
         if i < 0 and steps != 0:
-            raise _no_batches("evaluate", dataset, "its pass")
-        logs = self._logs()
+            raise data_adapter.no_batches("evaluate", dataset, "its pass")
+        logs = self._read_logs(logs)
         if cbs is not None:
             cbs.on_test_end(logs)
         return logs
@@ -711,8 +704,9 @@ class Model:
           metrics), or a dict with return_dict=True. Every replica's examples count once.
         """
         self._require_compiled("evaluate")
-        dataset = self._as_dataset(x, y, batch_size, sample_weight, False, "evaluate")
-        _check_ends(dataset, steps, "evaluate", "steps")
+        dataset = data_adapter.as_dataset(x, y, batch_size, sample_weight, False, "evaluate",
+                                          self.distribute_strategy.num_replicas_in_sync)
+        data_adapter.check_ends(dataset, steps, "evaluate", "steps")
         verbose = 1 if verbose == "auto" else verbose  # Keras: a progress bar unless verbose=0
         cbs = callbacks_lib.CallbackList(callbacks, add_history=False, add_progbar=verbose != 0, model=self,
                                          verbose=verbose, epochs=1,
@@ -738,24 +732,24 @@ class Model:
           concatenated along dim 0.
         """
         strategy = self.distribute_strategy
-        x = _as_array(x, "predict", "x")
+        x = data_adapter.as_array(x, "predict", "x")
         arrays = isinstance(x, (np.ndarray, Tensor))
-        dataset = self._as_dataset(x, None, batch_size if arrays else None, None, False, "predict")
-        _check_ends(dataset, steps, "predict", "steps")
+        dataset = data_adapter.as_dataset(x, None, batch_size if arrays else None, None, False, "predict",
+                                          strategy.num_replicas_in_sync)
+        data_adapter.check_ends(dataset, steps, "predict", "steps")
         verbose = 1 if verbose == "auto" else verbose
         cbs = callbacks_lib.CallbackList(callbacks, add_progbar=verbose != 0, model=self, verbose=verbose, epochs=1,
                                          steps=steps if steps is not None else epochs_lib.len_or_none(dataset))
-        for m in self._net.replicas:
-            m.eval()
+        self._net.eval()
         outputs = []
         self._predict_like = None
+        options = md.RunOptions(rerunnable=type(self).predict_step is Model.predict_step)
         cbs.on_predict_begin()
         for i, batch in enumerate(strategy.experimental_distribute_dataset(dataset, self._input_options())):
             if steps is not None and i >= steps:
                 break
             cbs.on_predict_batch_begin(i)
-            bx, _, _ = _unpack(batch)
-            result = strategy.run(self._predict_replica, args=(bx,))
+            result = strategy.run(self._predict_function, args=(batch,), options=options)
             first = next((p for p in strategy.experimental_local_results(result) if len(p)), None)
             if first is not None and self._predict_like is None:
                 self._predict_like = (first.shape[1:], first.dtype)
@@ -809,24 +803,9 @@ class Model:
         otherwise; Model.save and mr.train checkpoints (BackupAndRestore) keep it."""
         return LossScale(self._scalers) if self._scalers else None
 
-    def _state_tensors(self, with_optimizer: bool) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        tensors = {f"model/{k}": v.detach() for k, v in self.module.state_dict().items()}
-        meta: dict[str, Any] = {"format": _FORMAT, "replicas": self.distribute_strategy.num_replicas_in_sync,
-                                "model_config": getattr(self.module, "_mirrored_config", None)}
-        if with_optimizer and self._mopt is not None:
-            # (each replica's accumulated gradients too: they are its own)
-            state = {**optimizers.replicas_state_dict(self._mopt.replicas),
-                     **self._mopt.lr_schedulers_state_dict()}  # (torch LR schedulers attached in fit)
-            opt_tensors, opt_meta = checkpoint.optimizer_state_to_flat(state)
-            tensors.update(opt_tensors)
-            meta["optimizer"] = opt_meta
-            meta["compile"] = self._compile_config
-            if self._scalers:  # fp16: a resumed run goes on with the scale it had, not from 65536 again
-                meta["loss_scale"] = self.loss_scale.get_state()
-        return tensors, meta
-
     def save(self, path: str | Path) -> None:
-        """Weights, optimizer state and compile settings in one safetensors file, written atomically.
+        """Weights, optimizer state, the random state and compile settings in one safetensors file,
+        written atomically (saving.py).
 
         Args:
           path: the file to write (a directory is refused: a checkpoint is one file). Replaced only once the
@@ -844,16 +823,13 @@ class Model:
         if archive:
             self._adapter.save_archive(self.module, path)
             return
-        tensors, meta = self._state_tensors(with_optimizer=True)
-        checkpoint.save_checkpoint(path, tensors, meta)
+        saving.save(self, path, with_optimizer=True)
 
     def save_weights(self, path: str | Path) -> None:
         """The weights alone (no optimizer state), in one safetensors file, written atomically (by the
         chief only, under a multi-worker strategy)."""
-        if not self._writes_checkpoints("save_weights", path):
-            return
-        tensors, meta = self._state_tensors(with_optimizer=False)
-        checkpoint.save_checkpoint(path, tensors, meta)
+        if self._writes_checkpoints("save_weights", path):
+            saving.save(self, path, with_optimizer=False)
 
     def _writes_checkpoints(self, what: str, path: str | Path) -> bool:
         # TF's other workers write to a temporary path and delete it; nothing here is collective, so they skip.
@@ -865,21 +841,7 @@ class Model:
     def load_weights(self, path: str | Path) -> None:
         """Loads the weights of a checkpoint saved on any number of replicas into every replica; every
         tensor's name, shape and dtype is checked first (CheckpointError naming the file otherwise)."""
-        state = checkpoint.load_state_dict(path, where="Model.load_weights")
-        origin = checkpoint_checks.Origin(f"Model.load_weights({str(path)!r})")
-        self._net.load_state_dict(checkpoint_checks.state_dict(origin, state, self.module.state_dict(), prefix=""))
-
-    def _load_optimizer(self, state: dict[str, Any] | None) -> None:
-        """Loads a state checked by checkpoint_checks (None: the file has none) into every replica."""
-        if state is not None and self._mopt is not None:
-            own = {k: v for k, v in state.items() if k != self._mopt.LR_SCHEDULERS_KEY}
-            optimizers.load_replicas_state_dict(self._mopt.replicas, own)
-            self._mopt.load_lr_schedulers_state_dict(state)  # (torch LR schedulers, attached now or in fit)
-            groups = self._mopt.replicas[0].param_groups
-            if groups and self.optimizer is not None and self.optimizer._schedule is None:
-                # The saved rate, which a callback may have changed (LearningRateScheduler, ReduceLROnPlateau),
-                # is in the torch optimizer's groups; callbacks read and write it through the recipe.
-                self.optimizer.learning_rate = groups[0]["lr"]
+        saving.load_weights(self, path)
 
     @classmethod
     def load(cls, path: str | Path, module: nn.Module | None = None, compile: bool = True) -> Model:
@@ -891,7 +853,8 @@ class Model:
           module: a torch module of the saved architecture to load the weights into; None builds it from the
             file (mr.models only).
           compile: compile with the recorded optimizer, loss, metrics and precision and restore the
-            optimizer state (and fp16 loss scale), so fit() continues the run; False loads the weights only.
+            optimizer state, fp16 loss scale and random state, so fit() continues the run; False loads the
+            weights only.
 
         Returns:
           The Model, under the current strategy's scope (one replica outside any). Every tensor's name,
@@ -900,63 +863,12 @@ class Model:
         """
         if adapters.is_archive(path):
             return cls(adapters.load_archive(path))
-        tensors, meta = checkpoint.load_checkpoint(path, where="Model.load")
-        origin = checkpoint_checks.Origin(f"Model.load({str(path)!r})")
-        if meta.get("format") != _FORMAT:
-            raise checkpoint.CheckpointError(f"Model.load({str(path)!r}): not a mirrored Model file (format "
-                                             f"{meta.get('format')!r:.60}).")
-        # Everything the file says is checked before it is used: the architecture before it is built.
-        checkpoint_checks.model_metadata(origin, meta)
-        if module is None:
-            config = meta.get("model_config")
-            if not config:
-                raise checkpoint.CheckpointError(
-                    f"Model.load({str(path)!r}): the file does not record how to build the module (it was not "
-                    "made by mr.models). Pass module=YourNet(...) to load the weights into.")
-            module = checkpoint_checks.build_module(origin, config, tensors)
-        state = checkpoint_checks.state_dict(origin, tensors, module.state_dict())
-        model = cls(module)
-        model._net.load_state_dict(state)
-        cfg = meta.get("compile")
-        if compile and cfg:
-            try:
-                model._compile_from_config(cfg, str(path))
-            except checkpoint.CheckpointError:
-                raise
-            except (TypeError, KeyError, ValueError) as e:  # settings from the file: damaged, or another version's
-                raise checkpoint.CheckpointError(
-                    f"Model.load({str(path)!r}): cannot compile with the settings the file records ({e}). Load "
-                    "with compile=False and compile(...) yourself; the weights load either way.") from e
-            model._load_optimizer(checkpoint_checks.model_optimizer_state(origin, tensors, meta, model))
-            if model._scalers and meta.get("loss_scale") is not None:
-                model.loss_scale.set_state(checkpoint_checks.loss_scale(origin, meta["loss_scale"]))
-        return model
-
-    def _compile_from_config(self, cfg: dict[str, Any], path: str) -> None:
-        """compile() as save() recorded it: names, and configs rebuilt from mirrored's own classes by name."""
-        loss = cfg.get("loss")
-        if isinstance(loss, dict) and "object" in loss:  # training with another loss would be wrong
-            raise ValueError(
-                f"Model.load({path!r}): the model was compiled with the loss {loss['object']}, an object without a "
-                "config (a class or function of your own), so the file cannot rebuild it. Load with compile=False "
-                "and call model.compile(...) with it again; the weights load either way.")
-        metrics, dropped = [], []
-        for m in cfg.get("metrics", []):
-            if isinstance(m, dict) and "object" in m:
-                dropped.append(m["object"])
-            else:
-                metrics.append(metrics_lib.deserialize(m) if isinstance(m, dict) else m)
-        if dropped:
-            warnings.warn(f"Model.load({path!r}): the metrics {', '.join(dropped)} were objects without a config "
-                          "(classes or functions of your own); the model is compiled without them. Load with "
-                          "compile=False and compile(...) again to have them.", UserWarning, stacklevel=3)
-        self.compile(optimizer=_optimizer_from_config(cfg["optimizer"], path),
-                     loss=losses.deserialize(loss) if isinstance(loss, dict) else loss, metrics=metrics,
-                     precision=cfg.get("precision"), jit_compile=cfg.get("jit_compile", False),
-                     memory_format=cfg.get("memory_format", "auto"))
+        return saving.load(cls, path, module, compile)
 
     def __repr__(self) -> str:
         return f"Model({self.name}, replicas={self.distribute_strategy.num_replicas_in_sync})"
+
+
 
 
 def _reads_batch_logs(cbs: Any) -> bool:
@@ -976,73 +888,101 @@ def _config_or_repr(given: Any, obj: Any, serialize: Any) -> Any:
     return serialize(obj) or {"object": repr(obj)}
 
 
-def _optimizer_from_config(cfg: dict[str, Any], path: str) -> optimizers.Optimizer:
-    if "class_name" in cfg:
-        return optimizers.deserialize(cfg)
-    # A file from before optimizers had configs holds a torch.optim class's name (ours are named after
-    # theirs: SGD, Adam, AdamW, RMSprop) and its torch arguments; never a pickle.
-    name = cfg.get("name")
-    torch_cls = getattr(torch.optim, str(name), None) if "object" not in cfg else None
-    if not (isinstance(torch_cls, type) and issubclass(torch_cls, torch.optim.Optimizer)):
-        raise ValueError(f"Model.load({path!r}): the model was compiled with the optimizer {cfg.get('object', name)}, "
-                         "which load cannot rebuild (not one of mirrored's or torch.optim's). Load with compile=False "
-                         "and compile(...) again; the weights load either way.")
-    cfg = {k: v for k, v in cfg.items() if k != "name"}
-    return optimizers.Optimizer(torch_cls, cfg.pop("learning_rate"), str(name), **cfg)
-
-
 def _averages_weights(optimizer: Any) -> bool:
     """Whether `optimizer` keeps a moving average of the weights (use_ema), which it may write into them
     in a step that only accumulates gradients."""
     return bool(getattr(getattr(optimizer, "_options", None), "use_ema", False))
 
 
-def _draws_nothing(metric: Any) -> bool:
-    """A metric of mr.metrics on one of its own functions: its update draws no random numbers, so it
-    runs without the replica's random mode (~1 us per torch call, ~40 calls; issue 27). A user's
-    metric, or a wrapper around a user's function, keeps the mode."""
-    own = metrics_lib.__name__
-    return type(metric).__module__ == own and getattr(getattr(metric, "_fn", None), "__module__", own) == own
+def _as_double(value: Tensor | float) -> Tensor | float:
+    return value.detach().double() if isinstance(value, Tensor) else float(value)
 
 
-def _rows(x: Any) -> int:
-    leaf = md.values.flatten(x)[0]
-    return len(leaf)
+def _as_float(key: str, value: Any) -> float:
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return float(value)
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"a step's logs hold {key!r}: {value!r:.80}, not a number; give each log one number (a "
+                    "metric's result(), a loss.detach()).")
 
 
-def _steps_left(per_epoch: int | None, epochs_after: int, done: int) -> int | None:
-    """Batches fit has left: the rest of this epoch and the epochs after it (None: unknown length)."""
-    return None if per_epoch is None else max(per_epoch - done, 0) + epochs_after * per_epoch
+class _Logs(Mapping):
+    """What the default steps return (get_metrics_result): every metric's result by name, computed when
+    a value is asked for - after the step, in cross-replica context, where a read sums the replicas'
+    state - so that a step reads nothing it does not need to."""
+
+    def __init__(self, model: Model):
+        self._model = model
+
+    def _by_name(self) -> dict[str, Any]:
+        return {m.name: m for m in self._model.metrics}
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._by_name()[name].result()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name())
+
+    def __len__(self) -> int:
+        return len(self._model.metrics)
+
+    def __repr__(self) -> str:
+        return f"<logs of {', '.join(self._by_name())}>"
 
 
-def _prefetched(dataset: Any) -> Any:
-    """fit's input with a batch made ahead on a thread while the replicas train (issue 27): an
-    mr.data.Dataset without a prefetch anywhere gets .prefetch(1), which yields the same batches in the
-    same order; other iterables (lists, DataLoaders with their own workers) are read as they are."""
-    from mirrored.data import Dataset
+class _OptimizerSteps:
+    """What a compiled (or Model.build_optimizer) optimizer recipe does when a step calls it: the mirrored
+    optimizer's step, zero_grad and Keras's scale_loss / apply on the calling replica, with that
+    replica's fp16 loss scale (a GradScaler) where the model has one."""
 
-    if isinstance(dataset, Dataset) and "prefetch" not in dataset.get_state()["pipeline"]:
-        return dataset.prefetch(1)
-    return dataset
+    def __init__(self, mirrored: Any, model: Model):
+        self.mirrored = mirrored
+        self._model = weakref.ref(model)  # (the model holds the recipe, which holds this)
+        self._scaled: dict[int, bool] = {}  # per replica: whether it scaled a loss since its last update
 
+    def _scaler(self) -> tuple[int, Any]:
+        model = self._model()
+        scalers = model._scalers if model is not None else []
+        if not scalers:
+            return 0, None
+        ctx = md.get_replica_context()
+        rid = 0 if ctx is None else ctx.local_replica_id
+        return rid, scalers[rid]
 
-def _check_ends(dataset: Any, steps: int | None, where: str, steps_arg: str) -> None:
-    """Refuses, before anything runs, a dataset that cannot end a pass (infinite, with no `steps_arg`)
-    or that has nothing in it. Keras 3 trains forever on the first and only warns on the second."""
-    cardinality = getattr(dataset, "cardinality", None)
-    n = int(cardinality()) if callable(cardinality) else epochs_lib.len_or_none(dataset)
-    if n == INFINITE and steps is None:
-        raise ValueError(f"Model.{where}: the dataset repeats forever ({dataset!r}) and {steps_arg} is not set, so "
-                         f"the first pass would never end. Pass {steps_arg}=N (the batches per pass), or drop the "
-                         ".repeat().")
-    if n == 0:
-        raise ValueError(f"Model.{where}: the dataset yields no batches ({dataset!r}). Check the source (an empty "
-                         "file list or split, a filter that drops everything, a batch with drop_remainder=True "
-                         "larger than the data).")
+    def scale_loss(self, loss: Tensor, factor: float | None) -> Tensor:
+        rid, scaler = self._scaler()
+        if factor is not None:
+            loss = loss * factor  # Keras's loss_scale_factor, which a Keras optimizer's apply() undoes
+        if scaler is None:
+            return loss
+        self._scaled[rid] = True
+        return scaler.scale(loss)
 
+    def step(self) -> None:
+        rid, scaler = self._scaler()
+        if scaler is None:
+            self.mirrored.step()
+            return
+        if not self._scaled.get(rid):  # (an empty part: its scaler must hold the scale that step() unscales by)
+            scaler.scale(torch.zeros((), device=self.mirrored.optimizer.param_groups[0]["params"][0].device))
+        self._scaled[rid] = False
+        self.mirrored.step(grad_scaler=scaler)  # (reduced first, then unscaled: every replica skips alike)
+        scaler.update()
 
-def _no_batches(where: str, dataset: Any, what: str) -> ValueError:
-    return ValueError(f"Model.{where}: the dataset yielded no batches in {what} ({dataset!r}). Check the source (an "
-                      "empty file list or split, a filter that drops everything, a batch with drop_remainder=True "
-                      "larger than the data).")
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.mirrored.zero_grad(set_to_none=set_to_none)
+
+    def apply(self, grads: Sequence[Tensor | None], variables: Sequence[Any] | None) -> None:
+        """Keras's apply: sets the given gradients on `variables` (the optimizer's parameters where None),
+        then steps."""
+        params = ([p for g in self.mirrored.param_groups for p in g["params"]] if variables is None
+                  else [getattr(v, "value", v) for v in variables])
+        if len(params) != len(grads):
+            raise ValueError(f"optimizer.apply: {len(grads)} gradients for {len(params)} variables; give one "
+                             "gradient (or None) per variable, in the same order.")
+        for p, g in zip(params, grads):
+            if g is not p.grad:
+                p.grad = g
+        self.step()
 

@@ -242,6 +242,39 @@ class Optimizer:
                  if k not in ("name", "torch_class") and not (k in _OPTION_DEFAULTS and v == _OPTION_DEFAULTS[k])}
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
+    # ---- in a model's steps ------------------------------------------------------------------------
+    _steps: Any = None  # set by mr.Model's compile() and build_optimizer(): the mirrored optimizer it acts on
+
+    def step(self) -> None:
+        """In a model's train_step: all-reduces the calling replica's gradients with every other replica's
+        and applies the update (to the optimizer mr.Model built from this recipe)."""
+        self._bound("step").step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients of the parameters this recipe's model optimizer updates (the calling
+        replica's inside a step)."""
+        self._bound("zero_grad").zero_grad(set_to_none)
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """Keras's scale_loss: the loss times loss_scale_factor, if set, and by the replica's fp16 loss
+        scale under compile(precision="fp16"); step() and apply() undo both."""
+        factor = getattr(self, "loss_scale_factor", None)
+        if self._steps is None:
+            return loss if factor is None else loss * factor
+        return self._steps.scale_loss(loss, factor)
+
+    def apply(self, grads: Sequence[Tensor | None], trainable_variables: Sequence[Any] | None = None) -> None:
+        """Keras's apply: sets `grads` as the gradients of `trainable_variables` (the optimizer's
+        parameters, in order, by default) and steps."""
+        self._bound("apply").apply(grads, trainable_variables)
+
+    def _bound(self, what: str) -> Any:
+        if self._steps is None:
+            raise RuntimeError(f"{self.name}.{what}(): this optimizer is not a model's yet. Compile an mr.Model with "
+                               f"it (model.compile(optimizer=...)) or make it with model.build_optimizer(...); in a "
+                               "custom loop, call step() on what strategy.mirror_optimizer returns.")
+        return self._steps
+
 
 def settable_rate(name: str, schedule: Any, value: Any) -> float:
     """`value` as the new float learning rate of the optimizer `name`: refused where the optimizer was
@@ -371,7 +404,6 @@ class RMSprop(Optimizer):
 
 
 # Keras 3's other optimizers, beside this module (they build on Optimizer above, importing it from here).
-from mirrored.training import _keras_optimizers  # noqa: E402
 from mirrored.training._keras_optimizers import (  # noqa: E402
     Adadelta,
     Adafactor,
@@ -662,6 +694,9 @@ class _KerasSteps:
                     average.mul_(m).add_(p, alpha=1 - m)
             freq = self._options.ema_overwrite_frequency
             if freq and (self.iterations + 1) % freq == 0:
+                journal = md.current_journal()
+                if journal is not None:
+                    journal.before_update()  # the weights change now, also in a step that only accumulates
                 for average, p in zip(self._averages, params):
                     p.copy_(average)
 
