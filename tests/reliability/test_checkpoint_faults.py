@@ -81,11 +81,11 @@ def test_momentum_buffer_of_another_shape_is_refused_naming_file_key_and_both_sh
     """Issue 17: momentum buffers of shape (7,) loaded against parameters of (8,), and the first fit
     failed inside torch."""
     _, path = _trained_file(tmp_path)
-    rewrite_checkpoint(path, tensors=lambda t: t.update({"optimizer/state/1/momentum_buffer": torch.zeros(7)}))
+    rewrite_checkpoint(path, tensors=lambda t: t.update({"model.optimizer/state/1/momentum_buffer": torch.zeros(7)}))
     with pytest.raises(CheckpointError) as info:
         mr.Model.load(path, module=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
     message = str(info.value)
-    assert path in message and "'optimizer/state/1/momentum_buffer'" in message
+    assert path in message and "'model.optimizer/state/1/momentum_buffer'" in message
     assert "(7,)" in message and "(8,)" in message and "0.bias" in message
 
 
@@ -97,19 +97,19 @@ def _rename(entries: dict, old: str, new: str | None) -> None:
 
 @pytest.mark.parametrize("optimizer, forge, message", [
     # A scalar where a per-element buffer belongs loaded, and the first fit failed inside torch.
-    ("sgd", dict(tensors=lambda t: t.update({"optimizer/state/0/momentum_buffer": torch.zeros(())})),
-     r"'momentum_buffer' of parameter 0 \(0\.weight, shape \(8, 4\)\) is tensor\(0\.\) in the file, but the "
-     r"optimizer keeps a tensor shaped like 0\.weight, \(8, 4\)"),
-    ("adam", dict(tensors=lambda t: t.update({"optimizer/state/1/exp_avg": torch.zeros(())})),
-     r"optimizer keeps a tensor shaped like 0\.bias, \(8,\)"),
-    ("adam", dict(tensors=lambda t: t.update({"optimizer/state/1/step": torch.zeros(3)})),
-     r"'optimizer/state/1/step' has shape \(3,\) in the file, but the optimizer keeps a scalar there"),
+    ("sgd", dict(tensors=lambda t: t.update({"model.optimizer/state/0/momentum_buffer": torch.zeros(())})),
+     r"'momentum_buffer' of parameter 0 \(model/0\.weight, shape \(8, 4\)\) is tensor\(0\.\) in the file, but the "
+     r"optimizer keeps a tensor shaped like model/0\.weight, \(8, 4\)"),
+    ("adam", dict(tensors=lambda t: t.update({"model.optimizer/state/1/exp_avg": torch.zeros(())})),
+     r"optimizer keeps a tensor shaped like model/0\.bias, \(8,\)"),
+    ("adam", dict(tensors=lambda t: t.update({"model.optimizer/state/1/step": torch.zeros(3)})),
+     r"'model.optimizer/state/1/step' has shape \(3,\) in the file, but the optimizer keeps a scalar there"),
     # Entries under other names: a raw KeyError from torch, or momentum silently restarting.
-    ("adam", dict(meta=lambda m: _rename(m["optimizer"]["state"]["1"], "step", "s:tep")),
-     r"state of parameter 1 \(0\.bias\) holds \['exp_avg', 'exp_avg_sq', 's:tep'\], but Adam .* keeps "
+    ("adam", dict(meta=lambda m: _rename(m["objects"]["model.optimizer"]["state"]["state"]["1"], "step", "s:tep")),
+     r"state of parameter 1 \(model/0\.bias\) holds \['exp_avg', 'exp_avg_sq', 's:tep'\], but Adam .* keeps "
      r"\['exp_avg', 'exp_avg_sq', 'step'\] \(missing \['step'\]\) \(not its own: \['s:tep'\]\)"),
-    ("adam", dict(meta=lambda m: _rename(m["optimizer"]["state"]["2"], "exp_avg", None)), r"\(missing \['exp_avg'\]\)"),
-    ("sgd", dict(meta=lambda m: _rename(m["optimizer"]["state"]["1"], "momentum_buffer", "momentum")),
+    ("adam", dict(meta=lambda m: _rename(m["objects"]["model.optimizer"]["state"]["state"]["2"], "exp_avg", None)), r"\(missing \['exp_avg'\]\)"),
+    ("sgd", dict(meta=lambda m: _rename(m["objects"]["model.optimizer"]["state"]["state"]["1"], "momentum_buffer", "momentum")),
      r"\(missing \['momentum_buffer'\]\) \(not its own: \['momentum'\]\)"),
 ], ids=["sgd-scalar-buffer", "adam-scalar-exp_avg", "adam-shaped-step", "adam-renamed-step", "adam-no-exp_avg",
         "sgd-renamed-buffer"])
@@ -167,11 +167,11 @@ def test_an_integer_tensor_stored_as_float_is_refused(rewrite_checkpoint, tmp_pa
 
 def test_optimizer_state_of_another_optimizer_is_refused(rewrite_checkpoint, tmp_path):
     _, path = _trained_file(tmp_path, resnet=True)
-    rewrite_checkpoint(path, meta=lambda m: m["optimizer"]["param_groups"][0].update({"betas": [0.9, 0.999]}))
+    rewrite_checkpoint(path, meta=lambda m: m["objects"]["model.optimizer"]["state"]["param_groups"][0].update({"betas": [0.9, 0.999]}))
     with pytest.raises(CheckpointError, match=r"param_groups\[0\] has the setting 'betas', which SGD does not "
                                               r"have: the state was saved from another optimizer"):
         mr.Model.load(path)
-    rewrite_checkpoint(path, meta=lambda m: m["optimizer"]["param_groups"][0].update({"momentum": "fast"}))
+    rewrite_checkpoint(path, meta=lambda m: m["objects"]["model.optimizer"]["state"]["param_groups"][0].update({"momentum": "fast"}))
     with pytest.raises(CheckpointError, match=r"\['momentum'\] is 'fast' in the file but 0\.9"):
         mr.Model.load(path)
 
@@ -302,14 +302,14 @@ def _malformed(path: str) -> dict[str, bytes]:
         "loss unknown": with_meta(lambda m: m["compile"].update(loss="no_such_loss")),
         "metrics not a list": with_meta(lambda m: m["compile"].update(metrics=7)),
         "precision bogus": with_meta(lambda m: m["compile"].update(precision="fp8")),
-        "optimizer state a list": with_meta(lambda m: m["optimizer"].update(state=[])),
-        "optimizer index bogus": with_meta(lambda m: m["optimizer"]["state"].update({"99": {}})),
-        "optimizer tensor missing": with_meta(lambda m: m["optimizer"]["state"]["0"].update(
+        "optimizer state a list": with_meta(lambda m: m["objects"]["model.optimizer"]["state"].update(state=[])),
+        "optimizer index bogus": with_meta(lambda m: m["objects"]["model.optimizer"]["state"]["state"].update({"99": {}})),
+        "optimizer tensor missing": with_meta(lambda m: m["objects"]["model.optimizer"]["state"]["state"]["0"].update(
             momentum_buffer={"__tensor__": "optimizer/nowhere"})),
-        "optimizer group lost": with_meta(lambda m: m["optimizer"].update(param_groups=[])),
-        "optimizer params shortened": with_meta(lambda m: m["optimizer"]["param_groups"][0].update(params=[0])),
-        "optimizer lr negative": with_meta(lambda m: m["optimizer"]["param_groups"][0].update(lr=-1.0)),
-        "optimizer lr NaN": with_meta(lambda m: m["optimizer"]["param_groups"][0].update(lr=float("nan"))),
+        "optimizer group lost": with_meta(lambda m: m["objects"]["model.optimizer"]["state"].update(param_groups=[])),
+        "optimizer params shortened": with_meta(lambda m: m["objects"]["model.optimizer"]["state"]["param_groups"][0].update(params=[0])),
+        "optimizer lr negative": with_meta(lambda m: m["objects"]["model.optimizer"]["state"]["param_groups"][0].update(lr=-1.0)),
+        "optimizer lr NaN": with_meta(lambda m: m["objects"]["model.optimizer"]["state"]["param_groups"][0].update(lr=float("nan"))),
     }
     for cut in (9, 20, len(raw) // 3, len(raw) // 2, len(raw) - 1):
         corpus[f"truncated at {cut}"] = raw[:cut]

@@ -378,7 +378,8 @@ class _Rng:
         return Restore(path, lambda: checkpoint.restore_rng_state(own, meta["rng"]))
 
 
-def _kind(obj: Any) -> Any:
+def kind_of(obj: Any) -> Any:
+    """The kind of trackable `obj` is (module, optimizer, variable, metric, rng, state), or None."""
     if isinstance(obj, (md.MirroredModule, nn.Module)):
         return _Module
     if isinstance(obj, (md.MirroredOptimizer, torch.optim.Optimizer, optimizers.Optimizer)):
@@ -412,7 +413,7 @@ def entries(path: str, obj: Any) -> Iterator[tuple[str, Any, Any]]:
         # The replicas' generators (seed, steps run): a resumed run draws the dropout masks the first would have.
         yield f"{path}.random", _ReplicaRandom, obj.distribute_strategy.random_state
         return
-    kind = _kind(obj)
+    kind = kind_of(obj)
     if kind is None and isinstance(obj, (torch.optim.lr_scheduler.LRScheduler,
                                          torch.optim.lr_scheduler.ReduceLROnPlateau)):
         # One place holds a schedule's state, next to the rates it set: its optimizer's entry.

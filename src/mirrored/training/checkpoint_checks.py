@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from mirrored.training import checkpoint
 from mirrored.training.checkpoint import CheckpointError
 
-__all__ = ["Origin", "build_module", "epoch_state", "is_count", "model_metadata", "model_optimizer_state",
+__all__ = ["Origin", "build_module", "epoch_state", "is_count", "model_metadata",
            "module_state", "object_state", "optimizer_state", "rng_state", "state_dict", "tensor"]
 
 _KERAS_KEY = "keras"  # mr.optimizers' own state in a state_dict (optimizers.py)
@@ -258,17 +258,6 @@ def _like_params(origin: Origin, key: str, values: Any, params: Sequence[tuple[T
             raise origin.mismatch(f"{key}[{i}] has dtype {v.dtype} in the file but {pname} is {param.dtype}")
 
 
-def model_optimizer_state(origin: Origin, tensors: Mapping[str, Tensor], meta: Mapping[str, Any],
-                          model: Any) -> dict[str, Any] | None:
-    """optimizer_state() of a Model file for `model` (an mr.Model): checked against its replica 0's
-    optimizer and named by its module's parameters; None when either has no optimizer."""
-    mopt = model.mirrored_optimizer
-    if mopt is None or "optimizer" not in meta:
-        return None
-    names = [n for n, _ in model.module.named_parameters()]
-    return optimizer_state(origin, tensors, meta["optimizer"], mopt.replicas[0], names)
-
-
 def _group(origin: Origin, key: str, saved: dict, live: dict, tensors: Mapping[str, Tensor],
            optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     cls = type(optimizer).__name__
@@ -455,7 +444,7 @@ def model_metadata(origin: Origin, meta: Mapping[str, Any]) -> None:
     if lr is not None and not _is_config(lr) and (_number(lr) is None or not math.isfinite(lr) or lr < 0):
         raise origin.damaged(f"the optimizer's learning_rate is {lr!r:.40}, not a number >= 0 or a schedule")
     loss = cfg.get("loss")
-    if not (isinstance(loss, str) or _is_object_note(loss) or _is_config(loss)):
+    if not (loss is None or isinstance(loss, str) or _is_object_note(loss) or _is_config(loss)):
         raise origin.damaged(f"the compiled loss is {loss!r:.60}, neither a name, a config nor an object's note")
     metrics = cfg.get("metrics", [])
     if not isinstance(metrics, list) or not all(isinstance(m, str) or _is_object_note(m) or _is_config(m)
@@ -554,8 +543,8 @@ def _like(origin: Origin, key: str, value: Any, like: Any, depth: int) -> None:
         if value != like:
             raise origin.mismatch(f"the saved data position {key!r} is {value!r:.60} but this run's dataset "
                                   f"has {like!r:.60}: it was saved with another input pipeline")
-    elif isinstance(like, int) and not isinstance(like, bool):  # a seed, or a count of epochs or batches
-        if (not isinstance(value, int) or isinstance(value, bool) or not -(1 << 63) <= value < 1 << 63
+    elif isinstance(like, int) and not isinstance(like, bool):  # a seed (torch's are 64-bit unsigned), or a count
+        if (not isinstance(value, int) or isinstance(value, bool) or not -(1 << 63) <= value < 1 << 64
                 or (key.endswith(("epoch", "drawn")) and value < 0)):
             raise origin.damaged(f"the saved data position {key!r} is {value!r:.60}, where a whole number "
                                  f"like {like!r:.40} belongs")

@@ -217,11 +217,7 @@ class Checkpoint:
         if os.path.basename(path) == _STATE_FILE:
             raise ValueError(f"{where}({path!r}): {_STATE_FILE!r} is the name of the file that lists a directory's "
                              "checkpoints; choose another name.")
-        tensors: dict[str, Tensor] = {}
-        objects: dict[str, Any] = {}
-        for entry_path, kind, obj in self._entries():
-            entry_tensors, objects[entry_path] = kind.save(obj, entry_path)
-            tensors.update(entry_tensors)
+        tensors, objects = collect(self._entries())
         meta = {"format": _FORMAT, "save_counter": self._save_counter, "objects": objects}
         checkpoint.save_checkpoint(path, tensors, meta)
         return path
@@ -269,40 +265,64 @@ class Checkpoint:
         values of the objects that the file lacks (missing) and those of the file that no object takes (unused)."""
         if not isinstance(saved, dict):
             raise origin.damaged(f"its 'objects' are {saved!r:.60}, not a dict of entries")
-        entries = self._entries(saved)
-        names: dict[int, str] = {}
-        for entry_path, kind, obj in entries:
-            if kind.kind == "module":
-                names.update(_trackables.module_names(entry_path, obj))
-        ctx = _trackables.Context(origin, names, complete)
-        restores: list[_trackables.Restore] = []
-        missing: list[str] = []
-        for entry_path, kind, obj in entries:
-            entry = saved.get(entry_path)
-            if entry is None and getattr(kind, "absent", None):  # an entry that files of older versions lack
-                warnings.warn(f"{reader}: the file {kind.absent.format(path=entry_path)}", stacklevel=4)
-                continue
-            if entry is None:
-                missing.append(entry_path)
-                continue
-            if not isinstance(entry, dict) or not isinstance(entry.get("kind"), str):
-                raise origin.damaged(f"its entry {entry_path!r} is {entry!r:.60}, not a dict with a 'kind'")
-            if entry["kind"] != kind.kind:
-                raise origin.mismatch(f"{entry_path} holds kind {entry['kind']!r:.40} in the checkpoint, but the "
-                                      f"object given under that name, a {type(obj).__name__}, is of kind "
-                                      f"{kind.kind!r}")
-            restores.append(kind.check(obj, entry_path, tensors, entry, ctx))
-        given = {entry_path for entry_path, _, _ in entries}
-        missing += [m for r in restores for m in r.missing]
-        unused = [u for r in restores for u in r.unused] + [
-            p for p, entry in saved.items()
-            if p not in given and not (isinstance(entry, dict) and entry.get("implicit") is True)]
-        if complete and (missing or unused):
-            raise origin.mismatch(_describe(missing, unused).rstrip("."), CheckpointMismatchError)
-        return restores, missing, unused
+        return check_entries(self._entries(saved), tensors, saved, origin, complete, reader)
 
     def __repr__(self) -> str:
         return f"Checkpoint({', '.join(f'{k}={type(v).__name__}' for k, v in self._trackables.items())})"
+
+
+def collect(found: list[tuple[str, Any, Any]]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The tensors and the entries (JSON) that the trackables of `found` ((path, kind, object), as
+    _trackables.entries gives them) save: what a checkpoint file holds, and Model.save's."""
+    tensors: dict[str, Tensor] = {}
+    objects: dict[str, Any] = {}
+    for entry_path, kind, obj in found:
+        entry_tensors, objects[entry_path] = kind.save(obj, entry_path)
+        tensors.update(entry_tensors)
+    return tensors, objects
+
+
+def check_entries(found: list[tuple[str, Any, Any]], tensors: dict[str, Tensor], saved: dict[str, Any],
+                  origin: checkpoint_checks.Origin, complete: bool, reader: str
+                  ) -> tuple[list[_trackables.Restore], list[str], list[str]]:
+    """Every entry of `found` checked in full against the file's (`saved`), nothing assigned: the checked
+    restores, the values of the objects that the file lacks (missing) and those of the file that no
+    object takes (unused); with `complete`, either is a CheckpointMismatchError instead."""
+    names: dict[int, str] = {}
+    for entry_path, kind, obj in found:
+        if kind.kind == "module":
+            names.update(_trackables.module_names(entry_path, obj))
+    ctx = _trackables.Context(origin, names, complete)
+    restores: list[_trackables.Restore] = []
+    missing: list[str] = []
+    for entry_path, kind, obj in found:
+        entry = saved.get(entry_path)
+        if entry is None and getattr(kind, "absent", None):  # an entry that files of older versions lack
+            warnings.warn(f"{reader}: the file {kind.absent.format(path=entry_path)}", stacklevel=5)
+            continue
+        if entry is None:
+            missing.append(entry_path)
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("kind"), str):
+            raise origin.damaged(f"its entry {entry_path!r} is {entry!r:.60}, not a dict with a 'kind'")
+        if entry["kind"] != kind.kind:
+            raise origin.mismatch(f"{entry_path} holds kind {entry['kind']!r:.40} in the checkpoint, but the "
+                                  f"object given under that name, a {type(obj).__name__}, is of kind "
+                                  f"{kind.kind!r}")
+        restores.append(kind.check(obj, entry_path, tensors, entry, ctx))
+    given = {entry_path for entry_path, _, _ in found}
+    missing += [m for r in restores for m in r.missing]
+    unused = [u for r in restores for u in r.unused] + [
+        p for p, entry in saved.items()
+        if p not in given and not (isinstance(entry, dict) and entry.get("implicit") is True)]
+    if complete and (missing or unused):
+        raise origin.mismatch(_describe(missing, unused).rstrip("."), CheckpointMismatchError)
+    return restores, missing, unused
+
+
+def apply_restores(restores: list[_trackables.Restore], origin: checkpoint_checks.Origin) -> None:
+    """Assigns checked entries (check_entries'); see _apply."""
+    _apply(restores, origin)
 
 
 def _apply(restores: list[_trackables.Restore], origin: checkpoint_checks.Origin) -> None:
