@@ -184,6 +184,7 @@ class BackupAndRestore(Callback):
         self._checkpoint: tracking.Checkpoint | None = None
         self._fit = None
         self._kept: str | None = None  # where the backup on disk stands, for an error that must say it is intact
+        self._rebase = False
         self._steps = StepCounter(save_freq) if save_freq != "epoch" else None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
@@ -209,6 +210,14 @@ class BackupAndRestore(Callback):
                         self.path, fit.initial_epoch + 1, fit.step)
         if self._steps is not None:
             self._steps = StepCounter(self.save_freq, last_batch=fit.step - 1)
+        self._rebase = True
+
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        """The first step's index starts the count: a run resumed with another global batch (another replica
+        count) goes on at another step of the epoch than the backup's."""
+        if self._rebase and self._steps is not None:
+            self._steps.last_batch = batch - 1
+        self._rebase = False
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         """Backs up every `save_freq` steps, when save_freq is a number."""

@@ -501,10 +501,13 @@ def epoch_state(origin: Origin, key: str, state: Any, like: Mapping[str, Any], s
     if lr is not None and like.get("learning_rate") is None:
         raise origin.mismatch(f"'{key}.learning_rate' is {lr!r}, but this fit's optimizer takes its rate from a "
                               "schedule, which cannot be set: it was saved from a fit with another optimizer")
-    _like(origin, f"{key}.data", state["data"], like["data"], 0)
+    _like(origin, f"{key}.data", state["data"], _as_saved(state["data"], like["data"]), 0)
     drawn = state["data"]["drawn"] if isinstance(state["data"], dict) else None
     if not _is_count(drawn):
         return  # like["data"] had no count there either: a dataset that is not resumable
+    examples = state["data"].get("examples", drawn)
+    if not (examples >= drawn and (examples == 0) == (drawn == 0)):  # (every batch handed out holds examples)
+        raise origin.damaged(f"'{key}.data.examples' is {examples}, which {drawn} batches cannot hold")
     if batches_per_pass is not None and drawn > batches_per_pass:
         raise origin.mismatch(f"'{key}.data.drawn' is {drawn} batches into a pass of the data, but this fit's data "
                               f"has {batches_per_pass} batches a pass: it was saved from a fit with other data")
@@ -522,11 +525,19 @@ def object_state(origin: Origin, key: str, state: Any, like: Any, strict: bool) 
     structure; otherwise (a user's object, whose state may grow) the outline: the same JSON kind and,
     for a dict, the same keys."""
     if strict:
-        _like(origin, key, state, like, 0)
+        _like(origin, key, state, _as_saved(state, like), 0)
         return
     if _kind(state) != _kind(like) or (isinstance(like, dict) and set(state) != set(like)):
         raise origin.mismatch(f"the saved state {key!r} is {state!r:.120} but the object's get_state() is "
                               f"{like!r:.120}: it was saved from another kind of object")
+
+
+def _as_saved(state: Any, like: Any) -> Any:
+    """A distributed iterator's state `like`, without "examples" where the saved `state` (of a version that
+    counted the position in batches only) has none."""
+    if isinstance(like, dict) and isinstance(state, dict) and "drawn" in like and "examples" not in state:
+        return {k: v for k, v in like.items() if k != "examples"}
+    return like
 
 
 def is_count(value: Any) -> bool:
