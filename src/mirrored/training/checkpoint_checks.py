@@ -488,7 +488,10 @@ def epoch_state(origin: Origin, key: str, state: Any, like: Mapping[str, Any], s
     for field in ("epoch", "step"):
         if not _is_count(state[field]) or state[field] >= 1 << 63:
             raise origin.damaged(f"'{key}.{field}' is {state[field]!r:.40}, not a whole number >= 0")
-    if steps_per_epoch is not None and state["step"] > steps_per_epoch:
+    # (An epoch that is a pass, whose position is kept in examples, may have counted more, smaller batches: a
+    # global batch that changed with the replica count. The restore reads past the examples instead.)
+    in_examples = not continuing and isinstance(state["data"], dict) and "examples" in state["data"]
+    if steps_per_epoch is not None and state["step"] > steps_per_epoch and not in_examples:
         raise origin.mismatch(f"'{key}.step' is {state['step']}, past this fit's {steps_per_epoch} steps per epoch: "
                               "it was saved from a fit with other data or another steps_per_epoch")
     lr = state.get("learning_rate")
@@ -508,7 +511,7 @@ def epoch_state(origin: Origin, key: str, state: Any, like: Mapping[str, Any], s
     examples = state["data"].get("examples", drawn)
     if not (examples >= drawn and (examples == 0) == (drawn == 0)):  # (every batch handed out holds examples)
         raise origin.damaged(f"'{key}.data.examples' is {examples}, which {drawn} batches cannot hold")
-    if batches_per_pass is not None and drawn > batches_per_pass:
+    if batches_per_pass is not None and drawn > batches_per_pass and "examples" not in state["data"]:
         raise origin.mismatch(f"'{key}.data.drawn' is {drawn} batches into a pass of the data, but this fit's data "
                               f"has {batches_per_pass} batches a pass: it was saved from a fit with other data")
     # A pass spans the epochs since it began (continuing) or is the epoch's own: it cannot be further
