@@ -415,3 +415,22 @@ def test_cli_train_final_files_name_themselves_and_what_is_kept(disk, capsys, mo
     if fails != "model.safetensors":
         assert f"The trained model is in {str(out / 'model.safetensors')!r}" in err, err
     assert not [f for f in disk.files() if f.endswith(".tmp") or "/." in f], disk.files()
+
+
+@pytest.mark.parametrize("how", _FAILURES)
+def test_a_keras_archive_written_through_write_atomically_keeps_the_file_there(disk, how):
+    """The helper Model.save's Keras archives go through (keras_adapter.save_keras): Keras writes the archive
+    to a temporary ".keras" name beside the target, renamed over it once whole."""
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    keras = pytest.importorskip("keras")
+    from mirrored._files import write_atomically
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    path = disk.path / "model.keras"
+    write_atomically(path, "Model.save", lambda tmp: model.save(tmp), suffix=".keras")
+    before = path.read_bytes()
+    _break(disk, how)
+    with pytest.raises(OSError) as info:
+        write_atomically(path, "Model.save", lambda tmp: model.save(tmp), suffix=".keras")
+    _one_error(info, _FAILURES[how], f"Model.save: could not write {str(path)!r}", "The file there before is intact")
+    assert disk.files() == ["model.keras"] and path.read_bytes() == before
