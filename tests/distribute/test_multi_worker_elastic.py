@@ -261,7 +261,8 @@ def scenario_fit(out: Path) -> dict:
         model = mr.Model(net())
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
                       loss="sparse_categorical_crossentropy")
-    ds = mr.data.Dataset.from_tensor_slices((x, y)).shuffle(N, seed=3).batch(PER_REPLICA * strategy.num_replicas_in_sync)
+    global_batch = PER_REPLICA * strategy.num_replicas_in_sync  # (changes with the count, as users write it)
+    ds = mr.data.Dataset.from_tensor_slices((x, y)).shuffle(N, seed=3).batch(global_batch)
     try:
         model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[
             mr.callbacks.BackupAndRestore(backup, save_freq=int(os.environ.get("SAVE_FREQ", "2"))), Events()])

@@ -247,7 +247,8 @@ def test_a_backup_that_cannot_be_written_keeps_the_previous_one_and_the_run_resu
     _, meta = load_checkpoint(backup)
     assert meta["objects"]["fit"]["state"]["epoch"] == 1
     _mend(disk, how)
-    got = _fit([mr.callbacks.BackupAndRestore(backup_dir), mr.callbacks.ModelCheckpoint(disk.path / "model.safetensors")])
+    got = _fit([mr.callbacks.BackupAndRestore(backup_dir),
+                mr.callbacks.ModelCheckpoint(disk.path / "model.safetensors")])
     assert torch.equal(got, want), float((got - want).abs().max())
 
 

@@ -129,7 +129,8 @@ class ModelCheckpoint(Callback):
                 kept = f"The checkpoint it saved before, {self._last_saved!r}, is intact"
             else:
                 kept = "No checkpoint was saved by it before"
-            raise write_error(e, path, f"ModelCheckpoint({self.filepath!r})", f"{kept} (no partial file was left).") from None
+            raise write_error(e, path, f"ModelCheckpoint({self.filepath!r})",
+                              f"{kept} (no partial file was left).") from None
         self._last_saved = path
 
     def _format_path(self, epoch: int, batch: int | None, logs: Logs) -> str:
@@ -253,7 +254,8 @@ class BackupAndRestore(Callback):
         where = self._fit.get_state()
         try:
             os.makedirs(self.backup_dir, exist_ok=True)
-            self._checkpoint.write(self.path)  # where fit is now: after this batch, or (at an epoch's end) the next epoch
+            # where fit is now: after this batch, or (at an epoch's end) the next epoch
+            self._checkpoint.write(self.path)
         except OSError as e:
             if self._kept is None:
                 kept = "No backup of this run was written before, so a rerun starts afresh."

@@ -45,8 +45,8 @@ from mirrored._files import FileWriteError, write_error
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CheckpointError", "CheckpointMismatchError", "FileWriteError", "capture_rng_state", "decode_value", "load_checkpoint",
-    "load_state_dict", "optimizer_state_from_flat",
+    "CheckpointError", "CheckpointMismatchError", "FileWriteError", "capture_rng_state", "decode_value",
+    "load_checkpoint", "load_state_dict", "optimizer_state_from_flat",
     "optimizer_state_to_flat", "restore_rng_state", "save_checkpoint",
 ]
 
