@@ -5,7 +5,9 @@ whole, no temporary file is left, and a resumed fit ends where an uninterrupted 
 
 The disk is a small tmpfs mounted for the test (the real ENOSPC and EROFS of a file system); where the
 test may not mount one (no root, a container without CAP_SYS_ADMIN), the same errors are injected where
-the bytes leave Python: os.write and os.open, and open() in a writing mode, for paths in that folder."""
+the bytes leave Python: os.write and os.open, and open() in a writing mode, for paths in that folder
+(MIRRORED_TEST_NO_MOUNT=1 forces that). The injected full disk fails a write whole; only the tmpfs shows
+the kernel writing part of a record before ENOSPC, which the log tests below provoke."""
 from __future__ import annotations
 
 import builtins
