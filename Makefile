@@ -14,7 +14,7 @@ STAMP_MIN := $(VENV_MIN)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,hf]'
 	touch $(STAMP)
 
 $(STAMP_MIN): pyproject.toml constraints-min.txt

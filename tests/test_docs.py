@@ -6,7 +6,8 @@
 - Every code block of the guides runs: the ```python blocks of a page run in order, in one fresh
   interpreter, as a reader would paste them. A block that cannot run in CI (a download, torchrun on
   GPUs, a long training run) carries the line `% ci: parse-only (why)` right above its fence, and is
-  then compiled (Python) or checked with `bash -n` (shell). ```text blocks are output, not code.
+  then compiled (Python) or checked with `bash -n` (shell). ```text blocks are output, not code. A
+  page that needs an optional package says `% ci: needs <module>`; without it, its blocks are compiled.
 - Every `{py:...}` cross-reference of the guides names an object that exists.
 - Every promise of docs/guarantees.md names the tests that hold it, and each named test exists.
 
@@ -180,6 +181,9 @@ def test_a_name_reachable_twice_is_documented_once():
 
 _FENCE = re.compile(r"^(`{3,})(\S*).*$")
 _MARK = re.compile(r"^% ci: parse-only \((.+)\)\s*$")
+# A page whose blocks need an optional package (an extra that `make test-min` cannot install) says so once:
+# without the package its blocks are compiled, not run.
+_NEEDS = re.compile(r"^% ci: needs (\S+)", re.M)
 _LANGUAGES = {"python": "python", "py": "python", "sh": "sh", "bash": "sh", "text": "text", "diff": "text"}
 
 
@@ -241,6 +245,11 @@ def test_python_blocks_of_a_page_run(page, tmp_path):
     """The page's blocks in order, in one fresh interpreter, working in an empty directory; a
     traceback names the page and its line."""
     blocks = [(_rel(b.page), b.line, b.code) for b in blocks_of(page) if b.language == "python" and not b.parse_only]
+    missing = [m for m in _NEEDS.findall(page.read_text()) if importlib.util.find_spec(m) is None]
+    if missing:
+        for name, line, code in blocks:
+            compile("\n" * (line - 1) + code, name, "exec")
+        pytest.skip(f"{_rel(page)} needs {', '.join(missing)}, which is not installed (its blocks were compiled)")
     done = subprocess.run([sys.executable, "-c", _RUNNER], input=json.dumps(blocks), capture_output=True, text=True,
                           cwd=tmp_path, timeout=_PAGE_TIMEOUT_S)
     assert done.returncode == 0, f"{_rel(page)}: a code block failed\n{done.stdout}\n{done.stderr}"

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mirrored._files import reporting_write_errors, write_atomically
+
 _MODELS_FOR_SIZE = {"resnet_cifar": 32, "resnet20": 32, "resnet18": 224, "resnet34": 224, "resnet50": 224}
 # What one training replica holds besides its activations, in copies of the weights: the weights,
 # their gradients, SGD's momentum and the all-reduce's packed gradient buffer.
@@ -380,15 +382,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     images = sizes[train_split] * len(history.history.get("loss", []))
     results = model.evaluate(test, return_dict=True, verbose=0)  # the one look at the test split
-    model.save(out / "model.safetensors")  # (by the chief only, under a multi-worker strategy)
+    best = "the best epoch's weights are in " + repr(str(out / "best.safetensors"))
+    before = "The file there before is intact" if (out / "model.safetensors").is_file() else "Nothing was written there"
+    with reporting_write_errors(out / "model.safetensors", "mirrored train (the trained model)",
+                                f"{before}; {best}, and log.csv holds every epoch's metrics."):
+        model.save(out / "model.safetensors")  # (by the chief only, under a multi-worker strategy)
     if not chief:
         return 0
-    _plot(history.history, out / "history.png")
-    (out / "run.json").write_text(json.dumps({"dataset": args.dataset, "model": model_name, "image_size":
-                                              image_size, "replicas": n, "workers": workers,
-                                              "splits": {"train": train_split, "validation": val_split,
-                                                         "test": test_split}, "test": results},
-                                             indent=2))
+    kept = f"The trained model is in {str(out / 'model.safetensors')!r} and {best}."
+    write_atomically(out / "history.png", "mirrored train (the plot of the epochs)",
+                     lambda tmp: _plot(history.history, tmp), suffix=".png", also=kept)
+    run_info = json.dumps({"dataset": args.dataset, "model": model_name, "image_size": image_size, "replicas": n,
+                           "workers": workers, "splits": {"train": train_split, "validation": val_split,
+                                                          "test": test_split}, "test": results}, indent=2)
+    write_atomically(out / "run.json", "mirrored train (the run's settings, which evaluate reads)",
+                     lambda tmp: Path(tmp).write_text(run_info, encoding="utf-8"),
+                     also=f"{kept} (`mirrored evaluate` reads run.json beside the model.)")
     metrics = " - ".join(f"test_{k}: {v:.4f}" for k, v in results.items())
     print(f"{metrics} (split {test_split!r}, evaluated once after training) - {images / seconds:.0f} images/s "
           f"over {seconds:.1f} s of training")

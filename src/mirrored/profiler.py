@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 import mirrored.distribute as md
+from mirrored._files import write_atomically
 from mirrored.training.callbacks import Callback
 
 logger = logging.getLogger(__name__)
@@ -294,12 +295,13 @@ class Profiler(Callback):
             _active.remove(self._rec)
         self._recording = False
         if self.log_dir is not None:
-            os.makedirs(self.log_dir, exist_ok=True)
             suffix = f".worker{self._worker}" if self._worker else ""
             trace_path = os.path.join(self.log_dir, _TRACE_FILE.format(suffix=suffix))
             plot_path = os.path.join(self.log_dir, _PLOT_FILE.format(suffix=suffix))
-            self.save_chrome_trace(trace_path)
-            self.plot(plot_path)
+            also = "The record stays in this Profiler: save_chrome_trace(path) and plot(path) write it elsewhere."
+            write_atomically(trace_path, f"Profiler({self.log_dir!r})", self.save_chrome_trace, suffix=".json",
+                             also=also)
+            write_atomically(plot_path, f"Profiler({self.log_dir!r})", self.plot, suffix=".png", also=also)
             logger.log(logging.DEBUG if self._worker else logging.INFO, "Profiler: %d steps; wrote %s and %s",
                        self._rec.next_step, trace_path, plot_path)
 

@@ -50,7 +50,7 @@ def test_a_dataset_without_state_is_replayed_from_its_start():
     original = iter(strategy.experimental_distribute_dataset(batches))
     next(original), next(original)
     state = original.get_state()
-    assert state == {"dataset": None, "drawn": 2}
+    assert state == {"dataset": None, "drawn": 2, "examples": 4}
     restored = iter(strategy.experimental_distribute_dataset(batches))
     restored.set_state(state)
     assert [float(b[0]) for b in restored] == [2.0, 3.0, 4.0]
@@ -61,8 +61,12 @@ def test_states_that_do_not_fit_are_refused():
     short = iter(strategy.experimental_distribute_dataset(mr.data.Dataset.range(8).batch(4)))
     with pytest.raises(ValueError, match="the state is 5 batches into the pass, but the dataset ran out after 2"):
         short.set_state({"dataset": None, "drawn": 5})
+    with pytest.raises(ValueError, match="the state is 9 examples into the pass, but the dataset ran out after 8"):
+        short.set_state({"dataset": None, "drawn": 2, "examples": 9})
     with pytest.raises(ValueError, match="expected the dict get_state"):
         short.set_state({"drawn": -1})
+    with pytest.raises(ValueError, match="expected the dict get_state"):
+        short.set_state({"drawn": 1, "examples": "4"})
     plain = iter(strategy.experimental_distribute_dataset([torch.zeros(2)]))
     with pytest.raises(ValueError, match="has no set_state"):
         plain.set_state({"dataset": _pipeline().get_state(), "drawn": 0})
@@ -123,3 +127,42 @@ def test_a_prefetch_thread_that_starts_late_does_not_move_the_restored_pass(monk
     restored = iter(strategy.experimental_distribute_dataset(pipeline()))
     restored.set_state(state)
     assert _rest(restored) == want
+
+
+def _examples(iterator) -> list[int]:
+    return [v for batch in _rest(iterator) for v in batch]
+
+
+@pytest.mark.parametrize("replicas, batch, resumed_replicas, resumed_batch", [
+    (2, 4, 3, 6),   # a global batch of 2 per replica: 8 examples in, the position falls inside batch 1 of 6
+    (2, 4, 1, 2),   # 4 whole batches of 2
+    (3, 6, 2, 4),   # 12 examples in: on a batch boundary of the new size too
+    (2, 4, 3, 5)])  # any size: 8 examples in, 3 left of the batch of 5 they fall in
+def test_the_position_is_in_examples_so_a_changed_global_batch_resumes_exactly(replicas, batch, resumed_replicas,
+                                                                                resumed_batch):
+    """Issue 36: a script batching by per-replica size x num_replicas_in_sync, resumed on another replica count,
+    gets another global batch. The restored iterator hands out exactly the examples the original had not: the
+    rest of the batch the position falls in, then whole batches of the new size; and its state counts the
+    same examples and the new size's batches."""
+    def pipeline(size):
+        return mr.data.Dataset.range(23).shuffle(23, seed=3).batch(size)
+
+    original = iter(_strategy(replicas).experimental_distribute_dataset(pipeline(batch)))
+    for _ in range(2):
+        next(original)
+    state = json.loads(json.dumps(original.get_state()))
+    assert state["examples"] == 2 * batch
+    want = _examples(original)
+
+    strategy = _strategy(resumed_replicas)
+    restored = iter(strategy.experimental_distribute_dataset(pipeline(resumed_batch)))
+    restored.set_state(state)
+    assert restored.get_state()["examples"] == 2 * batch
+    assert restored.get_state()["drawn"] == 2 * batch // resumed_batch  # whole batches of the new size read past
+    got = []
+    for step in restored:
+        parts = step.values if isinstance(step, md.PerReplica) else (step,)
+        got += [int(v) for part in parts for v in part]
+        if len(got) + 2 * batch < 23:  # every step but the last holds a whole batch, or the rest of one
+            assert restored.get_state()["examples"] == 2 * batch + len(got)
+    assert got == want and len(got) == 23 - 2 * batch

@@ -46,6 +46,23 @@ def test_torchrun_variables():
     assert cr.resolve({}).kind == "single" and cr.resolve({}).is_chief
 
 
+def test_a_ray_train_worker_is_named_ray():
+    """Issue 36: Ray Train's TorchTrainer sets torchrun's variables in its workers (as measured in Ray 2.60) and
+    creates the process group before the training function runs; Ray gives every worker RAY_RAYLET_PID and
+    RAY_JOB_ID. Joined as an existing group or resolved from the variables, the launcher is "ray"."""
+    ray = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0",
+           "MASTER_ADDR": "192.0.2.2", "MASTER_PORT": "55033", "RAY_RAYLET_PID": "11321", "RAY_JOB_ID": "01000000"}
+    joined = cr.from_process_group(1, 2, ray)
+    assert (joined.kind, joined.rank, joined.num_workers, joined.local_rank, joined.local_world_size) == (
+        "ray", 1, 2, 1, 2)
+    assert joined.master() == "192.0.2.2:55033" and not joined.is_chief
+    assert cr.resolve(ray).kind == "ray"
+    plain = {k: v for k, v in ray.items() if not k.startswith("RAY_")}
+    assert cr.from_process_group(1, 2, plain).kind == "process_group" and cr.resolve(plain).kind == "environment"
+    # torchrun inside a Ray task is still torchrun
+    assert cr.resolve({**ray, "TORCHELASTIC_RUN_ID": "job"}).kind == "torchrun"
+
+
 def test_tf_config_chief_then_workers():
     """TF numbers the chief first, then the workers by index; the chief's address is the master."""
     cluster = {"chief": ["boss:5000"], "worker": ["w0:2222", "w1:2222"], "evaluator": ["ev:1"]}

@@ -13,6 +13,11 @@ variables. The launchers, in the order they win:
   sets it), SLURM_LOCALID; the master is the first node of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST
   (MASTER_ADDR overrides it), on MASTER_PORT or a port derived from SLURM_JOB_ID, the same on every task.
 
+A process group that exists before the strategy (`from_process_group`) is joined as it is: kind "ray"
+in a Ray Train worker (RAY_RAYLET_PID and RAY_JOB_ID, which Ray gives its workers; TorchTrainer sets RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT and creates the group before the
+training function runs), "process_group" otherwise.
+
 Without any of them the process is a single worker, as TF's strategy is without TF_CONFIG.
 Uses only the standard library.
 """
@@ -43,7 +48,9 @@ class ClusterResolver:
     (the chief is 0), and `is_chief` is what decides which worker writes files (TF's rule).
     """
 
-    kind: str  # "torchrun", "environment" (RANK set by hand), "tf_config", "slurm", "process_group", "single"
+    # "torchrun", "environment" (RANK set by hand), "tf_config", "slurm", "ray" (a Ray Train worker, whose
+    # process group Ray made), "process_group" (one the user made), "single"
+    kind: str
     task_type: str | None
     task_id: int
     rank: int
@@ -85,12 +92,15 @@ def single() -> ClusterResolver:
     return ClusterResolver("single", None, 0, 0, 1)
 
 
-def from_process_group(rank: int, world_size: int) -> ClusterResolver:
-    """For a process group the user created before the strategy: its rank and size."""
-    env = os.environ
+def from_process_group(rank: int, world_size: int, environ: Mapping[str, str] | None = None) -> ClusterResolver:
+    """For a process group created before the strategy (by the user, or by Ray Train's TorchTrainer before
+    the training function runs: kind "ray"): its rank and size."""
+    env = os.environ if environ is None else environ
     addr, port = env.get("MASTER_ADDR"), _int(env, "MASTER_PORT", "set it to the rendezvous port")
-    return ClusterResolver("process_group", "worker", rank, rank, world_size, _local_rank(env, rank),
-                           addr, port, _restart_count(env), uses_agent_store=_agent_store(env))
+    local_world = _int(env, "LOCAL_WORLD_SIZE", "give the number of worker processes on this machine")
+    return ClusterResolver("ray" if _in_ray_worker(env) else "process_group", "worker", rank, rank, world_size,
+                           _local_rank(env, rank), addr, port, _restart_count(env), uses_agent_store=_agent_store(env),
+                           local_world_size=local_world)
 
 
 def resolve(environ: Mapping[str, str] | None = None) -> ClusterResolver:
@@ -128,7 +138,10 @@ def _from_torchrun(env: Mapping[str, str]) -> ClusterResolver:
         raise ValueError(f"MultiWorkerMirroredStrategy: RANK={rank} is outside [0, WORLD_SIZE={world}). Ranks run "
                          "0..WORLD_SIZE-1, one per worker process.")
     _check_port("MASTER_PORT", port)
-    kind = "torchrun" if env.get("TORCHELASTIC_RUN_ID") is not None else "environment"
+    if env.get("TORCHELASTIC_RUN_ID") is not None:
+        kind = "torchrun"
+    else:  # set by hand, or by Ray Train in its workers (which also creates the group before our strategy)
+        kind = "ray" if _in_ray_worker(env) else "environment"
     local_world = _int(env, "LOCAL_WORLD_SIZE", "torchrun sets it to the number of processes on this machine")
     return ClusterResolver(kind, "worker", rank, rank, world, _local_rank(env, rank), addr, port,
                            _restart_count(env), uses_agent_store=_agent_store(env), local_world_size=local_world)
@@ -141,6 +154,11 @@ def _local_rank(env: Mapping[str, str], rank: int) -> int:
 
 def _restart_count(env: Mapping[str, str]) -> int:
     return _int(env, "TORCHELASTIC_RESTART_COUNT", "torchrun sets it; unset it outside torchrun") or 0
+
+
+def _in_ray_worker(env: Mapping[str, str]) -> bool:
+    """Whether this process is a Ray worker: Ray gives each the raylet's pid and its job's id."""
+    return env.get("RAY_RAYLET_PID") is not None and env.get("RAY_JOB_ID") is not None
 
 
 def _agent_store(env: Mapping[str, str]) -> bool:

@@ -221,6 +221,7 @@ class DistributedIterator(_GetNext):
         self._n = strategy.num_replicas_in_sync
         self._source = source
         self._step = 0
+        self._examples = 0  # the examples of the global batches handed out this pass: the position to resume at
         self._ahead: list[Any] = []
         self._policy = policy  # "DATA": the same global batches on every worker; "FILE"/"HINT"/"OFF": its own
         self._compared = False  # DATA on several workers: the first batch's digest is compared once a pass
@@ -290,31 +291,39 @@ class DistributedIterator(_GetNext):
         following = self._fetch()  # split and copy the next batch now, so it is on the devices in time
         if following is not None:
             self._ahead.append(following)
-        if self._step == 0 and size < self._n and following is not None:
+        if self._examples == 0 and size < self._n and following is not None:
             raise ValueError(
                 f"experimental_distribute_dataset: the dataset is batched by {size} but num_replicas_in_sync is "
                 f"{self._n}, so replica {self._n - 1} would get no examples. Batch by the GLOBAL size, e.g. "
                 f"ds.batch({max(size, 1)} * strategy.num_replicas_in_sync). (A short final batch of an epoch "
                 "is fine.)")
         self._step += 1
+        self._examples += size
         self.global_batch_size = size
         return current
 
     # ---- resuming (mr.train.Checkpoint, Model.fit's BackupAndRestore) --------------------------------
     def get_state(self) -> dict[str, Any]:
         """Where this iterator is, as JSON: the dataset's get_state() from before this pass began (None for
-        a dataset without one) and the batches handed out since. Take it between steps."""
+        a dataset without one), the global batches handed out since ("drawn") and the examples in them
+        ("examples"). Take it between steps."""
         _, pass_state = getattr(self, "_resume", (None, None))
-        return {"dataset": pass_state, "drawn": self._step}
+        return {"dataset": pass_state, "drawn": self._step, "examples": self._examples}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continues where get_state() was taken, on an iterator of the same dataset (in another process
-        too): restores the dataset's state, starts the pass again and reads past the batches already
-        handed out. A dataset without get_state()/set_state() is re-read from its start."""
+        too, on another number of replicas or workers): restores the dataset's state, starts the pass again
+        and reads past the examples already handed out. The position is counted in examples, so it is exact
+        when the global batch changed (a script that batches by per-replica size x replicas, resumed on
+        another count): the rest of the batch it falls in is the next batch, then whole batches follow.
+        (Where each worker reads its own data - FILE, HINT or OFF sharding - it reads past as many batches.)
+        A dataset without get_state()/set_state() is re-read from its start."""
         if getattr(self, "_resume", None) is None:
             raise TypeError("DistributedIterator.set_state: only an iterator of strategy.experimental_distribute_"
                             "dataset(...) can be restored.")
-        if not isinstance(state, dict) or not isinstance(state.get("drawn"), int) or state["drawn"] < 0:
+        examples = state.get("examples") if isinstance(state, dict) else None
+        if (not isinstance(state, dict) or not _is_count(state.get("drawn"))
+                or not (examples is None or _is_count(examples))):
             raise ValueError(f"DistributedIterator.set_state: expected the dict get_state() returned, got "
                              f"{state!r:.200}.")
         dataset, _ = self._resume
@@ -346,12 +355,39 @@ class DistributedIterator(_GetNext):
         self._resume = (dataset, state.get("dataset"))
         self._source, self._ahead, self._parts, self._template = iter(dataset), [], [], None
         self._compared = True  # (the batches the restored pass starts with need not be its first)
+        if self._policy == "DATA" and state.get("examples") is not None:
+            self._skip_examples(state["examples"])
+            return
         for i in range(state["drawn"]):
             if (self._fetch() is None) if self._policy != "DATA" else (next(self._source, _END) is _END):
                 raise ValueError(f"DistributedIterator.set_state: the state is {state['drawn']} batches into the "
                                  f"pass, but the dataset ran out after {i}; restore into an iterator of the same "
                                  "dataset.")
         self._step = state["drawn"]
+        self._examples = state.get("examples") or 0
+
+    def _skip_examples(self, examples: int) -> None:
+        """Reads past `examples` examples of the pass: whole batches, then the head of the batch the position
+        falls in, whose rest becomes the next batch handed out."""
+        where, skipped, batches = "DistributedIterator.set_state", 0, 0
+        while skipped < examples:
+            batch = next(self._source, _END)
+            if batch is _END:
+                raise ValueError(f"{where}: the state is {examples} examples into the pass, but the dataset ran out "
+                                 f"after {skipped}; restore into an iterator of the same dataset.")
+            size = batch_size_of(batch, where)
+            if skipped + size > examples:  # the position falls inside this batch: its rest comes next
+                rest = pack_sequence_as(batch, [_part(leaf, examples - skipped, size) for leaf in flatten(batch)])
+                self._ahead.append(self._splitter.split(rest, "experimental_distribute_dataset"))
+                skipped = examples
+                break
+            skipped += size
+            batches += 1
+        self._step, self._examples = batches, examples
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class Optional:

@@ -6,11 +6,13 @@ Checkpoint (tracking.py) for BackupAndRestore.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
 import tempfile
 
+from mirrored._files import write_error
 from mirrored.training import adapters, checkpoint, checkpoint_checks, tracking
 from mirrored.training._callback import (NOT_METRICS, Callback, Logs, StepCounter, check_mode, check_save_freq,
                                          improved, monitor_value, resolve_mode, say, writes_checkpoints)
@@ -18,6 +20,19 @@ from mirrored.training._callback import (NOT_METRICS, Callback, Logs, StepCounte
 logger = logging.getLogger(__name__)
 
 _BACKUP_FILE = "training_state.safetensors"
+# What to do when a backup or checkpoint cannot be written, by errno: fit() stopped, and runs again.
+_FIXES_BEFORE_RESUMING = {
+    errno.ENOSPC: "Free space on that disk (or move backup_dir to another), then run fit() again",
+    errno.EDQUOT: "Free space within the disk quota (or move backup_dir elsewhere), then run fit() again",
+    errno.EROFS: "That file system is read-only: give a backup_dir on a writable one",
+}
+
+
+def _position(state: dict) -> str:
+    """Where fit was when a backup was taken, in the words of its progress bar (epochs from 1)."""
+    if state["step"] == 0:
+        return f"taken at the end of epoch {state['epoch']}" if state["epoch"] else "taken before the first step"
+    return f"taken after step {state['step']} of epoch {state['epoch'] + 1}"
 
 
 class ModelCheckpoint(Callback):
@@ -47,6 +62,7 @@ class ModelCheckpoint(Callback):
         self._direction: str | None = None
         self._current_epoch = 0
         self._steps = StepCounter(save_freq) if save_freq != "epoch" else None
+        self._last_saved: str | None = None  # the newest file this callback wrote, which a failed save leaves
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         """Resolves the monitor's mode (save_best_only) and restarts the step count; a ".keras" path is
@@ -94,13 +110,25 @@ class ModelCheckpoint(Callback):
             say(f"Epoch {epoch + 1}: saving model to {path}")
         if not chief:
             return
-        directory = os.path.dirname(path)
-        if directory:
-            os.makedirs(directory, exist_ok=True)
-        if self.save_weights_only:
-            self.model.save_weights(path)
-        else:
-            self.model.save(path)
+        existed = os.path.isfile(path)
+        try:
+            directory = os.path.dirname(path)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            if self.save_weights_only:
+                self.model.save_weights(path)
+            else:
+                self.model.save(path)
+        except OSError as e:
+            if existed:
+                kept = "The file there before is intact"
+            elif self._last_saved is not None:
+                kept = f"The checkpoint it saved before, {self._last_saved!r}, is intact"
+            else:
+                kept = "No checkpoint was saved by it before"
+            raise write_error(e, path, f"ModelCheckpoint({self.filepath!r})",
+                              f"{kept} (no partial file was left).") from None
+        self._last_saved = path
 
     def _format_path(self, epoch: int, batch: int | None, logs: Logs) -> str:
         fields = {k: v for k, v in logs.items() if k not in NOT_METRICS}
@@ -152,6 +180,9 @@ class BackupAndRestore(Callback):
         self.delete_checkpoint = delete_checkpoint
         self.path = os.path.join(self.backup_dir, _BACKUP_FILE)
         self._checkpoint: tracking.Checkpoint | None = None
+        self._fit = None
+        self._kept: str | None = None  # where the backup on disk stands, for an error that must say it is intact
+        self._rebase = False
         self._steps = StepCounter(save_freq) if save_freq != "epoch" else None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
@@ -162,6 +193,8 @@ class BackupAndRestore(Callback):
                             f"got {type(self.model).__name__}.")
         self._checkpoint = tracking.Checkpoint(model=self.model, metrics=list(self.model.metrics), fit=fit,
                                                rng=tracking.RandomState())
+        self._kept = None
+        self._fit = fit
         if os.path.exists(self.path):
             origin = checkpoint_checks.Origin(
                 f"BackupAndRestore: cannot resume from {self.path!r}",
@@ -170,10 +203,19 @@ class BackupAndRestore(Callback):
             # complete: a backup restores all of the run or none of it, so nothing is assigned unless
             # every value pairs up with this fit's (CheckpointMismatchError, an AssertionError, otherwise).
             self._checkpoint._read(self.path, "BackupAndRestore", restore_counter=False, origin=origin, complete=True)
+            self._kept = _position(fit.get_state())
             logger.info("BackupAndRestore: resuming from %s at epoch %d, step %d",
                         self.path, fit.initial_epoch + 1, fit.step)
         if self._steps is not None:
             self._steps = StepCounter(self.save_freq, last_batch=fit.step - 1)
+        self._rebase = True
+
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        """The first step's index starts the count: a run resumed with another global batch (another replica
+        count) goes on at another step of the epoch than the backup's."""
+        if self._rebase and self._steps is not None:
+            self._steps.last_batch = batch - 1
+        self._rebase = False
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         """Backs up every `save_freq` steps, when save_freq is a number."""
@@ -206,8 +248,20 @@ class BackupAndRestore(Callback):
             with tempfile.TemporaryDirectory(prefix="mirrored-backup-") as scratch:
                 self._checkpoint.write(os.path.join(scratch, _BACKUP_FILE))
             return
-        os.makedirs(self.backup_dir, exist_ok=True)
-        self._checkpoint.write(self.path)  # where fit is now: after this batch, or (at an epoch's end) the next epoch
+        where = self._fit.get_state()
+        try:
+            os.makedirs(self.backup_dir, exist_ok=True)
+            # where fit is now: after this batch, or (at an epoch's end) the next epoch
+            self._checkpoint.write(self.path)
+        except OSError as e:
+            if self._kept is None:
+                kept = "No backup of this run was written before, so a rerun starts afresh."
+            else:
+                kept = (f"The previous backup, {self._kept}, is intact (no partial file was left), and fit() run "
+                        "again with this callback resumes from it.")
+            raise write_error(e, self.path, f"BackupAndRestore({self.backup_dir!r})", kept,
+                              _FIXES_BEFORE_RESUMING.get(e.errno)) from None
+        self._kept = _position(where)
 
     def __repr__(self) -> str:
         return f"BackupAndRestore({self.backup_dir!r}, save_freq={self.save_freq!r})"

@@ -6,7 +6,8 @@ the length, the data, masked CRC32C of the data. Unlike mirrored.data.tfrecord.T
 (atomic: the file appears at close), it appends and flushes in place, because TensorBoard reads
 event files while training writes them. The message classes come from a descriptor written here
 with TensorFlow's field numbers, built by mirrored/_protobuf.py.
-Uses crc32c, protobuf, _protobuf.py and _callback.py.
+A full disk stops fit with one FileWriteError naming the event file, the file cut back to its
+last whole event. Uses crc32c, protobuf, _protobuf.py, _callback.py and mirrored._files.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 import crc32c
 from google.protobuf import descriptor_pb2
 
+from mirrored._files import append_whole, reporting_write_errors
 from mirrored._protobuf import build_messages, message_field
 from mirrored.training._callback import NOT_METRICS, Callback, Logs, writes_summaries
 
@@ -70,18 +72,22 @@ def frame_record(data: bytes) -> bytes:
 
 
 class EventFileWriter:
-    """Appends scalar summaries to a new event file in `directory`, readable while written."""
+    """Appends scalar summaries to a new event file in `directory`, readable while written. Each event is
+    written whole or not at all: a write that fails (a full disk) cuts the file back to its last whole
+    event and raises FileWriteError naming the file and `writer`."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, writer: str = "EventFileWriter"):
         self.directory = os.fspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
+        self.writer = writer
         # TensorBoard finds files by "tfevents" in the name and orders them by the timestamp.
         name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
                 f"{os.getpid()}.{next(_file_counter)}.v2")
         self.path = os.path.join(self.directory, name)
-        self._file = open(self.path, "ab")
+        with reporting_write_errors(self.path, writer, "No event file was made."):
+            os.makedirs(self.directory, exist_ok=True)
+            self._file = open(self.path, "ab", buffering=0)  # unbuffered: each event is one whole write
+        self._events = 0
         self._write(Event(wall_time=time.time(), file_version=_FILE_VERSION))
-        self.flush()
 
     def add_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         """One event at `step` with a simple_value per tag of `scalars` (NaN and inf included)."""
@@ -92,8 +98,7 @@ class EventFileWriter:
             self._write(event)
 
     def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
+        """Nothing to do: every event reaches the file as it is added (kept for the writer API)."""
 
     def close(self) -> None:
         if self._file is not None:
@@ -103,7 +108,10 @@ class EventFileWriter:
     def _write(self, event) -> None:
         if self._file is None:
             raise ValueError(f"EventFileWriter({self.directory!r}): the writer is closed.")
-        self._file.write(frame_record(event.SerializeToString()))
+        kept = ("The events written before are intact (TensorBoard reads them), and no part of this one was left."
+                if self._events else "Nothing was written to it.")
+        append_whole(self.path, frame_record(event.SerializeToString()), self.writer, kept, fd=self._file.fileno())
+        self._events += 1
 
     def __repr__(self) -> str:
         return f"EventFileWriter({self.path!r}{', closed' if self._file is None else ''})"
@@ -147,7 +155,7 @@ class TensorBoard(Callback):
 
     def _writer(self, run: str) -> EventFileWriter:
         if run not in self._writers:
-            self._writers[run] = EventFileWriter(os.path.join(self.log_dir, run))
+            self._writers[run] = EventFileWriter(os.path.join(self.log_dir, run), writer=repr(self))
         return self._writers[run]
 
     def on_train_begin(self, logs: Logs | None = None) -> None:

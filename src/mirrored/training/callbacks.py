@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import inspect
+import io
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from mirrored._files import append_whole, reporting_write_errors, write_atomically
 from mirrored.training._callback import (
     NOT_METRICS, Callback, Logs, check_mode, improved, monitor_value, optimizer_of, resolve_mode, say,
     settable_learning_rate, writes_summaries)
@@ -446,7 +448,8 @@ class CSVLogger(Callback):
             return
         directory = os.path.dirname(self.filename)
         if directory:
-            os.makedirs(directory, exist_ok=True)
+            with reporting_write_errors(self.filename, repr(self), "Nothing was written."):
+                os.makedirs(directory, exist_ok=True)
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         """At fit()'s first epoch: continues the file (append=True, or a run resumed past epoch 0,
@@ -460,15 +463,17 @@ class CSVLogger(Callback):
             if not self.append:
                 kept = [row for row in rows if row and _epoch_of(row) is not None and _epoch_of(row) < epoch]
                 if len(kept) < len(rows):
-                    _write_rows(self.filename, [header, *kept], self.sep)
+                    write_atomically(self.filename, repr(self),
+                                     lambda tmp: _write_rows(tmp, [header, *kept], self.sep))
             return
         # The file is opened per row, so an interrupted run leaves no open handle behind.
-        open(self.filename, "w").close()
+        with reporting_write_errors(self.filename, repr(self), "Nothing was written."):
+            open(self.filename, "w").close()
 
     def _read(self) -> tuple[list[str] | None, list[list[str]]]:
         if not os.path.exists(self.filename):
             return None, []
-        with open(self.filename, newline="") as f:
+        with open(self.filename, newline="", encoding="utf-8") as f:
             lines = list(csv.reader(f, delimiter=self.sep))
         if not lines or not lines[0] or lines[0][0] != "epoch":
             return None, []
@@ -496,8 +501,10 @@ class CSVLogger(Callback):
                           f"the header written at the first epoch, so they are not logged.",
                           stacklevel=2)
         rows.append([epoch, *(_csv_value(logs.get(k, "NA")) for k in self.keys)])
-        with open(self.filename, "a", newline="") as f:
-            csv.writer(f, delimiter=self.sep).writerows(rows)
+        text = io.StringIO(newline="")
+        csv.writer(text, delimiter=self.sep).writerows(rows)
+        append_whole(self.filename, text.getvalue().encode(), repr(self),
+                     "The rows written before are intact, and no part of this epoch's row was left.")
 
     def __repr__(self) -> str:
         return f"CSVLogger({self.filename!r}, append={self.append})"
@@ -511,11 +518,8 @@ def _epoch_of(row: list[str]) -> int | None:
 
 
 def _write_rows(path: str, rows: list[list[str]], sep: str) -> None:
-    """Replaces the file with `rows` atomically (a crash leaves the old file, not half of it)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", newline="") as f:
+    with open(path, "w", newline="", encoding="utf-8") as f:
         csv.writer(f, delimiter=sep).writerows(rows)
-    os.replace(tmp, path)
 
 
 def _csv_value(value: Any) -> Any:

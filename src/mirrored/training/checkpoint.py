@@ -3,7 +3,9 @@
 save_checkpoint() writes tensors and a JSON-able dict (kept in the safetensors header under
 "mirrored") to a temporary file beside `path`, fsyncs it and renames it over `path`, so a crash
 leaves either the old checkpoint or the new one; the temporary file of a writer that was killed
-(kill -9, power loss) is removed by the next save into that folder. load_checkpoint() reads it
+(kill -9, power loss) is removed by the next save into that folder, and a write that fails (a full
+disk, a read-only folder) is one FileWriteError (mirrored._files) naming the file, the call and
+what was kept. load_checkpoint() reads it
 back without pickle: nothing in a checkpoint can run code, and a file that is not what it claims
 (damaged, truncated, forged lengths, not a regular file) raises CheckpointError naming it. Each
 tensor is read into memory of its own, never left a view of a memory map of the file.
@@ -38,11 +40,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mirrored._files import FileWriteError, write_error
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CheckpointError", "CheckpointMismatchError", "capture_rng_state", "decode_value", "load_checkpoint",
-    "load_state_dict", "optimizer_state_from_flat",
+    "CheckpointError", "CheckpointMismatchError", "FileWriteError", "capture_rng_state", "decode_value",
+    "load_checkpoint", "load_state_dict", "optimizer_state_from_flat",
     "optimizer_state_to_flat", "restore_rng_state", "save_checkpoint",
 ]
 
@@ -114,36 +118,44 @@ def check_file_path(path: str, where: str, keras_archive_ok: bool = False) -> No
 
 
 def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, Tensor],
-                    metadata: Mapping[str, Any]) -> None:
+                    metadata: Mapping[str, Any], *, where: str = "save_checkpoint") -> None:
     """Writes `tensors` and JSON `metadata` to one safetensors file at `path`, atomically.
 
     Tensors are detached, moved to CPU and made contiguous (tensors that share storage are each written).
     The file is written beside `path`, fsynced and renamed over it (then the directory is fsynced),
-    so on any failure `path` keeps its previous content and no temporary file is left behind.
+    so on any failure `path` keeps its previous content and no temporary file is left behind. A write
+    that fails (a full disk, a read-only folder) raises FileWriteError (an OSError) naming the file,
+    `where` (the call), the OS error and what was kept.
     """
     path = os.fspath(path)
-    check_file_path(path, "save_checkpoint")
+    check_file_path(path, where)
     flat = _cpu_tensors(path, tensors)
     try:
         header = {_METADATA_KEY: json.dumps(dict(metadata)), "format": "pt"}
     except (TypeError, ValueError) as e:
-        raise TypeError(f"save_checkpoint({path!r}): metadata is not JSON-serializable ({e}). Keep "
+        raise TypeError(f"{where}({path!r}): metadata is not JSON-serializable ({e}). Keep "
                         f"tensors in `tensors` and only str/int/float/bool/None/list/dict in "
                         f"`metadata`.") from e
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    _remove_stale_temps(directory)
+    existed = os.path.isfile(path)
     tmp_path = os.path.join(directory, f".{os.path.basename(path)}.{_HOST}-{os.getpid()}."
                                        f"{uuid.uuid4().hex[:12]}.tmp")
     try:
+        os.makedirs(directory, exist_ok=True)
+        _remove_stale_temps(directory)
         _write_file(tmp_path, flat, header, _old_mode(path))
         os.replace(tmp_path, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp_path)
-        except FileNotFoundError:
+        except OSError:  # never made (a read-only folder), or it cannot go: said below
             pass
-        raise
+        if not isinstance(e, OSError):
+            raise
+        left = " and no temporary file was left" if not os.path.lexists(tmp_path) else (
+            f"; its temporary file {tmp_path!r} could not be removed (the next save there removes it)")
+        kept = "The file there before is intact" if existed else "Nothing was written there"
+        raise write_error(e, path, where, f"{kept}{left}.") from None
     _fsync_directory(directory)  # makes the rename itself survive a crash
 
 

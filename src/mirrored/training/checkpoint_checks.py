@@ -477,7 +477,10 @@ def epoch_state(origin: Origin, key: str, state: Any, like: Mapping[str, Any], s
     for field in ("epoch", "step"):
         if not _is_count(state[field]) or state[field] >= 1 << 63:
             raise origin.damaged(f"'{key}.{field}' is {state[field]!r:.40}, not a whole number >= 0")
-    if steps_per_epoch is not None and state["step"] > steps_per_epoch:
+    # (An epoch that is a pass, whose position is kept in examples, may have counted more, smaller batches: a
+    # global batch that changed with the replica count. The restore reads past the examples instead.)
+    in_examples = not continuing and isinstance(state["data"], dict) and "examples" in state["data"]
+    if steps_per_epoch is not None and state["step"] > steps_per_epoch and not in_examples:
         raise origin.mismatch(f"'{key}.step' is {state['step']}, past this fit's {steps_per_epoch} steps per epoch: "
                               "it was saved from a fit with other data or another steps_per_epoch")
     lr = state.get("learning_rate")
@@ -490,11 +493,14 @@ def epoch_state(origin: Origin, key: str, state: Any, like: Mapping[str, Any], s
     if lr is not None and like.get("learning_rate") is None:
         raise origin.mismatch(f"'{key}.learning_rate' is {lr!r}, but this fit's optimizer takes its rate from a "
                               "schedule, which cannot be set: it was saved from a fit with another optimizer")
-    _like(origin, f"{key}.data", state["data"], like["data"], 0)
+    _like(origin, f"{key}.data", state["data"], _as_saved(state["data"], like["data"]), 0)
     drawn = state["data"]["drawn"] if isinstance(state["data"], dict) else None
     if not _is_count(drawn):
         return  # like["data"] had no count there either: a dataset that is not resumable
-    if batches_per_pass is not None and drawn > batches_per_pass:
+    examples = state["data"].get("examples", drawn)
+    if not (examples >= drawn and (examples == 0) == (drawn == 0)):  # (every batch handed out holds examples)
+        raise origin.damaged(f"'{key}.data.examples' is {examples}, which {drawn} batches cannot hold")
+    if batches_per_pass is not None and drawn > batches_per_pass and "examples" not in state["data"]:
         raise origin.mismatch(f"'{key}.data.drawn' is {drawn} batches into a pass of the data, but this fit's data "
                               f"has {batches_per_pass} batches a pass: it was saved from a fit with other data")
     # A pass spans the epochs since it began (continuing) or is the epoch's own: it cannot be further
@@ -511,11 +517,19 @@ def object_state(origin: Origin, key: str, state: Any, like: Any, strict: bool) 
     structure; otherwise (a user's object, whose state may grow) the outline: the same JSON kind and,
     for a dict, the same keys."""
     if strict:
-        _like(origin, key, state, like, 0)
+        _like(origin, key, state, _as_saved(state, like), 0)
         return
     if _kind(state) != _kind(like) or (isinstance(like, dict) and set(state) != set(like)):
         raise origin.mismatch(f"the saved state {key!r} is {state!r:.120} but the object's get_state() is "
                               f"{like!r:.120}: it was saved from another kind of object")
+
+
+def _as_saved(state: Any, like: Any) -> Any:
+    """A distributed iterator's state `like`, without "examples" where the saved `state` (of a version that
+    counted the position in batches only) has none."""
+    if isinstance(like, dict) and isinstance(state, dict) and "drawn" in like and "examples" not in state:
+        return {k: v for k, v in like.items() if k != "examples"}
+    return like
 
 
 def is_count(value: Any) -> bool:

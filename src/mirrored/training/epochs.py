@@ -5,7 +5,9 @@ steps done in it and where the data is. With steps_per_epoch, epochs continue on
 (Keras: `ds.repeat()` with steps_per_epoch sees all of it) and a new pass starts only when one runs
 out; without, every epoch is a pass of its own. get_state() gives that position as JSON, and
 set_state(), called before the epochs start (in a callback's on_train_begin), makes fit resume
-there: `initial_epoch` is Keras's `_initial_epoch`, the field a callback moves. BackupAndRestore
+there: `initial_epoch` is Keras's `_initial_epoch`, the field a callback moves. The place in the data
+is counted in examples, so a run resumed on another number of replicas whose global batch changed
+with it trains on exactly the examples the interrupted pass had not reached. BackupAndRestore
 saves and restores it through mr.train.Checkpoint, along with the weights, optimizer, metrics and
 RNG. Uses the distributed iterator's get_state()/set_state().
 """
@@ -71,8 +73,12 @@ class EpochIterator:
         if self._it is None:
             self._it = iter(self._distributed)
             if self._pending is not None:
-                self._it.set_state(self._pending)  # replays the pass up to where it was
+                self._it.set_state(self._pending)  # replays the pass up to where it was, in examples
                 self._pending = None
+                if not self._continuing:
+                    # An epoch is the pass: its step is the pass's batch, of the size it has now (a global batch
+                    # that changed with the replica count puts the same examples at another step).
+                    self._step = self._it.get_state()["drawn"]
         group: list[tuple[Any, int | None]] = []
         first = self._step
         while self.num_batches is None or self._step < self.num_batches:
@@ -111,7 +117,8 @@ class EpochIterator:
             data = self._pending
         else:  # between passes: the next one starts from the dataset's state now
             dataset = getattr(self._distributed, "dataset", None)
-            data = {"dataset": dataset.get_state() if hasattr(dataset, "get_state") else None, "drawn": 0}
+            data = {"dataset": dataset.get_state() if hasattr(dataset, "get_state") else None, "drawn": 0,
+                    "examples": 0}
         rate = self._epoch_rate if self._step else self._learning_rate()
         return {"epoch": self._epoch, "step": self._step, "data": data, "learning_rate": rate}
 

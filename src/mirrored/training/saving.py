@@ -38,7 +38,7 @@ def save(model: Any, path: str | Path, with_optimizer: bool) -> None:
                             "model_config": getattr(model.module, "_mirrored_config", None), "objects": objects}
     if with_optimizer and model.mirrored_optimizer is not None:
         meta["compile"] = model._compile_config
-    checkpoint.save_checkpoint(path, tensors, meta)
+    checkpoint.save_checkpoint(path, tensors, meta, where="Model.save" if with_optimizer else "Model.save_weights")
 
 
 def _read(path: str | Path, where: str) -> tuple[dict[str, Tensor], dict[str, Any], checkpoint_checks.Origin]:

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import time
-import uuid
 import warnings
 import weakref
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from typing import Any
 from torch import Tensor
 
 import mirrored.distribute as md
-from mirrored._files import fsync_directory
+from mirrored._files import write_atomically, write_error
 from mirrored.training import _trackables, checkpoint, checkpoint_checks
 from mirrored.training._trackables import LossScale, RandomState
 from mirrored.training.checkpoint import CheckpointError, CheckpointMismatchError
@@ -207,9 +206,13 @@ class Checkpoint:
         """Writes `{file_prefix}-{save_counter + 1}`, records it as the directory's latest checkpoint,
         and returns its path."""
         self._save_counter += 1
-        path = self._write(f"{os.fspath(file_prefix)}-{self._save_counter}", "Checkpoint.save")
+        try:
+            path = self._write(f"{os.fspath(file_prefix)}-{self._save_counter}", "Checkpoint.save")
+        except BaseException:
+            self._save_counter -= 1  # nothing was saved: the next save takes this number
+            raise
         directory = os.path.dirname(path) or "."
-        _write_state(directory, path, [path], [time.time()], None)
+        _write_state(directory, path, [path], [time.time()], None, "Checkpoint.save")
         return path
 
     def _write(self, path: str, where: str) -> str:
@@ -219,7 +222,7 @@ class Checkpoint:
                              "checkpoints; choose another name.")
         tensors, objects = collect(self._entries())
         meta = {"format": _FORMAT, "save_counter": self._save_counter, "objects": objects}
-        checkpoint.save_checkpoint(path, tensors, meta)
+        checkpoint.save_checkpoint(path, tensors, meta, where=where)
         return path
 
     # ---- reading ----------------------------------------------------------------------------------
@@ -355,28 +358,22 @@ def _require_cross_replica(where: str) -> None:
 # The "checkpoint" file: which checkpoints a directory holds, newest last (JSON, written atomically).
 
 def _write_state(directory: str, latest: str, paths: list[str], timestamps: list[float],
-                 last_preserved: float | None) -> None:
+                 last_preserved: float | None, writer: str) -> None:
     def relative(p: str) -> str:
         return os.path.relpath(os.path.abspath(p), os.path.abspath(directory))
 
     state = {"model_checkpoint_path": relative(latest), "all_model_checkpoint_paths": [relative(p) for p in paths],
              "all_model_checkpoint_timestamps": timestamps, "last_preserved_timestamp": last_preserved}
-    os.makedirs(directory, exist_ok=True)
-    target = os.path.join(directory, _STATE_FILE)
-    tmp = os.path.join(directory, f".{_STATE_FILE}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
+
+    def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(state, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_directory(directory)
+
+    target = os.path.join(directory, _STATE_FILE)
+    before = ("the list there before is intact, so latest_checkpoint() gives the checkpoint before it"
+              if os.path.isfile(target) else "no list was there before, so latest_checkpoint() finds none")
+    write_atomically(target, f"{writer} (the list of checkpoints)", write,
+                     kept=f"The checkpoint {latest!r} itself was written, but {before}.")
 
 
 def _read_state(directory: str, filename: str | None = None) -> dict[str, Any] | None:
@@ -509,11 +506,18 @@ class CheckpointManager:
                     return None
                 if check_interval and current < self._last_checkpoint_step + self._checkpoint_interval:
                     return None
-            self._last_checkpoint_step = current
         ckpt = self._checkpoint
-        ckpt._save_counter += 1
+        ckpt._save_counter += 1  # (the file records the count it makes)
         number = ckpt._save_counter if checkpoint_number is None else int(checkpoint_number)
-        path = ckpt._write(f"{self._prefix}-{number}", "CheckpointManager.save")
+        try:
+            path = ckpt._write(f"{self._prefix}-{number}", "CheckpointManager.save")
+        except OSError as e:  # nothing changed: the next save() tries again with the same number
+            ckpt._save_counter -= 1
+            kept = (f"The checkpoints saved before are intact and still listed (latest: {self._latest!r})."
+                    if self._latest else "No checkpoint was saved there before.")
+            raise write_error(e, f"{self._prefix}-{number}", repr(self), kept) from None
+        if self._checkpoint_interval is not None:
+            self._last_checkpoint_step = current
         self._maybe_delete.pop(path, None)  # saved again: it moves to the end of the queue
         self._maybe_delete[path] = time.time()
         self._latest = path
@@ -551,7 +555,7 @@ class CheckpointManager:
 
     def _record_state(self) -> None:
         _write_state(self._directory, self._latest, list(self._maybe_delete), list(self._maybe_delete.values()),
-                     self._last_preserved)
+                     self._last_preserved, repr(self))
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({self._directory!r}, max_to_keep={self._max_to_keep}, "

@@ -8,13 +8,13 @@ installs the adapter (_install.py). Uses _common.py, _objects.py, _optimizer.py,
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
+from mirrored._files import write_atomically
 from mirrored.training.keras_adapter import _objects, _optimizer
 from mirrored.training.keras_adapter._common import check_model, device_scope, keras
 from mirrored.training.keras_adapter._install import install
@@ -73,13 +73,7 @@ class KerasAdapter:
     def save_archive(self, module: nn.Module, path: str | Path) -> None:
         """Keras's archive of `module` at `path` (".keras"), written to a temporary name and renamed, so a
         crash leaves the old file."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.keras")
-        try:
-            module.save(str(tmp))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomically(path, "Model.save", lambda tmp: module.save(tmp), suffix=".keras")
 
 
 def load_archive(path: str | Path) -> nn.Module:
