@@ -25,6 +25,7 @@ from mirrored.distribute import (CollectiveAllReduce, CollectiveMismatchError, C
                                  VariableAggregation, VariableSynchronization, get_replica_context, get_strategy,
                                  has_strategy, in_cross_replica_context)
 from mirrored._allocator import tune_allocator
+from mirrored._files import FileWriteError
 from mirrored.distribute import CommunicationOptions, MultiWorkerMirroredStrategy
 from mirrored.distribute import register_adapter_loader as _register_adapter_loader
 from mirrored.distribute import register_scope_hook as _register_scope_hook
@@ -82,7 +83,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "CollectiveAllReduce", "CommunicationOptions", "MultiWorkerMirroredStrategy", "CollectiveMismatchError", "CollectiveTimeoutError", "CrossDeviceOps", "DistributedValues",
+    "CollectiveAllReduce", "CommunicationOptions", "MultiWorkerMirroredStrategy", "CollectiveMismatchError", "CollectiveTimeoutError", "CrossDeviceOps", "DistributedValues", "FileWriteError",
     "HierarchicalCopyAllReduce", "InMemoryAllReduce", "InputContext", "InputOptions", "Mirrored",
     "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable", "NcclAllReduce", "OneDeviceStrategy", "OutOfSyncError", "PerReplica",
     "ReduceOp", "ReductionToOneDevice", "ReplicaContext", "RunOptions", "Strategy", "SyncOnReadVariable", "ValueContext",

@@ -422,7 +422,7 @@ def test_cli_train_final_files_name_themselves_and_what_is_kept(disk, capsys, mo
 
 @pytest.mark.parametrize("how", _FAILURES)
 def test_a_keras_archive_written_through_write_atomically_keeps_the_file_there(disk, how):
-    """The helper Model.save's Keras archives go through (keras_adapter.save_keras): Keras writes the archive
+    """The helper Model.save's Keras archives go through (KerasAdapter.save_archive): Keras writes the archive
     to a temporary ".keras" name beside the target, renamed over it once whole."""
     os.environ.setdefault("KERAS_BACKEND", "torch")
     keras = pytest.importorskip("keras")

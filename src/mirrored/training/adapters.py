@@ -7,6 +7,9 @@ kind it holds. Uses losses.py, metrics.py, optimizers.py and keras_adapter/.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,9 +28,33 @@ class TorchAdapter:
         del module  # (nothing to check: any nn.Module will do)
 
     def call(self, net: Any, x: Any, training: bool, *args: Any, **kwargs: Any) -> Any:
-        """The module on `x`; `training` is the module's mode, which fit sets (train() / eval())."""
+        """The module on `x`; `training` is the module's mode, which fit sets (train() / eval()). A dict
+        whose keys all name parameters of the module's forward is passed as keyword arguments, as
+        model(**batch) (a Hugging Face model's input_ids, attention_mask, labels); any other x, a dict
+        for a forward that takes one argument included, is passed as it is."""
         del training
+        if isinstance(x, Mapping) and not args and _names_parameters(net.module, x.keys()):
+            return net(**x, **kwargs)
         return net(x, *args, **kwargs)
+
+    def prediction(self, y_pred: Any) -> Any:
+        """What the compiled loss and metrics compare with the labels: the output, or the "logits" of an
+        output that is a mapping holding them (a Hugging Face ModelOutput)."""
+        if isinstance(y_pred, Mapping) and "logits" in y_pred:
+            return y_pred["logits"]
+        return y_pred
+
+    def module_loss(self, y_pred: Any) -> Tensor | None:
+        """The loss the module computed itself (an output mapping's "loss": a Hugging Face model given
+        labels), which fit minimises when compile() has none; None where there is none."""
+        loss = y_pred.get("loss") if isinstance(y_pred, Mapping) else None
+        return loss if isinstance(loss, Tensor) else None
+
+    @staticmethod
+    def labels(x: Any) -> Any:
+        """The labels of a batch whose labels are in its inputs (a dict with "labels", as Hugging Face's
+        model(**batch) takes them), for the metrics; None otherwise."""
+        return x.get("labels") if isinstance(x, Mapping) else None
 
     def optimizer(self, identifier: Any, replicas: tuple[nn.Module, ...]) -> optimizers.Optimizer:
         del replicas
@@ -75,6 +102,23 @@ class TorchAdapter:
 
     def save_archive(self, module: nn.Module, path: str | Path) -> None:
         self.check_archive(module, path, f"Model.save({str(path)!r})")
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_parameters(cls: type) -> frozenset[str]:
+    """The parameters forward() of module class `cls` names (besides self; a **kwargs names none)."""
+    try:
+        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                              inspect.Parameter.KEYWORD_ONLY))
+
+
+def _names_parameters(module: nn.Module, keys: Any) -> bool:
+    named = _forward_parameters(type(module))
+    keys = list(keys)
+    return bool(keys) and all(isinstance(k, str) and k in named for k in keys)
 
 
 def adapter_for(module: Any) -> TorchAdapter | keras_adapter.KerasAdapter:

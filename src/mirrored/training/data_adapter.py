@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -151,8 +151,8 @@ def as_dataset(x: Any, y: Any, batch_size: int | None, sample_weight: Any, shuff
     sample_weight = as_array(sample_weight, where, "sample_weight")
     if isinstance(y, np.ndarray) and y.dtype.kind in "iu":
         y = y.astype(np.int64)  # class ids: what torch's losses take
-    if isinstance(x, (np.ndarray, Tensor)):
-        n = len(x)
+    if is_arrays(x):
+        n = _rows_of(x, where)
         if batch_size is None:
             batch_size = 32 * replicas
             logger.info("%s: batch_size not given; using %d (32 per replica)", where, batch_size)
@@ -162,8 +162,8 @@ def as_dataset(x: Any, y: Any, batch_size: int | None, sample_weight: Any, shuff
                 raise ValueError(f"Model.{where}: x has {n} rows but another array has {len(p)}; "
                                  "x, y and sample_weight must have one row per example.")
         if n == 0:
-            raise ValueError(f"Model.{where}: x has no rows (shape {tuple(x.shape)}), so there is nothing to "
-                             "train or evaluate on. Pass at least one example.")
+            raise ValueError(f"Model.{where}: x has no rows, so there is nothing to train or evaluate on. Pass at "
+                             "least one example.")
         ds = Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
         if shuffle:
             ds = ds.shuffle(n)
@@ -182,6 +182,24 @@ def as_dataset(x: Any, y: Any, batch_size: int | None, sample_weight: Any, shuff
         raise TypeError(f"Model.{where}: expected an mr.data.Dataset of GLOBAL batches (or arrays with "
                         f"batch_size=, a torch DataLoader, a list of batches); got {type(x).__name__}.")
     return x
+
+
+def is_arrays(x: Any) -> bool:
+    """Whether x is array data: an array or tensor, or a dict of them (Keras's named inputs)."""
+    if isinstance(x, Mapping):
+        return bool(x) and all(isinstance(v, (np.ndarray, Tensor)) for v in x.values())
+    return isinstance(x, (np.ndarray, Tensor))
+
+
+def _rows_of(x: Any, where: str) -> int:
+    """The examples of array data: its first dim, the same for every input of a dict."""
+    if not isinstance(x, Mapping):
+        return len(x)
+    lengths = {k: len(v) for k, v in x.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"Model.{where}: the inputs of x have different numbers of rows ({lengths}); give one row "
+                         "per example in each.")
+    return next(iter(lengths.values()))
 
 
 def prefetched(dataset: Any) -> Any:

@@ -340,15 +340,15 @@ class Model:
             self._empty_part(training=False)
             return self.get_metrics_result()
         y_pred = self(x, training=False)
-        if self._loss is not None:
+        if self._loss is not None or self._adapter.module_loss(y_pred) is not None:
             self._track_loss(self.compute_loss(x, y, y_pred, sample_weight, training=False), x)
         return self.compute_metrics(x, y, y_pred, sample_weight)
 
     def predict_step(self, data: Any) -> Any:
-        """The outputs on this replica's part (Keras 3's predict_step); predict concatenates every
-        replica's in the order of the input rows."""
+        """The outputs on this replica's part (Keras 3's predict_step; a Hugging Face output's logits);
+        predict concatenates every replica's in the order of the input rows."""
         x, _, _ = unpack_x_y_sample_weight(data)
-        return self(x, training=False)
+        return self._adapter.prediction(self(x, training=False))
 
     def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None,
                      training: bool = True) -> Tensor:
@@ -357,10 +357,24 @@ class Model:
         With training=True it also tells the model's optimizer how the part's gradients weigh in the
         average over the replicas - by the loss values it averaged: its examples, or the labels kept
         with ignore_class - so the update is one device's on the global batch."""
-        del x
         if self._loss is None:
-            raise ValueError("Model.compute_loss: no loss to compute. Provide a `loss` argument in `compile()`, or "
-                             "compute the loss yourself in an overridden train_step.")
+            own = self._adapter.module_loss(y_pred)
+            if own is None:
+                raise ValueError("Model.compute_loss: no loss to compute. Provide a `loss` argument in `compile()`, "
+                                 "return one from the module (an output mapping with a \"loss\", as a Hugging Face "
+                                 "model given labels), or compute the loss yourself in an overridden train_step.")
+            # The module's own loss, a mean over its part: the optimizer weighs the part by its rows.
+            ctx = md.get_replica_context()
+            rows = data_adapter.rows(x)
+            self._loss_records[0 if ctx is None else ctx.local_replica_id] = (own.detach().double() * rows, rows)
+            return own
+        y_pred = self._adapter.prediction(y_pred)
+        if y is None:
+            y = self._adapter.labels(x)
+        if y is None:
+            raise ValueError(f"Model.compute_loss: the batch has no labels for the loss {self._loss.name!r}: the data "
+                             "yields inputs only. Give (x, y) batches (or y= with arrays), labels inside a dict of "
+                             "inputs under \"labels\", or compile without a loss for a module that computes its own.")
         dtype = data_adapter.module_dtype(self._net)
         # Labels and weights as Keras's data adapters make them: float ones in the module's dtype (floatx).
         y = data_adapter.cast_inputs(data_adapter.as_labels(y), dtype)
@@ -403,8 +417,10 @@ class Model:
 
     def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Mapping[str, Any]:
         """Updates the compiled metrics with this replica's part and returns the logs (get_metrics_result)."""
-        del x
         if y_pred is not None and self._metrics:
+            y_pred = self._adapter.prediction(y_pred)
+            if y is None:
+                y = self._adapter.labels(x)
             y = data_adapter.cast_inputs(data_adapter.as_labels(y),
                                          y_pred.dtype if y_pred.is_floating_point() else None)
             sw = sample_weight
@@ -539,10 +555,6 @@ class Model:
           per-epoch values.
         """
         self._require_compiled("fit")
-        if self._loss is None and type(self).train_step is Model.train_step:
-            raise ValueError("Model.fit: compile() was given no loss, and the default train_step minimises the "
-                             "compiled loss. Pass one, e.g. model.compile(optimizer=..., loss=\"sparse_categorical_"
-                             "crossentropy\"), or override train_step to compute your own.")
         data_adapter.check_validation_freq(validation_freq)
         replicas = self.distribute_strategy.num_replicas_in_sync
         dataset = data_adapter.as_dataset(x, y, batch_size, sample_weight, shuffle, "fit", replicas)
@@ -733,7 +745,7 @@ class Model:
         """
         strategy = self.distribute_strategy
         x = data_adapter.as_array(x, "predict", "x")
-        arrays = isinstance(x, (np.ndarray, Tensor))
+        arrays = data_adapter.is_arrays(x)
         dataset = data_adapter.as_dataset(x, None, batch_size if arrays else None, None, False, "predict",
                                           strategy.num_replicas_in_sync)
         data_adapter.check_ends(dataset, steps, "predict", "steps")

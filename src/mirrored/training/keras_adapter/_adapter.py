@@ -39,6 +39,21 @@ class KerasAdapter:
         with device_scope(device):
             return net(x, *args, **kwargs)
 
+    def prediction(self, y_pred: Any) -> Any:
+        """A Keras model's output, as Keras's compiled loss and metrics take it."""
+        return y_pred
+
+    def module_loss(self, y_pred: Any) -> Tensor | None:
+        """None: a Keras model's own losses are its `losses` (regularization), added to the compiled loss."""
+        del y_pred
+        return None
+
+    @staticmethod
+    def labels(x: Any) -> Any:
+        """None: Keras's data gives the labels beside the inputs."""
+        del x
+        return None
+
     def optimizer(self, identifier: Any, replicas: tuple[nn.Module, ...]) -> Any:
         return _optimizer.optimizer(identifier, replicas)
 
