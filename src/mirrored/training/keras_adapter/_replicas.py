@@ -292,7 +292,7 @@ class KerasReplicas:
             after = _metric_variables(copy_)
             base_after = [was[id(v)] if id(v) in was else torch.zeros_like(v._value) for _, v in after]
             return self._combine(ctx, copy_, step, after, base_after, state, out,
-                                 _outside_apply(trainable, before, step.applied))
+                                 _outside_apply(trainable, before, step.applied), _keras_own(copy_, kind))
         except BaseException:
             with torch.no_grad():
                 for (_, v), b in zip(metrics, base):
@@ -305,83 +305,96 @@ class KerasReplicas:
                     t.grad = None
 
     def _combine(self, ctx: Any, copy_: nn.Module, step: ReplicaStep, metrics: list[tuple[Any, Any]],
-                 base: list[Tensor], state: list[tuple[Tensor, str]], logs: Any, written: list[Tensor]) -> Any:
+                 base: list[Tensor], state: list[tuple[Tensor, str]], logs: Any, written: list[Tensor],
+                 logs_are_metrics: bool) -> Any:
         """One all-reduce after the step: metric increments summed onto replica 0's state before it,
-        state averaged weighted by rows,
-        the logs' numbers averaged weighted by rows, and a checksum of trainable weights written
-        outside an optimizer's apply (which must have the same values on every replica). Returns
-        (the logs with their numbers averaged, the keys whose values were a metric's result)."""
-        rows = step.rows
-        first = ctx.replica_id_in_sync_group == 0
+        state averaged weighted by rows, the logs' numbers averaged weighted by rows, and a checksum of
+        trainable weights written outside an optimizer's apply (which must have the same values on every
+        replica). Returns (the logs with their numbers averaged, the keys whose values were a metric's
+        result): all of them for Keras's own steps, which return get_metrics_result()."""
+        rows, first = step.rows, ctx.replica_id_in_sync_group == 0
+        for m, v in metrics:
+            if v.aggregation not in ("sum", "only_first_replica"):
+                raise ValueError(f"metric {m.name!r} of {type(self._model).__name__}: its variable {v.path!r} has "
+                                 f"aggregation={v.aggregation!r}, so the replicas' parts cannot be combined into one "
+                                 "device's. Create metric variables with aggregation=\"sum\" (Keras's default for "
+                                 "metrics).")
         logged = _numbers(logs)
-        of_metrics = _metric_keys(copy_, logs)
+        of_metrics = tuple(logs) if logs_are_metrics and isinstance(logs, Mapping) else _metric_keys(copy_, logs)
         f64 = torch.float64
         device = next((p.device for p in copy_.parameters()), torch.device("cpu"))
-        pieces = []
-        for (m, v), b in zip(metrics, base):
-            how = v.aggregation
-            if how not in ("sum", "only_first_replica"):
-                raise ValueError(f"metric {m.name!r} of {type(self._model).__name__}: its variable {v.path!r} has "
-                                 f"aggregation={how!r}, so the replicas' parts cannot be combined into one device's. "
-                                 "Create metric variables with aggregation=\"sum\" (Keras's default for metrics).")
-            keep = rows if how == "sum" else first  # (a padded replica's increments count for nothing)
-            flat = v._value.detach().reshape(-1).to(device=device, dtype=f64)
-            pieces.append(flat if keep else torch.zeros_like(flat))
-            # Replica 0's state before the step, for every copy: Keras resets and reads replica 0's metrics.
-            flat = b.reshape(-1).to(device=device, dtype=f64)
-            pieces.append(flat if first else torch.zeros_like(flat))
-        for t, how in state:
-            flat = t.detach().reshape(-1).to(device=device, dtype=f64)
-            if how == "mean":
-                pieces.append(flat * rows)
-            else:
-                pieces.append(flat if first else torch.zeros_like(flat))
-        share = step.share
-        for _, value in logged:
-            pieces.append(torch.as_tensor(value).detach().reshape(1).to(device=device, dtype=f64) * share)
+        means = [t for t, how in state if how == "mean"]
+        firsts = [t for t, how in state if how != "mean"]
+        values = [v._value for _, v in metrics]
+        # (a padded replica's increments count for nothing; only replica 0's state before the step counts:
+        # Keras resets and reads replica 0's metrics)
+        keep = [float(rows > 0) if v.aggregation == "sum" else float(first) for _, v in metrics]
+        increments = _flat(values, f64, device)
+        if keep and min(keep) != max(keep):
+            increments = increments * torch.tensor(keep, dtype=f64, device=device).repeat_interleave(
+                torch.tensor([t.numel() for t in values], device=device))
+        elif keep:
+            increments = increments * keep[0]
         n = ctx.num_replicas_in_sync
-        sums = torch.zeros(2 * n, dtype=f64, device=device)
+        sums = torch.zeros(2 * n + 1, dtype=f64, device=device)
         if written:
             me = ctx.replica_id_in_sync_group
             sums[2 * me] = torch.stack([t.detach().to(f64).sum() for t in written]).sum()
             sums[2 * me + 1] = torch.stack([t.detach().to(f64).square().sum() for t in written]).sum()
+        sums[-1] = rows
+        pieces = [increments, _flat(base, f64, device) * float(first), _flat(means, f64, device) * rows,
+                  _flat(firsts, f64, device) * float(first)]
+        if logged:
+            pieces.append(torch.stack([torch.as_tensor(v).detach().reshape(()).to(device=device, dtype=f64)
+                                       for _, v in logged]) * step.share)
         pieces.append(sums)
-        pieces.append(torch.tensor([float(rows)], dtype=f64, device=device))
+        sizes = [p.numel() for p in pieces]
         total = ctx.all_reduce(md.ReduceOp.SUM, torch.cat(pieces))
-        checks = total[-1 - 2 * n:-1].reshape(n, 2)
+        parts = total.split(sizes)
+        increments, bases, mean_sums, first_values = parts[:4]
+        checks, count = parts[-1][:-1].reshape(n, 2), parts[-1][-1]
         if written and not bool((checks == checks[0]).all()):
             raise ValueError(f"{type(self._model).__name__}.train_step wrote trainable weights outside the "
                              "optimizer's apply() with different values on different replicas (an update computed "
                              "from this replica's own gradients, say), so the replicas' copies would differ. Update "
                              "weights with self.optimizer.apply(grads, variables), which all-reduces the gradients "
                              "first, or write the same values on every replica.")
-        at = 0
         with torch.no_grad():
-            for _, v in metrics:
-                k = v._value.numel()
-                value = total[at:at + k].reshape(v._value.shape)
-                if v.aggregation == "sum":
-                    value = total[at + k:at + 2 * k].reshape(v._value.shape) + value
-                v._value.copy_(value.to(v._value.dtype))
-                at += 2 * k
-            count = total[-1]
-            for t, how in state:
-                k = t.numel()
-                value = total[at:at + k].reshape(t.shape)
-                if how == "mean":
-                    value = torch.where(count > 0, value / count.clamp(min=1), t.detach().to(f64))
-                t.copy_(value.to(t.dtype))
-                at += k
+            sums_and_firsts = [(m, v.aggregation == "sum") for m, v in metrics]
+            summed = increments + bases
+            _unflat(values, [s if is_sum else i for s, i, (_, is_sum)
+                             in zip(_split(summed, values), _split(increments, values), sums_and_firsts)])
+            if means:
+                old = _flat(means, f64, device)
+                _unflat(means, _split(torch.where(count > 0, mean_sums / count.clamp(min=1), old), means))
+            _unflat(firsts, _split(first_values, firsts))
         if not isinstance(logs, Mapping):
             return logs, ()
         averaged = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in logs.items()}
-        for j, (path, _) in enumerate(logged):
-            value = total[at + j].to(torch.float32)
-            if len(path) == 1:
-                averaged[path[0]] = value
-            else:
-                averaged[path[0]][path[1]] = value
+        if logged:
+            reduced = parts[4].to(torch.float32)
+            for j, (path, _) in enumerate(logged):
+                if len(path) == 1:
+                    averaged[path[0]] = reduced[j]
+                else:
+                    averaged[path[0]][path[1]] = reduced[j]
         return averaged, of_metrics
+
+
+def _flat(tensors: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The tensors' values in one flat tensor of `dtype` (empty for none)."""
+    if not tensors:
+        return torch.zeros(0, dtype=dtype, device=device)
+    return torch.cat([t.detach().reshape(-1).to(device) for t in tensors]).to(dtype)
+
+
+def _split(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
+    return [piece.reshape(t.shape) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
+
+
+def _unflat(tensors: list[Tensor], values: list[Tensor]) -> None:
+    for t, value in zip(tensors, values):
+        t.copy_(value.to(t.dtype))
 
 
 def with_metrics(model: nn.Module, logs: Any, of_metrics: tuple[str, ...]) -> Any:
@@ -397,6 +410,13 @@ def with_metrics(model: nn.Module, logs: Any, of_metrics: tuple[str, ...]) -> An
     for k in of_metrics:
         logs[k] = results[k] if k in results else by_name[k].result()
     return logs
+
+
+def _keras_own(model: nn.Module, kind: str) -> bool:
+    """Whether the model's `kind` step is Keras's own (which returns get_metrics_result())."""
+    import keras
+
+    return getattr(type(model), f"{kind}_step") is getattr(keras.Model, f"{kind}_step")
 
 
 def _numbers(logs: Any) -> list[tuple[tuple[str, ...], Any]]:
