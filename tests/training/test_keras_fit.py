@@ -330,8 +330,9 @@ def test_backup_and_restore_resumes_a_sigkill_as_keras_does_on_one_device(tmp_pa
 
 def test_recompile_rebuilds_the_copies_and_batch_methods_and_mr_data():
     """A recompile with a new optimizer makes the copies again from the model; train_on_batch,
-    test_on_batch and predict_on_batch run on the replicas; an mr.data.Dataset is Keras's data, as x and
-    as validation_data; a model created in the scope and compiled outside it is distributed too."""
+    test_on_batch and predict_on_batch run on the replicas (predict leaves the metrics as they were);
+    an mr.data.Dataset is Keras's data, as x and as validation_data; a model created in the scope and
+    compiled outside it is distributed too."""
     x, y = flat_digits(64)
     ds = mr.data.Dataset.from_tensor_slices((x, y)).batch(32)
     models = {}
@@ -346,7 +347,9 @@ def test_recompile_rebuilds_the_copies_and_batch_methods_and_mr_data():
         h2 = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
         logs = model.train_on_batch(x[:10], y[:10], return_dict=True)
         test = model.test_on_batch(x[:10], y[:10], return_dict=True)
+        before = {k: float(v) for k, v in model.get_metrics_result().items()}
         out = model.predict_on_batch(x[:5])
+        assert {k: float(v) for k, v in model.get_metrics_result().items()} == before  # predict leaves them
         models[replicas] = (model, h1, h2, logs, test, out, strategy)
     ref, ours = models[1], models[2]
     assert_same(ref[0], ours[0], ref[1], ours[1])

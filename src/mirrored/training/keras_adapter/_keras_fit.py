@@ -273,6 +273,9 @@ def patches() -> list[tuple[Any, str, Any]]:
                 attribute = f"{kind}_function"
                 current = getattr(self, attribute)
                 reps = replicas_for(self, strategy)
+                # (each fit, evaluate or predict: the workers compare their first batch, as each pass of a
+                # distributed dataset does)
+                reps.compare_next = strategy.num_workers > 1
                 if current is not None and not force and getattr(current, "_mirrored", None) is reps:
                     return current
                 original(self, True)  # (Keras's own checks: steps_per_execution)

@@ -41,11 +41,10 @@ class ReplicaStep:
     """One replica's part of one step: its rows of the GLOBAL batch (0 for a padded replica), what
     its gradients weigh in the all-reduce, and which trainable tensors Keras's apply wrote."""
 
-    __slots__ = ("replicas", "copy", "rows", "global_rows", "weight", "divide", "applying", "applied")
+    __slots__ = ("replicas", "rows", "global_rows", "weight", "divide", "applying", "applied")
 
-    def __init__(self, replicas: KerasReplicas, copy_: nn.Module, rows: int, global_rows: int,
-                 weight: float, divide: bool):
-        self.replicas, self.copy, self.rows, self.global_rows = replicas, copy_, rows, global_rows
+    def __init__(self, replicas: KerasReplicas, rows: int, global_rows: int, weight: float, divide: bool):
+        self.replicas, self.rows, self.global_rows = replicas, rows, global_rows
         self.weight, self.divide = weight, divide
         self.applying = False  # inside an optimizer's apply (an inner optimizer's apply is not reduced again)
         self.applied: dict[int, int] = {}  # id(tensor) -> its version when an apply that wrote it ended
@@ -183,7 +182,7 @@ class KerasReplicas:
             with self.strategy.scope():
                 self.mirror = self.strategy.mirror(self._model, memory_format="preserve")
             for copy_, device in zip(self.replicas[1:], self.strategy.extended.worker_devices[1:]):
-                _mirroring.move_state(copy_, torch.device(device.replace("gpu", "cuda")))
+                _mirroring.move_state(copy_, torch.device(device))
         self._reducers.clear()
         self.stale = False
         self._snapshot = _Snapshot(self._model, _tracked(self._model))
@@ -264,7 +263,7 @@ class KerasReplicas:
         copy_ = self.replicas[rid]
         n = rows
         device = next((p.device for p in copy_.parameters()), torch.device("cpu"))
-        metrics = _metric_variables(copy_)
+        metrics = _metric_variables(copy_) if kind != "predict" else []  # (predict leaves the metrics alone)
         state = _mirroring.state_tensors(copy_) or []
         journal = md.current_journal()
         if journal is not None:  # a failed (or redone) step puts these back
@@ -278,7 +277,7 @@ class KerasReplicas:
             for _, v in metrics:
                 v._value.zero_()  # each holds this step's increment, added to every replica's after it
         w, divide = weight(copy_, n)
-        step = ReplicaStep(self, copy_, n, global_rows, w, divide)
+        step = ReplicaStep(self, n, global_rows, w, divide)
         trainable = [v._value for v in copy_.trainable_weights] if kind == "train" else []
         before = list(map(_VERSION, trainable))
         _STEP.step = step
@@ -472,9 +471,9 @@ def _is_number(value: Any) -> bool:
 
 def _first_row(leaf: Any, device: str) -> Any:
     if isinstance(leaf, Tensor):
-        return leaf[:1].to(torch.device(device.replace("gpu", "cuda")))
+        return leaf[:1].to(torch.device(device))
     if hasattr(leaf, "shape") and len(getattr(leaf, "shape", ())) > 0:
-        return torch.as_tensor(leaf[:1]).to(torch.device(device.replace("gpu", "cuda")))
+        return torch.as_tensor(leaf[:1]).to(torch.device(device))
     if isinstance(leaf, (list, tuple)):
         return leaf[:1]
     return leaf
