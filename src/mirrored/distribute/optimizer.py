@@ -349,8 +349,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
         sum is divided by the replicas' total weight; divide=False leaves it undivided (the gradients
         summed with those weights, as for a loss with reduction="sum"). A loss averaged over the labels it
         kept (ignore_index) weighs its replica by that count, which gives one device's gradient however
-        many each replica kept. A tensor weight (>= 0) is used without reading it on the host; 0 makes
-        the replica's gradients zeros, even where they are NaN. A failed step forgets it.
+        many each replica kept. A tensor weight (>= 0) is used without reading it on the host; with 0 the
+        replica's gradients count for nothing, even where they are NaN (a mean over no label). On one
+        replica in all, divide=True leaves the gradients as they are (w g / w). A failed step forgets it.
 
         Args:
           weight: a number >= 0 or a one-element tensor, e.g. (y != ignore_index).sum().

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -140,7 +141,8 @@ class GradientReducer:
         """Every replica's gradients of its copies of `params` combined (called on every replica at once):
         their SUM, or with `weight` (this replica's; a number or a 0-dim tensor, >= 0) the sum of each
         replica's gradients times its weight, divided by the replicas' total weight unless `divide` is
-        False (where the total is 0, by 1). Each result may be the given tensor, reduced in place."""
+        False (a total of 0 leaves the zeros it weighed). Each result may be the given tensor, reduced in
+        place."""
         if weight is None:
             return self._sum(ctx, params, grads)
         if self.lone:  # w g / w, bitwise g (a mean over one replica's examples is one device's)
@@ -155,10 +157,9 @@ class GradientReducer:
         else:
             sent = torch.tensor(float(weight), dtype=count.dtype, device=count.device)
         reduced = self._sum(ctx, [*params, count], [*grads, sent])
-        if divide:
-            total = reduced[-1]
-            # torch.where, not a Python test: no device sync in the step
-            torch._foreach_div_([g for g in reduced[:-1] if g is not None], torch.where(total != 0, total, 1))
+        if divide:  # a total of 0 (no replica weighs) divides zeros: by the smallest positive number, not 0
+            total = reduced[-1].clamp(min=torch.finfo(count.dtype).tiny)  # (no Python test: no device sync)
+            torch._foreach_div_([g for g in reduced[:-1] if g is not None], total)
         return reduced[:-1]
 
     def _sum(self, ctx: ReplicaContext, params: Sequence[Tensor], grads: list[Tensor | None]) -> list[Tensor | None]:
@@ -426,7 +427,7 @@ def check_weight(weight: Any, where: str) -> None:
             raise ValueError(f"{where}: a tensor weight must hold one real number (a count, or a sum of example "
                              f"weights); got shape {tuple(weight.shape)}, dtype {weight.dtype}.")
         return
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
         raise TypeError(f"{where}: weight={weight!r} must be a number or a one-element tensor, such as the count "
                         "of labels this replica's loss averaged over.")
     if not math.isfinite(weight) or weight < 0:
