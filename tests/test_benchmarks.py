@@ -115,3 +115,11 @@ def test_multi_worker_benchmark_prints_every_contestant():
     out = _run("multi_worker.py", "--depth", "8", "--steps", "1", "--rounds", "1", "--batch", "8")
     for name in ("2 workers x 1", "1 worker x 2", "DDP"):
         assert re.search(rf"^{re.escape(name)}\s+[0-9.]+\s+[0-9.]+$", out, re.M), out
+
+
+def test_sparse_allreduce_benchmark_prints_both_ways_for_both_transports():
+    out = _run("sparse_allreduce.py", "--quick")
+    for who in ("2 replica threads", "2 workers (gloo, 1 thread each)"):
+        assert who in out, out
+    rows = re.findall(r"^\s+2000\s+8\s+[0-9.]+\s+[0-9.]+ \(\s*[0-9.]+\)\s+[0-9.]+ \(\s*[0-9.]+\)\s+[0-9.]+$", out, re.M)
+    assert len(rows) == 4, out  # 2 shares x 2 transports
