@@ -187,15 +187,6 @@ class _Shared:
         counter[0] += 1 if first is None or first.dim() == 0 else first.shape[0]
         counter[1] += 1
 
-    def take_examples(self, rid: int, journal: StepJournal | None) -> int | None:
-        """This replica's examples since the last call (None where its copy was not called), reset to 0."""
-        counter = self.examples[rid]
-        examples, calls = counter.tolist()
-        if journal is not None:
-            journal.before_write(counter)
-        counter.zero_()
-        return examples if calls else None
-
     def in_no_sync(self, rid: int) -> bool:
         return self.no_sync_all > 0 or self.no_sync[rid] > 0
 
