@@ -263,7 +263,9 @@ def test_a_step_that_fails_after_backward_puts_the_sparse_gradients_back():
 def test_keras_clipping_acts_on_sparse_gradients_as_on_their_dense_form(replicas, option, value):
     """mr.optimizers' clipnorm / global_clipnorm / clipvalue on the reduced gradients: a sparse one
     counts its rows as its dense form would (duplicates summed first). Reference: plain torch, the
-    gradient densified, clipped, made sparse again at the same rows."""
+    gradient densified, clipped, made sparse again at the same rows. fit averages the replicas'
+    gradients weighted by their rows (n_r g_r summed, then divided): on 3 replicas that rounds a few
+    ulps off one device's, 5e-7 relative measured on weights near 2, hence rtol 1e-6 beside atol."""
     batches = global_batches()
 
     def clip(net):
@@ -291,7 +293,7 @@ def test_keras_clipping_acts_on_sparse_gradients_as_on_their_dense_form(replicas
     item, context, y = data()
     model.fit(mr.data.Dataset.from_tensor_slices(((item, context), y)).batch(8), epochs=2, verbose=0)
     for (name, want), got in zip(ref.named_parameters(), model.replicas[-1].parameters()):
-        torch.testing.assert_close(got, want, rtol=0, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=ATOL, msg=lambda m: f"{name}: {m}")
     model.check_in_sync()
 
 

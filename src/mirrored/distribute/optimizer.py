@@ -332,9 +332,22 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if not self._mean or ctx is None:
             return None
         rid = ctx.local_replica_id
-        examples, calls = self._module._shared.examples[rid].tolist()
-        state = self._sync_state(rid, journal_of(ctx))
+        shared = self._module._shared
+        examples, calls = shared.examples[rid].tolist()
+        journal = journal_of(ctx)
+        state = self._sync_state(rid, journal)
         (seen_examples, seen_calls), state.seen = state.seen, (examples, calls)
+        # Where another optimizer of the module reduced since this one did, in an earlier step (a GAN's
+        # generator optimizer, after the discriminator's), the calls before this step were its: count from
+        # the module's first call in this step. In the same step (SparseAdam and Adam over one forward's
+        # gradients) the calls are this one's too.
+        by, run = shared.last_reduction[rid]
+        if by is not None and by is not self and run is not journal:
+            start = shared.run_start[rid]
+            seen_examples, seen_calls = (start[1], start[2]) if start[0] is journal else (examples, calls)
+        if journal is not None:
+            journal.before_change(shared.last_reduction, functools.partial(_saved_item, shared.last_reduction, rid))
+        shared.last_reduction[rid] = (self, journal)
         return examples - seen_examples if calls > seen_calls else None
 
     def _reduce(self, ctx: ReplicaContext | None, examples: int | None) -> None:
@@ -681,6 +694,16 @@ class _BackwardSync:
             self.reduced, self.stash, self.queued, self.weight, self.seen = reduced, stash, False, weight, seen
 
         return restore
+
+
+def _saved_item(items: list[Any], i: int) -> Callable[[], None]:
+    """items[i] as it is now, as a function that puts it back (for StepJournal.before_change)."""
+    saved = items[i]
+
+    def restore() -> None:
+        items[i] = saved
+
+    return restore
 
 
 def _grad_accumulated(optimizer_ref: Any, rid: int, param: Tensor) -> None:

@@ -162,8 +162,9 @@ def as_dataset(x: Any, y: Any, batch_size: int | None, sample_weight: Any, shuff
                 raise ValueError(f"Model.{where}: x has {n} rows but another array has {len(p)}; "
                                  "x, y and sample_weight must have one row per example.")
         if n == 0:
-            raise ValueError(f"Model.{where}: x has no rows, so there is nothing to train or evaluate on. Pass at "
-                             "least one example.")
+            shape = {k: tuple(v.shape) for k, v in x.items()} if isinstance(x, Mapping) else tuple(x.shape)
+            raise ValueError(f"Model.{where}: x has no rows (shape {shape}), so there is nothing to train or "
+                             "evaluate on. Pass at least one example.")
         ds = Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
         if shuffle:
             ds = ds.shuffle(n)
