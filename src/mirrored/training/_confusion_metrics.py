@@ -472,6 +472,17 @@ class FBetaScore(Metric):
                 self._state.extend(made)
         return self._counts
 
+    def _state_pending(self) -> bool:
+        """Whether the per-class counts are still to be made (by the first update, or _build_state)."""
+        return self._counts is None
+
+    def _build_state(self, y_true: Any, y_pred: Any) -> None:
+        """Makes the per-class counts for batches shaped like y_pred, before any update: mr.Model does so
+        in cross-replica context at its first step, where a replica's part may be empty."""
+        del y_true
+        if self._counts is None and getattr(y_pred, "ndim", 0) == 2:
+            self._build(y_pred.shape[1])
+
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         """Adds the batch's weighted true positives, false positives, false negatives and label mass."""
         y_true, y_pred = _tensors(y_true, y_pred)

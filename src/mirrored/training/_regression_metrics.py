@@ -163,6 +163,18 @@ class R2Score(Metric):
                 self._state.extend(made)
         return self._sums
 
+    def _state_pending(self) -> bool:
+        """Whether the per-output sums are still to be made (by the first update, or _build_state)."""
+        return self._sums is None
+
+    def _build_state(self, y_true: Any, y_pred: Any) -> None:
+        """Makes the per-output sums for batches shaped like y_pred, before any update: mr.Model does so in
+        cross-replica context at its first step, where a replica's part may be empty."""
+        del y_true
+        ndim = getattr(y_pred, "ndim", 0)
+        if self._sums is None and ndim in (1, 2):
+            self._build(1 if ndim == 1 else y_pred.shape[1])
+
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         """Adds the batch's per-output sums of y, y^2, squared errors and weights."""
         y_true, y_pred = _tensors(y_true, y_pred)
