@@ -166,8 +166,8 @@ def monitor_value(callback: Any, logs: Logs | None) -> float | None:
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{type(callback).__name__}: monitor={callback.monitor!r} is {value!r:.80}, not one number "
-                             "(a metric with one value per class, such as F1Score(average=None), which the "
+            raise ValueError(f"{type(callback).__name__}: monitor={callback.monitor!r} is {value!r:.80}, not one "
+                             "number (a metric with one value per class, such as F1Score(average=None), which the "
                              "\"f1_score\" name makes). Monitor one number: compile the metric with "
                              "average=\"macro\" (R2Score: class_aggregation=\"uniform_average\"), or monitor "
                              "another key.") from None

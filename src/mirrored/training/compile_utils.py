@@ -64,7 +64,9 @@ class CompiledOutputs:
 
     def __post_init__(self) -> None:
         _check_types(self.loss_weights, self.metrics, self.weighted_metrics)
-        if not _per_output(self.loss, self.loss_weights, self.metrics, self.weighted_metrics):
+        if _per_output(self.loss, self.loss_weights, self.metrics, self.weighted_metrics):
+            self.single = False  # (built at the first step, against the outputs)
+        else:
             self._build_single()
 
     @property
@@ -277,13 +279,13 @@ def is_nested(value: Any) -> bool:
 
 
 def flatten_metrics_in_order(logs: Mapping[str, Any], compiled: CompiledOutputs | None) -> list[Any]:
-    """evaluate()'s list as Keras's _flatten_metrics_in_order makes it: "loss", the compiled metrics by their
-    own names and the per-output losses, in that order, then every other key, sorted."""
+    """evaluate()'s list as Keras 3's _flatten_metrics_in_order makes it, so that code indexing it reads the
+    same values: "loss", then each compiled metric's value under its own name (a weighted metric named as
+    a metric is listed by that name, as Keras lists it), each output's loss, then every other key, sorted."""
     order = ["loss"]
     if compiled is not None:
         order += [m.name for output in compiled.metric_sets for m in output.metrics]
         order += [out.tracker.name for out in compiled.losses if out.tracker is not None]
-    order = list(dict.fromkeys(order))
     return [logs[k] for k in order if k in logs] + [logs[k] for k in sorted(logs) if k not in order]
 
 

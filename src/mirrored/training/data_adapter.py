@@ -212,7 +212,7 @@ def train_validation_split(x: Any, y: Any, sample_weight: Any, validation_split:
     n = _rows_of(x, "fit")
     split_at = int(np.floor(n * (1.0 - validation_split)))
     if split_at == 0 or split_at == n:
-        raise ValueError(f"Model.fit(validation_split={validation_split}): x has {n} rows, too few to split into "
+        raise ValueError(f"Model.fit(validation_split={validation_split}): x has {n} row(s), too few to split into "
                          f"training and validation rows ({split_at} would train). Give more data or another "
                          "validation_split.")
 

@@ -270,7 +270,8 @@ class Model:
         # can say what to pass.
         self._compile_config = {
             "optimizer": _config_or_repr(self.optimizer, self.optimizer, optimizers.serialize),
-            "loss": compile_utils.config_of(loss, lambda g: _config_or_repr(g, self._adapter.loss(g), losses.serialize)),
+            "loss": compile_utils.config_of(
+                loss, lambda given: _config_or_repr(given, self._adapter.loss(given), losses.serialize)),
             "loss_weights": loss_weights,
             "metrics": compile_utils.config_of(metrics or [], _metric_config),
             "weighted_metrics": compile_utils.config_of(weighted_metrics, _metric_config),
@@ -404,9 +405,10 @@ class Model:
         if y is None:
             y = self._adapter.labels(x)
         if y is None:
-            raise ValueError(f"Model.compute_loss: the batch has no labels for the loss {_describe(compiled.loss)}: the "
-                             "data yields inputs only. Give (x, y) batches (or y= with arrays), labels inside a dict of "
-                             "inputs under \"labels\", or compile without a loss for a module that computes its own.")
+            raise ValueError(f"Model.compute_loss: the batch has no labels for the loss {_describe(compiled.loss)}: "
+                             "the data yields inputs only. Give (x, y) batches (or y= with arrays), labels inside a "
+                             "dict of inputs under \"labels\", or compile without a loss for a module that computes "
+                             "its own.")
         y_pred = self._built_for(y, y_pred)
         if not compiled.single:
             return self._outputs_loss(x, y, y_pred, sample_weight, training)
