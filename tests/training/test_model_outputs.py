@@ -254,6 +254,7 @@ NAMING_CASES = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:Gradients do not exist")  # (Keras's own, for its head without a loss)
 @pytest.mark.parametrize("case", sorted(NAMING_CASES))
 def test_history_keys_are_named_as_keras_names_them(case):
     """The history keys (and evaluate's length) of a torch module returning a dict or tuple equal those of
