@@ -40,8 +40,9 @@ import torch
 
 import mirrored as mr
 from mirrored._bench import load, machine, make_net
-from mirrored.distribute import _copy_watch, input as input_lib, optimizer as optimizer_lib, rollback
-from mirrored.training import model as model_lib
+from mirrored.distribute import _copy_watch, input as input_lib, modules as modules_lib, optimizer as optimizer_lib
+from mirrored.distribute import reducer as reducer_lib, replicas as replicas_lib, rollback
+from mirrored.training import losses as losses_lib, model as model_lib, optimizers as optimizers_lib
 
 PHASES = ("input", "split", "hand-off", "all-reduce", "metrics", "checks", "compute")
 _WRAPPED = (  # (class, method, phase)
@@ -210,26 +211,161 @@ def scaling_table(counts: list[int], steps: int, rounds: int, per_replica: int =
         print(row[: -11] + f"{wall:>11.2f}")
 
 
-def plain_cpu_ms(per_replica: int, steps: int) -> float:
-    """ms of CPU per step of a plain torch loop (ResNet-20, 8x8 inputs, one thread): torch's own Python."""
-    return sum(_plain_steps(per_replica, 8, steps, time.thread_time)) / steps * 1e3
+# The accounted table: every phase of a replica step of fit, timed exclusive of the phases nested in it,
+# on every thread, summing with "other" to the process's CPU; the plain loop's step beside it.
+_ACCOUNTED = (  # (class, method, row), in the order printed
+    (mr.Model, "fit", "fit's loop (main thread)"),
+    (input_lib.DistributedIterator, "_fetch", "input: the next batch"),
+    (input_lib._Splitter, "split", "input: split and place"),
+    (mr.MirroredStrategy, "run", "hand-off (strategy.run)"),
+    (mr.Model, "train_step", "train_step's own Python"),
+    (mr.Model, "__call__", "model call (Model.__call__, _forward)"),
+    (mr.Model, "_forward", "model call (Model.__call__, _forward)"),
+    (modules_lib.MirroredModule, "_call", "mirror call (journal note, examples)"),
+    (torch.nn.Module, "_call_impl", "module forward (torch)"),
+    (mr.Model, "compute_loss", "loss (compute_loss, per_example)"),
+    (losses_lib.Loss, "per_example", "loss (compute_loss, per_example)"),
+    (mr.Model, "_track_loss", "metrics (loss tracker, compute_metrics)"),
+    (mr.Model, "compute_metrics", "metrics (loss tracker, compute_metrics)"),
+    (torch.Tensor, "backward", "backward (torch)"),
+    (optimizers_lib.Optimizer, "step", "optimizer step: mirrored's path"),
+    (optimizer_lib.MirroredOptimizer, "step", "optimizer step: mirrored's path"),
+    (optimizer_lib.MirroredOptimizer, "reduce_gradients", "gradient all-reduce"),
+    (reducer_lib.GradientReducer, "reduce", "gradient all-reduce"),
+    (replicas_lib.Rendezvous, "exchange", "meetings (Rendezvous.exchange)"),
+    (torch.optim.SGD, "step", "optimizer update (torch's SGD)"),
+    (optimizer_lib.MirroredOptimizer, "sync_buffers", "buffer sync (BatchNorm statistics)"),
+    (optimizer_lib.MirroredOptimizer, "zero_grad", "zero_grad"),
+    (rollback.StepJournal, "before_forward", "checks (journal, copy watch)"),
+    (rollback.StepJournal, "before_write", "checks (journal, copy watch)"),
+    (rollback.StepJournal, "before_change", "checks (journal, copy watch)"),
+    (rollback.StepJournal, "commit", "checks (journal, copy watch)"),
+    (_copy_watch.CopyWatch, "signature", "checks (journal, copy watch)"),
+    (_copy_watch.CopyWatch, "settle", "checks (journal, copy watch)"),
+)
+_PLAIN_ROWS = ("module forward (torch)", "loss (torch's cross_entropy)", "backward (torch)",
+               "optimizer update (torch's SGD)", "zero_grad")
 
 
-def python_table(steps: int, rounds: int, per_replica: int = 2) -> None:
-    """ResNet-20's structure at negligible compute: what a replica step of fit holds the GIL for."""
-    print(f"\nTable 3: ResNet-20 on 8x8 inputs, {per_replica} examples per replica (compute negligible), 2 CPU "
-          f"replicas, ms of CPU (GIL-held) per REPLICA step; {steps} steps, {rounds} round(s); load average {load()}")
-    width = 26
-    print(f"  {'':<{width}}" + "".join(f"{p:>11}" for p in (*PHASES, "CPU total")) + f"{'wall':>11}")
-    runs, plain = [], []
-    for _ in range(rounds):
-        plain.append(plain_cpu_ms(per_replica, steps))
-        batch = 2 * per_replica
-        runs.append(measure(_model(make_net(), 2), _dataset(batch * steps, batch, (3, 8, 8), 10),
-                            _dataset(batch * 2, batch, (3, 8, 8), 10), steps))
-    print(_row("fit, per replica step", runs, width, per=2)[:-11])
-    print(f"  {'':<{width}}a plain torch loop's step (same model and part, 1 thread): "
-          f"{statistics.median(plain):.2f} ms of CPU; fit's CPU per replica step above it is mirrored's")
+def _small_net() -> torch.nn.Module:
+    """The issue's small model: a conv stem, three residual blocks (one per stage), BatchNorm (ResNet-8)."""
+    torch.manual_seed(0)
+    return mr.models.resnet_cifar(depth=8, num_classes=10, data_format="channels_first")
+
+
+_NETS = {"resnet20": make_net, "resnet8": _small_net}
+
+
+def _plain_loop_ms(net_fn: Any, per_replica: int, steps: int, rows: bool = True) -> dict[str, float]:
+    """ms of CPU per step of a plain torch loop on one replica's part (channels_last, one intra-op
+    thread): its total, and with `rows` its rows, timed with the same exclusive timer (whose wrappers
+    cost a few us a call, so the total is taken in a run without them)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(per_replica, 3, 8, 8, generator=g), torch.randint(0, 10, (per_replica,), generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    timer = ExclusiveTimer(((torch.nn.Module, "_call_impl", _PLAIN_ROWS[0]),
+                            (torch.nn.functional, "cross_entropy", _PLAIN_ROWS[1]),
+                            (torch.Tensor, "backward", _PLAIN_ROWS[2]), (torch.optim.SGD, "step", _PLAIN_ROWS[3]),
+                            (torch.optim.Optimizer, "zero_grad", _PLAIN_ROWS[4])))
+    try:
+        net = _NETS[net_fn]().to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        for _ in range(3):
+            step()
+        if rows:
+            timer.install()
+        cpu = time.thread_time()
+        for _ in range(steps):
+            step()
+        cpu = time.thread_time() - cpu
+    finally:
+        timer.remove()
+        torch.set_num_threads(before)
+    rows = {row: timer.cpu.get(row, 0.0) / steps * 1e3 for row in _PLAIN_ROWS}
+    rows["total"] = cpu / steps * 1e3
+    return rows
+
+
+class ExclusiveTimer(PhaseTimer):
+    """PhaseTimer over the given (class or module, function, row) triples."""
+
+    def __init__(self, wrapped: Any) -> None:
+        super().__init__()
+        self._wrapped = wrapped
+
+    def install(self) -> None:
+        for owner, name, row in self._wrapped:
+            if isinstance(owner, type):
+                owner = next(c for c in owner.__mro__ if name in c.__dict__)
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            setattr(owner, name, self._timed(original, row))
+            self._undo.append((owner, name, original))
+
+
+def _fit_accounted(net_fn: Any, replicas: int, per_replica: int, steps: int, rows: bool = True) -> dict[str, float]:
+    """ms of CPU per REPLICA step of fit: its total (the process's CPU), and with `rows` by row of
+    _ACCOUNTED (the wrappers' own cost lands in the rows; the total is taken in a run without them)."""
+    torch.manual_seed(0)
+    strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = mr.Model(_NETS[net_fn]())
+        model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.01, momentum=0.9),
+                      loss="sparse_categorical_crossentropy")
+    batch = replicas * per_replica
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(batch * steps, 3, 8, 8, generator=g).numpy()
+    y = torch.randint(0, 10, (batch * steps,), generator=g).numpy()
+    model.fit(x[:batch * 3], y[:batch * 3], batch_size=batch, verbose=0, shuffle=False)
+    timer = ExclusiveTimer(_ACCOUNTED)
+    if rows:
+        timer.install()
+    try:
+        cpu = time.process_time()
+        model.fit(x, y, batch_size=batch, verbose=0, shuffle=False)
+        cpu = time.process_time() - cpu
+    finally:
+        timer.remove()
+    per = steps * replicas
+    rows = {row: 0.0 for _, _, row in _ACCOUNTED}
+    for row, seconds in timer.cpu.items():
+        rows[row] += seconds / per * 1e3
+    rows["other (threads, GC, what no row names)"] = cpu / per * 1e3 - sum(rows.values())
+    rows["total"] = cpu / per * 1e3
+    return rows
+
+
+def accounted_table(nets: list[str], steps: int, rounds: int, per_replica: int = 2, replicas: int = 2) -> None:
+    """Table 3: every millisecond of fit's CPU per replica step at negligible compute, against a plain loop."""
+    print(f"\nTable 3: fit's CPU per REPLICA step at negligible compute ({per_replica} examples per replica on "
+          f"8x8 inputs, {replicas} replicas, fit on numpy arrays, no metrics), ms, medians of {rounds} alternating "
+          f"rounds of {steps} steps; load average {load()}")
+    for net in nets:
+        fits, plains, fit_totals, plain_totals = [], [], [], []
+        for _ in range(rounds):
+            plains.append(_plain_loop_ms(net, per_replica, steps))
+            fits.append(_fit_accounted(net, replicas, per_replica, steps))
+            plain_totals.append(_plain_loop_ms(net, per_replica, steps, rows=False)["total"])
+            fit_totals.append(_fit_accounted(net, replicas, per_replica, steps, rows=False)["total"])
+        fit = {k: statistics.median(r[k] for r in fits) for k in fits[0]}
+        plain = {k: statistics.median(r[k] for r in plains) for k in plains[0]}
+        print(f"  {net}: fit, per replica step                       plain loop, per step")
+        shown = [k for k in fit if k != "total"]
+        for i, row in enumerate(shown):
+            right = f"{_PLAIN_ROWS[i]:<32}{plain[_PLAIN_ROWS[i]]:>8.3f}" if i < len(_PLAIN_ROWS) else ""
+            print(f"    {row:<42}{fit[row]:>8.3f}    {right}")
+        print(f"    {'total, timed by rows':<42}{fit['total']:>8.3f}    {'total, timed by rows':<32}"
+              f"{plain['total']:>8.3f}")
+        fit_total, plain_total = statistics.median(fit_totals), statistics.median(plain_totals)
+        print(f"    {'total, untimed run':<42}{fit_total:>8.3f}    {'total, untimed run':<32}{plain_total:>8.3f}")
+        ratios = sorted(f / p for f, p in zip(fit_totals, plain_totals))
+        print(f"    fit / plain loop (untimed runs): {fit_total / plain_total:.2f} (rounds: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)}); target <= 1.25")
 
 
 def main() -> None:
@@ -238,14 +374,20 @@ def main() -> None:
     parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4, 8], help="replica counts of table 2")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per ResNet run (x10 for the MLP)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--nets", nargs="+", default=["resnet20", "resnet8"], choices=sorted(_NETS),
+                        help="table 3's models")
+    parser.add_argument("--tables", nargs="+", type=int, default=[1, 2, 3], help="which tables to print")
     parser.add_argument("--quick", action="store_true", help="tiny settings: checks the script runs")
     args = parser.parse_args()
     if args.quick:
         args.batches, args.counts, args.steps, args.rounds = [8], [1, 2], 2, 1
     print(machine())
-    resnet_table(args.batches, args.steps, args.rounds)
-    scaling_table(args.counts, args.steps * 10, args.rounds)
-    python_table(args.steps * 5, args.rounds)
+    if 1 in args.tables:
+        resnet_table(args.batches, args.steps, args.rounds)
+    if 2 in args.tables:
+        scaling_table(args.counts, args.steps * 10, args.rounds)
+    if 3 in args.tables:
+        accounted_table(args.nets, args.steps * 5, args.rounds)
 
 
 if __name__ == "__main__":

@@ -147,14 +147,14 @@ def test_the_position_is_in_examples_so_a_changed_global_batch_resumes_exactly(r
     def pipeline(size):
         return mr.data.Dataset.range(23).shuffle(23, seed=3).batch(size)
 
-    original = iter(_strategy(replicas).experimental_distribute_dataset(pipeline(batch)))
+    original = iter(strategy_of(replicas).experimental_distribute_dataset(pipeline(batch)))
     for _ in range(2):
         next(original)
     state = json.loads(json.dumps(original.get_state()))
     assert state["examples"] == 2 * batch
     want = _examples(original)
 
-    strategy = _strategy(resumed_replicas)
+    strategy = strategy_of(resumed_replicas)
     restored = iter(strategy.experimental_distribute_dataset(pipeline(resumed_batch)))
     restored.set_state(state)
     assert restored.get_state()["examples"] == 2 * batch

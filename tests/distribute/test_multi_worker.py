@@ -52,6 +52,59 @@ def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]) for i in range(0, N_EXAMPLES, GLOBAL_BATCH)]
 
 
+class SparseNet(nn.Module):
+    """A sparse embedding, a sparse bag of context ids and a dense head (issue 36's mixed model)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tables = nn.ModuleDict({"item": nn.Embedding(20, 4, sparse=True),
+                                     "context": nn.EmbeddingBag(20, 4, sparse=True, mode="mean")})
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, item: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tables["item"](item) * self.tables["context"](context))
+
+
+def sparse_batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Global batches of 4, 4, 3 (2/2, 2/2, 2/1 on 2 workers; 1/1/1/1, ..., 1/1/1/0 on 2 workers of 2)."""
+    g = torch.Generator().manual_seed(2)
+    item, context = torch.randint(0, 20, (N_EXAMPLES,), generator=g), torch.randint(0, 20, (N_EXAMPLES, 3), generator=g)
+    y = torch.randint(0, 3, (N_EXAMPLES,), generator=g)
+    return [(item[i:i + GLOBAL_BATCH], context[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH])
+            for i in range(0, N_EXAMPLES, GLOBAL_BATCH)]
+
+
+def sparse_optimizers(net: nn.Module, make) -> dict:
+    """SparseAdam for the tables beside Adam for the head, or Adagrad (which takes both kinds) for all."""
+    return {"SparseAdam": lambda: [make(torch.optim.SparseAdam, net.tables, lr=0.05),
+                                   make(torch.optim.Adam, net.head, lr=0.05)],
+            "Adagrad": lambda: [make(torch.optim.Adagrad, net, lr=0.3)]}
+
+
+# name: (how the workers sum sparse gradients, optimizers, gradient_reduction, replicas per worker)
+SPARSE_RUNS = {"gathered-sparseadam-sum": ("gathered", "SparseAdam", "sum", 1),
+               "densified-sparseadam-sum": ("densified", "SparseAdam", "sum", 1),
+               "gathered-adagrad-mean": ("gathered", "Adagrad", "mean", 1),
+               "densified-adagrad-mean": ("densified", "Adagrad", "mean", 1),
+               "gathered-sparseadam-mean-x2": ("gathered", "SparseAdam", "mean", 2),
+               "densified-adagrad-sum-x2": ("densified", "Adagrad", "sum", 2)}
+
+
+def sparse_reference(optimizers: str) -> list[torch.Tensor]:
+    """Plain PyTorch on one device, the whole global batches."""
+    net = SparseNet()
+    opts = sparse_optimizers(net, lambda cls, module, **kw: cls(module.parameters(), **kw))[optimizers]()
+    for _ in range(EPOCHS):
+        for item, context, y in sparse_batches():
+            for opt in opts:
+                opt.zero_grad()
+            F.cross_entropy(net(item, context), y).backward()
+            for opt in opts:
+                opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
 # ---- launching workers -----------------------------------------------------------------------------
 def launch(scenario: str, out_dir: Path, world: int = 2, wait_for: list[int] | None = None,
            started: int | None = None) -> list[int | None]:
@@ -228,6 +281,25 @@ def fit_run(strategy) -> tuple[dict, list[torch.Tensor], list[list[float]]]:
     history = model.fit(data, epochs=EPOCHS, verbose=0).history
     logs = {"history": history, "evaluate": model.evaluate(data, return_dict=True, verbose=0)}
     return logs, [p.detach().clone() for p in model.module.parameters()], model.predict(x, batch_size=GLOBAL_BATCH).tolist()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")  # (torch's Adagrad, in the reference)
+def test_sparse_gradients_on_two_workers_match_plain_torch(tmp_path):
+    """Issue 36: nn.Embedding / nn.EmbeddingBag(sparse=True) beside a dense head, with SparseAdam + Adam or
+    Adagrad, "sum" and "mean", each way of summing the sparse gradients across the workers (gathered,
+    densified: forced), on 2 workers of one replica and of two (an empty part there: 1/1/1/0). Equal to
+    one device within 1e-6 (the replicas' sums of a row add in another order), every worker bitwise
+    the same."""
+    from safetensors.torch import load_file
+
+    assert launch("sparse", tmp_path) == [0, 0], logs(tmp_path, 2)
+    results(tmp_path)
+    for name, (_, optimizers, _, _) in SPARSE_RUNS.items():
+        want = sparse_reference(optimizers)
+        got = [load_file(str(tmp_path / f"sparse-{name}-{rank}.safetensors")) for rank in range(2)]
+        for j, w in enumerate(want):
+            torch.testing.assert_close(got[0][str(j)], w, rtol=0, atol=1e-6, msg=lambda m: f"{name}, {j}: {m}")
+            assert torch.equal(got[1][str(j)], got[0][str(j)]), f"{name}: rank 1 differs from rank 0 in {j}"
 
 
 def test_model_fit_on_two_workers_matches_two_replicas(tmp_path):
@@ -745,6 +817,43 @@ def scenario_training(s: md.MultiWorkerMirroredStrategy, rank: int, reduction: s
     return {"losses": losses, "parts": parts}
 
 
+def scenario_sparse(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
+    import math
+    import warnings
+
+    from safetensors.torch import save_file
+
+    from mirrored.distribute import _sparse
+
+    warnings.filterwarnings("ignore", "Sparse invariant checks")
+    strategies = {1: s, 2: md.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"], timeout_s=COLLECTIVE_TIMEOUT_S)}
+    for name, (mode, optimizers, reduction, local) in SPARSE_RUNS.items():
+        _sparse._WORKERS_DENSIFY_AT = 0.0 if mode == "densified" else math.inf
+        strategy = strategies[local]
+        with strategy.scope():
+            mnet = strategy.mirror(SparseNet())
+            opts = sparse_optimizers(mnet, lambda cls, module, **kw: strategy.mirror_optimizer(
+                cls, module, gradient_reduction=reduction, **kw))[optimizers]()
+
+        def step(item, context, y, global_size):
+            for opt in opts:
+                opt.zero_grad()
+            out = mnet(item, context)
+            loss = F.cross_entropy(out, y) if reduction == "mean" else F.cross_entropy(out, y, reduction="sum") / global_size
+            loss.backward()
+            for opt in opts:
+                opt.step()
+
+        for _ in range(EPOCHS):
+            for batch in sparse_batches():
+                parts = next(iter(strategy.experimental_distribute_dataset([batch])))
+                strategy.run(step, args=(*parts, len(batch[2])))
+        strategy.check_in_sync([mnet, *opts])
+        save_file({str(j): p.detach().contiguous() for j, p in enumerate(mnet.values[0].parameters())},
+                  str(OUT_DIR / f"sparse-{name}-{rank}.safetensors"))
+    return {}
+
+
 def scenario_fit(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict:
     from safetensors.torch import save_file
 
@@ -797,7 +906,7 @@ def scenario_training_mean(s: md.MultiWorkerMirroredStrategy, rank: int) -> dict
 
 SCENARIOS = {"collectives": scenario_collectives, "training": scenario_training, "hang": scenario_hang,
              "training_mean": scenario_training_mean,
-             "fit": scenario_fit, "rank0_exits": scenario_rank0_exits}
+             "fit": scenario_fit, "rank0_exits": scenario_rank0_exits, "sparse": scenario_sparse}
 
 
 def never_arrives() -> dict:

@@ -795,3 +795,29 @@ def test_set_gradient_weight_is_refused_where_it_cannot_act():
         with pytest.raises(error, match=words):
             strategy.run(refused(call), args=(xb, yb))
     assert all(p.grad is None for m in mnet.values for p in m.parameters())  # the failed steps left no trace
+
+
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_two_mean_optimizers_of_one_module_each_weigh_by_the_replicas_examples(in_backward):
+    """One optimizer for the body, another for the head (as SparseAdam for embeddings beside Adam): each
+    weighs the replicas by the examples since its own last reduction. They shared one count, which the
+    first to reduce took, so the other weighed 1 each: an uneven batch (5 as 2/2/1) updated wrongly."""
+    x, y = data(5)
+    ref = net()
+    body, head = torch.optim.SGD(ref[0].parameters(), lr=0.5), torch.optim.SGD(ref[2].parameters(), lr=0.5)
+    F.cross_entropy(ref(x), y).backward()
+    body.step()
+    head.step()
+    strategy = strategy_of(3)
+    with strategy.scope():
+        mnet = strategy.mirror(net())
+        opts = [strategy.mirror_optimizer(torch.optim.SGD, part, gradient_reduction="mean", lr=0.5,
+                                          reduce_in_backward=in_backward) for part in (mnet[0], mnet[2])]
+
+    def step(xb, yb):
+        F.cross_entropy(mnet(xb), yb).backward()
+        for opt in opts:
+            opt.step()
+
+    strategy.run(step, args=next(iter(strategy.experimental_distribute_dataset([(x, y)]))))
+    assert_matches(mnet, ref, strategy)

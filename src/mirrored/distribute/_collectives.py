@@ -172,6 +172,14 @@ class CollectiveAllReduce(CrossDeviceOps):
         self._call(what, lambda: [dist.all_gather(rows, mine, async_op=True)])
         return [r.tolist() for r in rows]
 
+    def all_gather_flat(self, flats: Sequence[Tensor], what: str) -> list[list[Tensor]]:
+        """Every rank's copy of each 1-D tensor (of one size on every rank: pad first), in rank order, on
+        the tensor's device; every gather in flight at once."""
+        wires = [self._on_wire(f) for f in flats]
+        gathered = [[torch.empty_like(w) for _ in range(self.world_size)] for w in wires]
+        self._call(what, lambda: [dist.all_gather(g, w, async_op=True) for g, w in zip(gathered, wires)])
+        return [[t if t.device == f.device else t.to(f.device) for t in g] for g, f in zip(gathered, flats)]
+
     def gather(self, t: Tensor, axis: int, what: str) -> Tensor:
         """The workers' tensors concatenated along `axis`; their sizes along it may differ (each part is
         padded to the longest for the all_gather, then trimmed)."""

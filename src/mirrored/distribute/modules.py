@@ -190,10 +190,14 @@ class _Shared:
     gradient_reduction="mean" needs it), the no_sync() blocks open, and the watch over the whole
     copies (where there are several)."""
 
-    __slots__ = ("examples", "no_sync_all", "no_sync", "grad_sync", "watch", "layout")
+    __slots__ = ("examples", "run_start", "last_reduction", "no_sync_all", "no_sync", "grad_sync", "watch", "layout")
 
     def __init__(self, copies: list[nn.Module], devices: tuple[str, ...]):
         self.examples: list[Tensor] | None = None  # per replica: [examples, forward calls], int64 on the CPU
+        # Per replica, for the optimizers' example weights: the count before the copy's first call in the
+        # latest run (with that run's journal), and which optimizer of the module reduced last, in which run.
+        self.run_start: list[tuple[Any, int, int]] = [(None, 0, 0)] * len(copies)
+        self.last_reduction: list[tuple[Any, Any]] = [(None, None)] * len(copies)
         self.no_sync_all = 0  # blocks opened outside strategy.run (they hold for every replica)
         self.no_sync = [0] * len(copies)  # blocks opened by each replica inside strategy.run
         # Taken now, while the copies are equal: a change that later reaches some of them only is
@@ -213,18 +217,11 @@ class _Shared:
         counter = self.examples[rid]
         if journal is not None:  # a failed step puts the count back with the gradients
             journal.before_write(counter)
+            if self.run_start[rid][0] is not journal:
+                self.run_start[rid] = (journal, *counter.tolist())
         first = next(_tensors((args, kwargs)), None)
         counter[0] += 1 if first is None or first.dim() == 0 else first.shape[0]
         counter[1] += 1
-
-    def take_examples(self, rid: int, journal: StepJournal | None) -> int | None:
-        """This replica's examples since the last call (None where its copy was not called), reset to 0."""
-        counter = self.examples[rid]
-        examples, calls = counter.tolist()
-        if journal is not None:
-            journal.before_write(counter)
-        counter.zero_()
-        return examples if calls else None
 
     def in_no_sync(self, rid: int) -> bool:
         return self.no_sync_all > 0 or self.no_sync[rid] > 0

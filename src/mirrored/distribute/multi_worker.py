@@ -9,9 +9,9 @@ rank x local replicas + the local index. Under torchrun the workers' process gro
 that rank 0 serves anew every attempt, so `torchrun --max-restarts` brings restarted workers together.
 
 `CollectiveAllReduce` (defined in _collectives.py, re-exported here) does the talking: the gradient
-all-reduce of a mirrored optimizer (reducer.py: flat buckets, one collective each),
-`ReplicaContext.all_reduce`, and the cross-replica `reduce`, `gather` and `check_in_sync`. CPU workers use gloo; GPU workers a
-"cpu:gloo,cuda:nccl" group, so CUDA tensors go by NCCL and CPU values (a count made with
+all-reduce of a mirrored optimizer (reducer.py), `ReplicaContext.all_reduce`, and the cross-replica
+`reduce`, `gather` and `check_in_sync`. CPU workers use gloo; GPU workers a "cpu:gloo,cuda:nccl"
+group, so CUDA tensors go by NCCL and CPU values (a count made with
 torch.tensor(len(y))) by gloo; in a group that has no backend for a tensor's device (a user's plain
 "nccl" group) it travels through a copy on the worker's device and back. Every worker must make the
 same collective calls in the same order, as with DDP. A collective that fails or times out raises an

@@ -108,6 +108,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
         # between backward and step() (clip_grad_norm_, a logged gradient norm) sees the reduced ones;
         # a hook per parameter costs a Python call per backward, which reduce_in_backward=False saves.
         self._sync = [_BackwardSync() for _ in self.replicas]
+        if self._mean:  # the module's example counts now: this optimizer's first reduction counts from here
+            for state, counter in zip(self._sync, module._shared.examples):
+                state.seen = tuple(counter.tolist())
         self._tokens: dict[int, Tensor] = {}  # per replica: what _meet() sends
         self._buffer_plans: dict[int, tuple[tuple[int, ...], list[_BufferGroup]]] = {}  # per replica, see _buffer_groups
         if self._in_backward and strategy.num_replicas_in_sync > 1:
@@ -323,10 +326,29 @@ class MirroredOptimizer(torch.optim.Optimizer):
                                f"{what}() after the block: it all-reduces what accumulated, once.")
 
     def _take_examples(self, ctx: ReplicaContext | None) -> int | None:
-        """"mean": the examples this replica's copy saw since the last step (None if it was not called)."""
+        """"mean": the examples this replica's copy saw since this optimizer's last reduction (None if it was
+        not called). The module counts on; each optimizer of it (SparseAdam for its embeddings and Adam for
+        the rest, say) remembers where its last reduction left the count, so each weighs by the same examples."""
         if not self._mean or ctx is None:
             return None
-        return self._module._shared.take_examples(ctx.local_replica_id, journal_of(ctx))
+        rid = ctx.local_replica_id
+        shared = self._module._shared
+        examples, calls = shared.examples[rid].tolist()
+        journal = journal_of(ctx)
+        state = self._sync_state(rid, journal)
+        (seen_examples, seen_calls), state.seen = state.seen, (examples, calls)
+        # Where another optimizer of the module reduced since this one did, in an earlier step (a GAN's
+        # generator optimizer, after the discriminator's), the calls before this step were its: count from
+        # the module's first call in this step. In the same step (SparseAdam and Adam over one forward's
+        # gradients) the calls are this one's too.
+        by, run = shared.last_reduction[rid]
+        if by is not None and by is not self and run is not journal:
+            start = shared.run_start[rid]
+            seen_examples, seen_calls = (start[1], start[2]) if start[0] is journal else (examples, calls)
+        if journal is not None:
+            journal.before_change(shared.last_reduction, functools.partial(_saved_item, shared.last_reduction, rid))
+        shared.last_reduction[rid] = (self, journal)
+        return examples - seen_examples if calls > seen_calls else None
 
     def _reduce(self, ctx: ReplicaContext | None, examples: int | None) -> None:
         """This replica's gradients, reduced by the optimizer's GradientReducer with every other replica's:
@@ -355,8 +377,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
         sum is divided by the replicas' total weight; divide=False leaves it undivided (the gradients
         summed with those weights, as for a loss with reduction="sum"). A loss averaged over the labels it
         kept (ignore_index) weighs its replica by that count, which gives one device's gradient however
-        many each replica kept. A tensor weight (>= 0) is used without reading it on the host; 0 makes
-        the replica's gradients zeros, even where they are NaN. A failed step forgets it.
+        many each replica kept. A tensor weight (>= 0) is used without reading it on the host; with 0 the
+        replica's gradients count for nothing, even where they are NaN (a mean over no label). On one
+        replica in all, divide=True leaves the gradients as they are (w g / w). A failed step forgets it.
 
         Args:
           weight: a number >= 0 or a one-element tensor, e.g. (y != ignore_index).sum().
@@ -364,9 +387,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """
         if not self._mean:
             raise ValueError(f"{self!r}.set_gradient_weight: gradient_reduction is \"sum\", where each replica "
-                             "scales its own loss (by the GLOBAL batch) and the gradients are summed as they are. Build "
-                             "the optimizer with strategy.mirror_optimizer(..., gradient_reduction=\"mean\") to weigh "
-                             "the replicas' gradients.")
+                             "scales its own loss (by the GLOBAL batch) and the gradients are summed as they are. "
+                             "Build the optimizer with strategy.mirror_optimizer(..., gradient_reduction=\"mean\") to "
+                             "weigh the replicas' gradients.")
         ctx = self._replica()
         if ctx is None:
             raise RuntimeError(f"{self!r}.set_gradient_weight was called outside strategy.run: a weight is each "
@@ -649,10 +672,11 @@ class _BufferGroup:
 class _BackwardSync:
     """One replica's part in its gradients' reduction: whether they are reduced (until the update), the
     reduced gradients set aside while another backward accumulates its own ("mean" in backward),
-    whether the end-of-backward callback is queued, its replica context, and the weight
-    set_gradient_weight gave for the next reduction."""
+    whether the end-of-backward callback is queued, its replica context, the weight
+    set_gradient_weight gave for the next reduction, and where its last reduction left the module's
+    example count ("mean")."""
 
-    __slots__ = ("reduced", "stash", "queued", "ctx", "weight")
+    __slots__ = ("reduced", "stash", "queued", "ctx", "weight", "seen")
 
     def __init__(self) -> None:
         self.reduced = False
@@ -660,15 +684,26 @@ class _BackwardSync:
         self.queued = False
         self.ctx: Any = None
         self.weight: tuple[float | Tensor, bool] | None = None  # set_gradient_weight's, until the next reduction
+        self.seen = (0, 0)  # "mean": the module's (examples, calls) count at this optimizer's last reduction
 
     def saved(self) -> Callable[[], None]:
         """This state as it is now, as a function that puts it back (for StepJournal.before_change)."""
-        reduced, stash, weight = self.reduced, self.stash, self.weight
+        reduced, stash, weight, seen = self.reduced, self.stash, self.weight, self.seen
 
         def restore() -> None:
-            self.reduced, self.stash, self.queued, self.weight = reduced, stash, False, weight
+            self.reduced, self.stash, self.queued, self.weight, self.seen = reduced, stash, False, weight, seen
 
         return restore
+
+
+def _saved_item(items: list[Any], i: int) -> Callable[[], None]:
+    """items[i] as it is now, as a function that puts it back (for StepJournal.before_change)."""
+    saved = items[i]
+
+    def restore() -> None:
+        items[i] = saved
+
+    return restore
 
 
 def _grad_accumulated(optimizer_ref: Any, rid: int, param: Tensor) -> None:

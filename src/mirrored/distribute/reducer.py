@@ -11,23 +11,29 @@ total weight unless `divide=False`. It owns:
   zeros there;
 - the copy check: each replica brings its module copy's CopyWatch signature to the meeting that
   reduces its gradients, and where the copies differ nothing is reduced (_copy_watch.py);
+- sparse gradients (nn.Embedding(sparse=True)): summed apart from the buckets into a coalesced sparse
+  gradient, gathered or densified by their size (_sparse.py); a gradient sparse on some replicas and
+  dense on others sums dense;
 
 over a `Communicator`: the replica threads of this process (the step's Rendezvous and the
 strategy's CrossDeviceOps), torch.distributed across worker processes (CollectiveAllReduce), or
 both (HierarchicalAllReduce: the local sum, then across the workers). The strategy says which
-(`Strategy._communicator`). Uses buckets.py, cross_device_ops.py, replicas.py, _replica_reduce.py
-and values.py; the copy watch and the communicator's ops are handed in.
+(`Strategy._communicator`). Uses buckets.py, cross_device_ops.py, replicas.py, _replica_reduce.py,
+_sparse.py and values.py; the copy watch and the communicator's ops are handed in.
 """
 from __future__ import annotations
 
+import functools
 import math
+import numbers
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from mirrored.distribute import buckets, replicas
+from mirrored.distribute import _sparse, buckets, replicas
 from mirrored.distribute._replica_reduce import _DIRECT_NUMEL, _recent
 from mirrored.distribute.cross_device_ops import CrossDeviceOps, Disagreement
 from mirrored.distribute.values import ReduceOp
@@ -39,6 +45,10 @@ if TYPE_CHECKING:
 
 _LAYOUTS_KEPT = 4  # gradient layouts (persistent reduction buffers) kept per optimizer and replica
 _WHAT = "all_reduce (gradients)"  # how the meeting is named in errors (a replica that called something else)
+_WHAT_SPARSE = "all_reduce (sparse gradients)"
+_SPARSE = "sparse"  # a gradient mask's entry for a sparse gradient (True: a dense one; False: None)
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_PRESENT = functools.partial(operator.is_not, None)
 _MEETINGS = 3  # at most: a copy check settled, a new gradient mask learned, then the reduction itself
 
 
@@ -54,15 +64,16 @@ class Communicator(NamedTuple):
 
 class _ReplicaState:
     """What one replica keeps between its gradient reductions: a few sets of bucket buffers (least
-    recently used out), the gradient-mask unions it learned, and a weighted reduction's stand-in
-    parameter for the total weight."""
+    recently used out), the gradient-mask unions it learned, a weighted reduction's stand-in
+    parameter for the total weight, and (across workers) which parameters have sparse gradients."""
 
-    __slots__ = ("layouts", "unions", "count")
+    __slots__ = ("layouts", "unions", "count", "sparse")
 
     def __init__(self) -> None:
         self.layouts: dict[tuple, buckets.LayoutBuffers] = {}
-        self.unions: dict[tuple[bool, ...], tuple[bool, ...]] = {}
+        self.unions: dict[tuple, tuple] = {}
         self.count: Tensor | None = None
+        self.sparse: frozenset[int] = frozenset()  # across workers: the parameters seen with sparse gradients
 
     def buffers(self, tensors: Sequence[Tensor | None], travel: tuple, bytes_per_pack: int) -> buckets.LayoutBuffers:
         """Buffers for `tensors`, which are present exactly where `travel` says. Keyed by that and the
@@ -77,7 +88,8 @@ class _ReplicaState:
     def learn(self, mask: tuple[bool, ...], union: tuple[bool, ...]) -> None:
         if len(self.unions) >= 4 * _LAYOUTS_KEPT:
             self.unions.clear()
-        self.unions[mask] = union
+        if union != mask:  # (an equal one is what unions.get(mask, mask) gives: the mask itself)
+            self.unions[mask] = union
 
     def count_param(self, params: Sequence[Tensor]) -> Tensor:
         """The stand-in parameter whose "gradient" is this replica's weight: it travels as one more
@@ -100,7 +112,9 @@ class GradientReducer:
     processes only tensors travel, and an extra exchange would cost a round trip every step: every
     parameter that requires grad travels (zeros where absent) with a count per parameter of the
     replicas that had a gradient, so the buckets are alike on every rank without a separate
-    exchange, and a gradient no replica had comes back None.
+    exchange, and a gradient no replica had comes back None. Sparse gradients travel apart, after
+    the buckets: between threads a mask says which are sparse; across workers a second count per
+    parameter does, and a parameter seen sparse once is known so on every rank from then on.
 
     Args:
       communicator: whom to reduce with (Strategy._communicator()).
@@ -127,7 +141,8 @@ class GradientReducer:
         """Every replica's gradients of its copies of `params` combined (called on every replica at once):
         their SUM, or with `weight` (this replica's; a number or a 0-dim tensor, >= 0) the sum of each
         replica's gradients times its weight, divided by the replicas' total weight unless `divide` is
-        False (where the total is 0, by 1). Each result may be the given tensor, reduced in place."""
+        False (a total of 0 leaves the zeros it weighed). Each result may be the given tensor, reduced in
+        place."""
         if weight is None:
             return self._sum(ctx, params, grads)
         if self.lone:  # w g / w, bitwise g (a mean over one replica's examples is one device's)
@@ -142,10 +157,9 @@ class GradientReducer:
         else:
             sent = torch.tensor(float(weight), dtype=count.dtype, device=count.device)
         reduced = self._sum(ctx, [*params, count], [*grads, sent])
-        if divide:
-            total = reduced[-1]
-            # torch.where, not a Python test: no device sync in the step
-            torch._foreach_div_([g for g in reduced[:-1] if g is not None], torch.where(total != 0, total, 1))
+        if divide:  # a total of 0 (no replica weighs) divides zeros: by the smallest positive number, not 0
+            total = reduced[-1].clamp(min=torch.finfo(count.dtype).tiny)  # (no Python test: no device sync)
+            torch._foreach_div_([g for g in reduced[:-1] if g is not None], total)
         return reduced[:-1]
 
     def _sum(self, ctx: ReplicaContext, params: Sequence[Tensor], grads: list[Tensor | None]) -> list[Tensor | None]:
@@ -162,19 +176,18 @@ class GradientReducer:
         rid = ctx._replica_id
         state = self._states[rid]
         copies = None if self._watch is None else self._watch.signature(rid)
-        mask = tuple(g is not None for g in grads)
+        mask, has_sparse = _mask_of(grads)
         union = state.unions.get(mask, mask)
         for _ in range(_MEETINGS):
-            if union != mask:  # zeros where this replica's loss did not reach a parameter others need
-                sent = [torch.zeros_like(params[i]) if needed and g is None else g
-                        for i, (g, needed) in enumerate(zip(grads, union))]
-            else:
-                sent = grads
+            # Zeros where this replica's loss did not reach a parameter others need; sparse gradients apart.
+            sent = grads if union is mask and not has_sparse else _dense_part(params, grads, union)
             layout = state.buffers(sent, union, self._threads.bytes_per_pack)
             inputs, outputs, results = layout.stage(sent, like=params)  # (a gradient laid out like its parameter)
             reduced = self._threads.all_reduce(ctx._step, rid, ReduceOp.SUM, inputs, outputs,
                                                agree=(mask, union, copies), agreed=_copies_and_union_agree, what=_WHAT)
             if not isinstance(reduced, Disagreement):
+                if union is not mask or has_sparse:
+                    self._sparse_over_threads(ctx, grads, union, results)
                 return results
             tokens = reduced.tokens
             if any(token[2] != copies for token in tokens):
@@ -188,6 +201,24 @@ class GradientReducer:
             union = _union_of(masks)
             state.learn(mask, union)
         raise RuntimeError("the replicas disagree on the union of their gradient masks (internal error).")
+
+    def _sparse_over_threads(self, ctx: ReplicaContext, grads: list[Tensor | None], union: tuple,
+                             results: list[Tensor | None]) -> None:
+        """Fills in `results` the sums of the gradients the replicas agreed are sparse, in a meeting of
+        their own (the last to arrive sums for everyone)."""
+        columns = [i for i, kind in enumerate(union) if kind == _SPARSE]
+        if not columns:
+            return
+        devices = self._devices
+
+        def combine(everyone: list[list[Tensor | None]]) -> list[list[Tensor | None]]:
+            totals = [_sparse.local_sum(parts, devices[0]) for parts in
+                      ([e[c] for e in everyone if e[c] is not None] for c in range(len(columns)))]
+            return _per_replica(totals, devices)
+
+        summed = ctx._step.exchange(ctx._replica_id, [grads[i] for i in columns], _WHAT_SPARSE, combine)
+        for i, total in zip(columns, summed[ctx._replica_id]):
+            results[i] = total
 
     def _settle(self, rid: int, signatures: list[Any]) -> Any:
         """The replicas' copy signatures differed: raises unless only write counts differ over equal
@@ -205,12 +236,21 @@ class GradientReducer:
         state = self._states[rid]
         trained = tuple(p.requires_grad for p in params)
         idx = [i for i, t in enumerate(trained) if t]
+        known = state.sparse  # (learned alike by every replica of every worker, from the counts below)
+        has_sparse = any(map(_IS_SPARSE, filter(_PRESENT, grads)))
         device = params[idx[0]].device if idx else self._devices[rid]
-        had = torch.tensor([float(grads[i] is not None) for i in idx], device=device)
-        sent = [grads[i] if grads[i] is not None else torch.zeros_like(params[i]) for i in idx] + [had]
-        like = [params[i] for i in idx] + [had]
-        layout = state.buffers(sent, ("workers", trained), self._workers.bytes_per_pack)
-        inputs, outputs, results = layout.stage(sent, like=like)
+        # Per parameter: the replicas that had a gradient, then those whose gradient was sparse.
+        flags = [float(grads[i] is not None) for i in idx]
+        flags += [float(grads[i] is not None and grads[i].is_sparse) for i in idx] if has_sparse else [0.0] * len(idx)
+        had = torch.tensor(flags, device=device)
+        travel = [i for i in idx if i not in known] if known else idx  # (sparse ones travel apart)
+        if has_sparse:  # a sparse gradient not known yet sends zeros here, and its values below
+            sent = [torch.zeros_like(params[i]) if grads[i] is None or grads[i].is_sparse else grads[i] for i in travel]
+        else:
+            sent = [grads[i] if grads[i] is not None else torch.zeros_like(params[i]) for i in travel]
+        sent.append(had)
+        layout = state.buffers(sent, ("workers", trained, known), self._workers.bytes_per_pack)
+        inputs, outputs, results = layout.stage(sent, like=[params[i] for i in travel] + [had])
         if local is None:
             self._workers.all_sum_(inputs, _WHAT)
         else:
@@ -223,10 +263,76 @@ class GradientReducer:
                 copies = self._settle(rid, list(reduced.tokens))
             else:
                 raise RuntimeError("the replicas' module copies disagree after settling (internal error).")
+        counts = results[-1].tolist()
+        present, sparse = counts[:len(idx)], counts[len(idx):]
         out = list(grads)
-        for j, (i, count) in enumerate(zip(idx, results[-1].tolist())):
-            out[i] = results[j] if count > 0 else None
+        if not known and not any(sparse):
+            for j, (i, count) in enumerate(zip(idx, present)):
+                out[i] = results[j] if count > 0 else None
+            return out
+        return self._sparse_over_workers(ctx, state, params, grads, idx, travel, results, present, sparse, out)
+
+    def _sparse_over_workers(self, ctx: ReplicaContext, state: _ReplicaState, params: Sequence[Tensor],
+                             grads: list[Tensor | None], idx: list[int], travel: list[int], results: list[Tensor],
+                             present: list[float], sparse: list[float], out: list[Tensor | None]
+                             ) -> list[Tensor | None]:
+        """The step's sums where some parameter has (or had) sparse gradients. One seen sparse for the
+        first time learns it (every replica of every worker alike: they read the same counts) and its
+        sparse gradients are summed now, apart, its dense ones having travelled with the rest; from then
+        on all of its gradients travel apart, as sparse ones unless one is dense."""
+        at = {i: j for j, i in enumerate(idx)}
+        new = {i for i, n in zip(idx, sparse) if n > 0 and i not in state.sparse}
+        slots = dict(zip(travel, results))
+        for i in travel:
+            if i not in new:
+                out[i] = slots[i] if present[at[i]] > 0 else None
+        columns = [i for i in idx if (i in state.sparse or i in new) and present[at[i]] > 0]
+        for i in idx:
+            if i in state.sparse and present[at[i]] == 0:
+                out[i] = None
+        if new:
+            state.sparse = state.sparse | new
+        mine, dense = [], []
+        for i in columns:
+            g = grads[i]
+            if i in new:  # its dense gradients (if any) were summed in its slot
+                mine.append(g if g is not None and g.is_sparse else None)
+                dense.append(False)
+            else:
+                mine.append(g)
+                dense.append(present[at[i]] > sparse[at[i]])
+        totals = self._sparse_across_workers(ctx, mine, [params[i] for i in columns], dense)
+        for i, total in zip(columns, totals):
+            if i in new and present[at[i]] > sparse[at[i]]:  # dense ones too: the sum is dense
+                out[i] = slots[i].add_(total.to_dense())
+            else:
+                out[i] = total
         return out
+
+    def _sparse_across_workers(self, ctx: ReplicaContext, mine: list[Tensor | None], like: list[Tensor],
+                               dense: list[bool]) -> list[Tensor]:
+        """sum_over_workers of _sparse.py, after the local replicas' sum where this worker holds several:
+        the last of them to arrive crosses the workers for all (as HierarchicalAllReduce does)."""
+        if not mine:
+            return []
+        if self._threads is None:
+            return _sparse.sum_over_workers(self._workers, mine, like, dense, _WHAT_SPARSE)
+        devices, workers = self._devices, self._workers
+
+        def combine(everyone: list[list[Tensor | None]]) -> list[list[Tensor]]:
+            local = []
+            for c, is_dense in enumerate(dense):
+                parts = [e[c] for e in everyone if e[c] is not None]
+                if is_dense:
+                    total = _sparse.dense_of(None, like[c])
+                    for part in parts:
+                        total += part.to(total.device)
+                    local.append(total)
+                else:
+                    local.append(_sparse.local_sum(parts, devices[0]) if parts else None)
+            return _per_replica(_sparse.sum_over_workers(workers, local, like, dense, _WHAT_SPARSE), devices)
+
+        return ctx._step.exchange(ctx._replica_id, mine, _WHAT_SPARSE, combine)[ctx._replica_id]
 
 
 def _refuse_abandoned(ctx: ReplicaContext) -> None:
@@ -252,9 +358,33 @@ def _union_is_exact(tokens: list[tuple[tuple[bool, ...], tuple[bool, ...]]]) -> 
     return expected == _union_of([mask for mask, _ in tokens])
 
 
-def _union_of(masks: Sequence[tuple[bool, ...]]) -> tuple[bool, ...]:
-    """Which gradients at least one replica has (masks of equal length)."""
-    return tuple(map(any, zip(*masks)))
+def _union_of(masks: Sequence[tuple]) -> tuple:
+    """Which gradients at least one replica has (masks of equal length), and of what kind: dense where
+    some replica's is dense, sparse where every replica that has one has a sparse one."""
+    return tuple(map(_union_entry, zip(*masks)))
+
+
+def _union_entry(kinds: tuple) -> bool | str:
+    return True if True in kinds else _SPARSE if _SPARSE in kinds else False
+
+
+def _mask_of(grads: Sequence[Tensor | None]) -> tuple[tuple, bool]:
+    """Which gradients this replica has (True: a dense one, _SPARSE, False: None), and whether any is sparse."""
+    if any(map(_IS_SPARSE, filter(_PRESENT, grads))):
+        return tuple(False if g is None else _SPARSE if g.is_sparse else True for g in grads), True
+    return tuple(g is not None for g in grads), False
+
+
+def _dense_part(params: Sequence[Tensor], grads: Sequence[Tensor | None], union: tuple) -> list[Tensor | None]:
+    """What travels in the buckets for `union`: each gradient the union says is dense (zeros where this
+    replica has none, densified where its own is sparse), None elsewhere (sparse ones travel apart)."""
+    return [(torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g) if kind is True else None
+            for p, g, kind in zip(params, grads, union)]
+
+
+def _per_replica(totals: list[Tensor | None], devices: Sequence[torch.device]) -> list[list[Tensor | None]]:
+    """Each replica's own copy of `totals`, on its device (the first replica takes them as they are)."""
+    return [totals] + [[None if t is None else t.to(d, copy=True) for t in totals] for d in devices[1:]]
 
 
 def _dense(t: Tensor) -> bool:
@@ -265,22 +395,27 @@ def _dense(t: Tensor) -> bool:
 def _scaled(grads: list[Tensor | None], weight: float | Tensor) -> list[Tensor | None]:
     """Each gradient times `weight`, in place where it can be. A tensor weight of 0 gives zeros even
     where the gradient is NaN (a loss averaged over nothing), without reading the weight on the host."""
-    present = [g for g in grads if g is not None]
-    if not present:
+    first = next(filter(_PRESENT, grads), None)
+    if first is None:
         return grads
     if isinstance(weight, Tensor):
-        weight = weight.detach().to(present[0].device, non_blocking=True).reshape(())
+        weight = weight.detach().to(first.device, non_blocking=True).reshape(())
     else:
         weight = float(weight)
-    in_place = [g for g in present if _dense(g)]
+    out, in_place = list(grads), []
+    for k, g in enumerate(grads):
+        if g is None:
+            continue
+        if not g.is_sparse and _dense(g):
+            in_place.append(g)
+        else:  # a sparse gradient stays sparse; an expanded one (its elements share memory) gets its own
+            out[k] = g * weight
     if in_place:
         torch._foreach_mul_(in_place, weight)
-    out = [g if g is None or _dense(g) else g * weight for g in grads]
     if isinstance(weight, Tensor):
         mute = weight == 0
-        for g in out:
-            if g is not None:
-                g.masked_fill_(mute, 0)
+        for g in filter(_PRESENT, out):
+            (g._values() if g.is_sparse else g).masked_fill_(mute, 0)
     return out
 
 
@@ -292,7 +427,7 @@ def check_weight(weight: Any, where: str) -> None:
             raise ValueError(f"{where}: a tensor weight must hold one real number (a count, or a sum of example "
                              f"weights); got shape {tuple(weight.shape)}, dtype {weight.dtype}.")
         return
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
         raise TypeError(f"{where}: weight={weight!r} must be a number or a one-element tensor, such as the count "
                         "of labels this replica's loss averaged over.")
     if not math.isfinite(weight) or weight < 0:

@@ -163,7 +163,14 @@ def monitor_value(callback: Any, logs: Logs | None) -> float | None:
     missing (naming the keys there are)."""
     value = (logs or {}).get(callback.monitor)
     if value is not None:
-        return float(value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{type(callback).__name__}: monitor={callback.monitor!r} is {value!r:.80}, not one "
+                             "number (a metric with one value per class, such as F1Score(average=None), which the "
+                             "\"f1_score\" name makes). Monitor one number: compile the metric with "
+                             "average=\"macro\" (R2Score: class_aggregation=\"uniform_average\"), or monitor "
+                             "another key.") from None
     if not getattr(callback, "_warned_missing", False):
         callback._warned_missing = True
         keys = ", ".join(k for k in (logs or {}) if k not in NOT_METRICS) or "none"

@@ -472,6 +472,26 @@ class FBetaScore(Metric):
                 self._state.extend(made)
         return self._counts
 
+    def _state_pending(self) -> bool:
+        """Whether the per-class counts are still to be made (by the first update, or _build_state)."""
+        return self._counts is None
+
+    def _build_state(self, y_true: Any, y_pred: Any) -> None:
+        """Makes the per-class counts for batches shaped like y_pred, before any update: mr.Model does so
+        in cross-replica context at its first step, where a replica's part may be empty."""
+        del y_true
+        if self._counts is None and getattr(y_pred, "ndim", 0) == 2:
+            self._build(y_pred.shape[1])
+
+    def _fits_saved_state(self, shapes: Sequence[tuple[int, ...]]) -> bool:
+        """Whether a checkpoint's state of these shapes is this metric's, before its first update made it."""
+        rank = 0 if self.average == "micro" else 1
+        return self._counts is None and len(shapes) == 4 and len(set(shapes)) == 1 and len(shapes[0]) == rank
+
+    def _build_saved_state(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        """Makes the state _fits_saved_state accepted, for a restore to fill."""
+        self._build(shapes[0][0] if shapes[0] else 1)
+
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         """Adds the batch's weighted true positives, false positives, false negatives and label mass."""
         y_true, y_pred = _tensors(y_true, y_pred)

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from mirrored.training._callback import EXAMPLE_COUNT_KEYS, NOT_METRICS, Callback, Logs, writes_summaries
 
 
@@ -32,12 +34,16 @@ def is_interactive() -> bool:
 
 
 def format_value(value: Any) -> str:
-    """A metric value as Keras shows it: 4 decimals, or scientific notation for tiny numbers."""
+    """A metric value as Keras shows it: 4 decimals, or scientific notation for tiny numbers; a metric with
+    one value per class (an array) by its mean, as Keras's progress bar shows it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         try:
             value = float(value)
         except (TypeError, ValueError):
-            return str(value)
+            try:
+                value = float(np.mean(np.asarray(value, dtype=np.float64)))
+            except (TypeError, ValueError):
+                return str(value)
     if math.isnan(value) or math.isinf(value):
         return str(float(value))
     if value == 0 or abs(value) >= 1e-3:

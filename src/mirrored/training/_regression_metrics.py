@@ -163,6 +163,27 @@ class R2Score(Metric):
                 self._state.extend(made)
         return self._sums
 
+    def _state_pending(self) -> bool:
+        """Whether the per-output sums are still to be made (by the first update, or _build_state)."""
+        return self._sums is None
+
+    def _build_state(self, y_true: Any, y_pred: Any) -> None:
+        """Makes the per-output sums for batches shaped like y_pred, before any update: mr.Model does so in
+        cross-replica context at its first step, where a replica's part may be empty."""
+        del y_true
+        ndim = getattr(y_pred, "ndim", 0)
+        if self._sums is None and ndim in (1, 2):
+            self._build(1 if ndim == 1 else y_pred.shape[1])
+
+    def _fits_saved_state(self, shapes: list[tuple[int, ...]]) -> bool:
+        """Whether a checkpoint's state of these shapes is this metric's, before its first update made it."""
+        return (self._sums is None and len(shapes) == 5 and shapes[0] == () and len(set(shapes[1:])) == 1
+                and len(shapes[1]) == 1)
+
+    def _build_saved_state(self, shapes: list[tuple[int, ...]]) -> None:
+        """Makes the state _fits_saved_state accepted, for a restore to fill."""
+        self._build(shapes[1][0])
+
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         """Adds the batch's per-output sums of y, y^2, squared errors and weights."""
         y_true, y_pred = _tensors(y_true, y_pred)

@@ -7,7 +7,7 @@ the length, the data, masked CRC32C of the data. Unlike mirrored.data.tfrecord.T
 event files while training writes them. The message classes come from a descriptor written here
 with TensorFlow's field numbers, built by mirrored/_protobuf.py.
 A full disk stops fit with one FileWriteError naming the event file, the file cut back to its
-last whole event. Uses crc32c, protobuf, _protobuf.py, _callback.py and mirrored._files.
+last whole event. Uses crc32c, numpy, protobuf, _protobuf.py, _callback.py and mirrored._files.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 
 import crc32c
+import numpy as np
 from google.protobuf import descriptor_pb2
 
 from mirrored._files import append_whole, reporting_write_errors
@@ -118,7 +119,8 @@ class EventFileWriter:
 
 
 def scalar_logs(logs: Mapping[str, object]) -> dict[str, float]:
-    """The entries of `logs` that are real numbers (bools and non-numbers left out)."""
+    """The entries of `logs` that are real numbers (bools and non-numbers left out); a metric with one value
+    per class (an array, F1Score(average=None)) as one scalar per class, tagged "<key>/<class>"."""
     out = {}
     for key, value in logs.items():
         if isinstance(value, bool):
@@ -126,7 +128,11 @@ def scalar_logs(logs: Mapping[str, object]) -> dict[str, float]:
         try:
             out[key] = float(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
-            continue
+            try:
+                values = np.asarray(value, dtype=np.float64).reshape(-1)
+            except (TypeError, ValueError):
+                continue
+            out.update({f"{key}/{i}": float(v) for i, v in enumerate(values)})
     return out
 
 

@@ -187,6 +187,12 @@ class _Metric:
         if not checkpoint_checks.is_count(count):
             raise ctx.origin.damaged(f"{path}'s count of state variables is {count!r:.40}, not a whole number")
         if count != len(variables):
+            shapes = [tuple(tensors[f"{path}/{i}"].shape) for i in range(count) if f"{path}/{i}" in tensors]
+            fits = getattr(obj, "_fits_saved_state", None)
+            if len(shapes) == count and callable(fits) and fits(shapes):
+                # A metric whose state its first update makes (F1Score's per-class counts), saved after it
+                # and restored before any: its state is made for the file's shapes, then filled.
+                return Restore(path, lambda: _made_and_filled(obj, path, tensors, count, shapes))
             raise ctx.origin.mismatch(f"{path} ({obj!r}) has {len(variables)} state variables but the file holds "
                                       f"{count}: it was saved from another kind of metric")
         values = [checkpoint_checks.tensor(ctx.origin, tensors, f"{path}/{i}", var, f"metric {obj.name!r}")
@@ -197,6 +203,13 @@ class _Metric:
                 _assign(var, value)
 
         return Restore(path, apply)
+
+
+def _made_and_filled(obj: Any, path: str, tensors: Mapping[str, Tensor], count: int,
+                     shapes: list[tuple[int, ...]]) -> None:
+    obj._build_saved_state(shapes)
+    for i, var in enumerate(obj.variables[:count]):
+        _assign(var, tensors[f"{path}/{i}"])
 
 
 class _State:

@@ -44,6 +44,12 @@ class TorchAdapter:
             return y_pred["logits"]
         return y_pred
 
+    @staticmethod
+    def output_names(module: nn.Module) -> list[str] | None:
+        """None: a torch module's outputs are named by the keys of the dict it returns (a tuple's are not)."""
+        del module
+        return None
+
     def module_loss(self, y_pred: Any) -> Tensor | None:
         """The loss the module computed itself (an output mapping's "loss": a Hugging Face model given
         labels), which fit minimises when compile() has none; None where there is none."""

@@ -444,14 +444,39 @@ def model_metadata(origin: Origin, meta: Mapping[str, Any]) -> None:
     if lr is not None and not _is_config(lr) and (_number(lr) is None or not math.isfinite(lr) or lr < 0):
         raise origin.damaged(f"the optimizer's learning_rate is {lr!r:.40}, not a number >= 0 or a schedule")
     loss = cfg.get("loss")
-    if not (loss is None or isinstance(loss, str) or _is_object_note(loss) or _is_config(loss)):
-        raise origin.damaged(f"the compiled loss is {loss!r:.60}, neither a name, a config nor an object's note")
-    metrics = cfg.get("metrics", [])
-    if not isinstance(metrics, list) or not all(isinstance(m, str) or _is_object_note(m) or _is_config(m)
-                                                for m in metrics):
-        raise origin.damaged(f"the compiled metrics are {metrics!r:.60}, not a list of names and configs")
+    if not _per_output(loss, _is_recorded, lists=False):
+        raise origin.damaged(f"the compiled loss is {loss!r:.60}, neither a name, a config nor an object's note (or a "
+                             "dict or list of them, one per output)")
+    weights = cfg.get("loss_weights")
+    if not _per_output(weights, lambda w: _number(w) is not None, lists=False):
+        raise origin.damaged(f"the compiled loss_weights are {weights!r:.60}, not a number or numbers per output")
+    for key in ("metrics", "weighted_metrics"):
+        metrics = cfg.get(key, [])
+        if not (metrics is None or (isinstance(metrics, (list, dict)) and _per_output(metrics, _is_recorded,
+                                                                                      lists=True))):
+            raise origin.damaged(f"the compiled {key} are {metrics!r:.60}, not a list of names and configs (or such "
+                                 "lists per output)")
     if cfg.get("precision") not in _PRECISIONS:
         raise origin.damaged(f"the compiled precision is {cfg.get('precision')!r:.40}, not one of {_PRECISIONS}")
+
+
+def _is_recorded(value: Any) -> bool:
+    """One loss or metric as compile() records it: a name, a config, or an object's note."""
+    return isinstance(value, str) or _is_object_note(value) or _is_config(value)
+
+
+def _per_output(value: Any, leaf: Any, lists: bool, depth: int = 0) -> bool:
+    """None, a leaf, or a dict / list of them (one per output); with lists, each entry may be a list of
+    leaves too (an output's metrics)."""
+    if value is None or leaf(value):
+        return True
+    if depth >= (2 if lists else 1):
+        return False
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _per_output(v, leaf, lists, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_per_output(v, leaf, lists, depth + 1) for v in value)
+    return False
 
 
 def _is_config(value: Any) -> bool:

@@ -147,10 +147,10 @@ def as_dataset(x: Any, y: Any, batch_size: int | None, sample_weight: Any, shuff
 
     if x is None:
         raise ValueError(f"Model.{where}: no data given (x=None).")
-    x, y = as_array(x, where, "x"), as_array(y, where, "y")
-    sample_weight = as_array(sample_weight, where, "sample_weight")
-    if isinstance(y, np.ndarray) and y.dtype.kind in "iu":
-        y = y.astype(np.int64)  # class ids: what torch's losses take
+    x, y = as_array(x, where, "x"), _per_output_arrays(y, where, "y")
+    sample_weight = _per_output_arrays(sample_weight, where, "sample_weight")
+    # class ids: what torch's losses take
+    y = md.map_structure(lambda a: a.astype(np.int64) if isinstance(a, np.ndarray) and a.dtype.kind in "iu" else a, y)
     if is_arrays(x):
         n = _rows_of(x, where)
         if batch_size is None:
@@ -158,12 +158,14 @@ def as_dataset(x: Any, y: Any, batch_size: int | None, sample_weight: Any, shuff
             logger.info("%s: batch_size not given; using %d (32 per replica)", where, batch_size)
         parts = tuple(p for p in (x, y, sample_weight) if p is not None)
         for p in parts:
-            if len(p) != n:
-                raise ValueError(f"Model.{where}: x has {n} rows but another array has {len(p)}; "
-                                 "x, y and sample_weight must have one row per example.")
+            for leaf in md.flatten(p):
+                if len(leaf) != n:
+                    raise ValueError(f"Model.{where}: x has {n} rows but another array has {len(leaf)}; "
+                                     "x, y and sample_weight must have one row per example.")
         if n == 0:
-            raise ValueError(f"Model.{where}: x has no rows, so there is nothing to train or evaluate on. Pass at "
-                             "least one example.")
+            shape = {k: tuple(v.shape) for k, v in x.items()} if isinstance(x, Mapping) else tuple(x.shape)
+            raise ValueError(f"Model.{where}: x has no rows (shape {shape}), so there is nothing to train or "
+                             "evaluate on. Pass at least one example.")
         ds = Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
         if shuffle:
             ds = ds.shuffle(n)
@@ -182,6 +184,93 @@ def as_dataset(x: Any, y: Any, batch_size: int | None, sample_weight: Any, shuff
         raise TypeError(f"Model.{where}: expected an mr.data.Dataset of GLOBAL batches (or arrays with "
                         f"batch_size=, a torch DataLoader, a list of batches); got {type(x).__name__}.")
     return x
+
+
+def _per_output_arrays(value: Any, where: str, arg: str) -> Any:
+    """Labels or sample weights as arrays: one array (a list of numbers too), or one per output - a dict,
+    or a list or tuple of arrays, which becomes a tuple (a dataset reads a list as one tensor)."""
+    if isinstance(value, Mapping):
+        return {k: as_array(v, where, f"{arg}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (np.ndarray, Tensor)) for v in value) \
+            and not _numbers(value):
+        return tuple(value)
+    return as_array(value, where, arg)
+
+
+def train_validation_split(x: Any, y: Any, sample_weight: Any, validation_split: float
+                           ) -> tuple[tuple[Any, Any, Any], tuple[Any, ...]]:
+    """fit(validation_split=...): the last `validation_split` of the rows of array data for validation,
+    the rest for training, taken before any shuffling, as Keras's train_validation_split: (x, y,
+    sample_weight) to train on and the validation_data tuple."""
+    check_validation_split(validation_split)
+    x = as_array(x, "fit", "x")
+    if not is_arrays(x):
+        raise ValueError(f"Model.fit(validation_split={validation_split}): x is a {type(x).__name__}, not arrays; a "
+                         "dataset cannot be split without reading it, so validation_split is only for arrays (as in "
+                         "Keras). Give validation_data= (e.g. ds.take(n) for it and ds.skip(n) to train on).")
+    y = _per_output_arrays(y, "fit", "y")
+    sample_weight = _per_output_arrays(sample_weight, "fit", "sample_weight")
+    n = _rows_of(x, "fit")
+    split_at = int(np.floor(n * (1.0 - validation_split)))
+    if split_at == 0 or split_at == n:
+        raise ValueError(f"Model.fit(validation_split={validation_split}): x has {n} row(s), too few to split into "
+                         f"training and validation rows ({split_at} would train). Give more data or another "
+                         "validation_split.")
+
+    def part(value: Any, start: int, end: int) -> Any:
+        return None if value is None else md.map_structure(lambda a: a[start:end], value)
+
+    train = tuple(part(v, 0, split_at) for v in (x, y, sample_weight))
+    val = tuple(part(v, split_at, n) for v in (x, y, sample_weight))
+    return train, (val if val[2] is not None else val[:2])
+
+
+def check_validation_split(validation_split: Any) -> None:
+    if isinstance(validation_split, bool) or not isinstance(validation_split, (int, float)) \
+            or not 0 <= validation_split < 1:
+        raise ValueError(f"Model.fit(validation_split={validation_split!r}): give a fraction in [0, 1), e.g. 0.2 "
+                         "to validate on the last 20% of the rows.")
+
+
+def check_class_weight(class_weight: Any, where: str) -> None:
+    """{class id: weight}, as Keras takes it."""
+    if not isinstance(class_weight, Mapping) or not class_weight or not all(
+            isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0
+            and isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+            for k, v in class_weight.items()):
+        raise ValueError(f"Model.{where}(class_weight={class_weight!r:.120}): give a dict from class ids (ints >= 0) "
+                         "to weights (numbers), e.g. {0: 1.0, 1: 3.0}.")
+
+
+def with_class_weight(data: Any, class_weight: Mapping[int, float]) -> tuple[Any, Any, Any]:
+    """A batch (x, y) with the sample weights class_weight gives its labels, as Keras's
+    class_weight_to_sample_weights: one-hot labels by their argmax, labels of shape (B, 1) squeezed,
+    rounded to class ids; a class not in the dict weighs 1. Refuses a batch that has sample weights or
+    labels of several outputs."""
+    x, y, sample_weight = unpack_x_y_sample_weight(data)
+    if sample_weight is not None:
+        raise ValueError("Model.fit(class_weight=...): the dataset's batches hold sample weights too; Keras takes "
+                         "one or the other. Fold the class weights into the dataset's weights, or drop one.")
+    if isinstance(y, (Mapping, list, tuple)):
+        raise ValueError("Model.fit(class_weight=...): the batches hold labels of several outputs, and class_weight is "
+                         "only for a single output (as in Keras). Give per-output sample weights instead.")
+    if not isinstance(y, Tensor):
+        raise ValueError("Model.fit(class_weight=...): the batches have no labels (y) to weigh by class; give (x, y) "
+                         "batches.")
+    labels = y.detach()
+    if labels.dim() > 1:
+        labels = labels.argmax(dim=-1) if labels.shape[-1] != 1 else labels.squeeze(-1)
+    if labels.dim() > 1:
+        raise ValueError(f"Model.fit(class_weight=...): labels of shape {tuple(y.shape)} hold more than one class per "
+                         "example; class_weight weighs an example by its one class (labels of shape (batch,), "
+                         "(batch, 1) or one-hot (batch, classes)). Give sample_weight instead.")
+    ids = labels.double().round().long()
+    top = max(int(k) for k in class_weight)
+    table = torch.tensor([float(class_weight.get(c, 1.0)) for c in range(top + 1)], dtype=torch.float32,
+                         device=ids.device)
+    known = (ids >= 0) & (ids <= top)
+    weights = torch.where(known, table[ids.clamp(0, top)], torch.ones((), dtype=torch.float32, device=ids.device))
+    return x, y, weights
 
 
 def is_arrays(x: Any) -> bool:

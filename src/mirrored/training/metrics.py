@@ -23,6 +23,7 @@ Uses torch, the public names of mirrored.distribute (Variable and its enums) and
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 from mirrored.distribute import (Variable, VariableAggregation, VariableSynchronization, WithoutReplicaRandom,
-                                 get_replica_context, has_strategy)
+                                 get_replica_context, get_strategy, has_strategy)
 from mirrored.training import _config
 from mirrored.training.losses import _broadcast_sample_weight
 
@@ -123,18 +124,23 @@ class Metric:
             raise ValueError(f"{type(self).__name__}(name={name!r}): name must be a non-empty str.")
         self.name = name
         self._state: list[Variable] = []
+        # State made later (at a first update, or a restore outside the scope) is made in this one.
+        self._made_in = get_strategy() if has_strategy() else None
 
     def add_state(self, name: str, shape: tuple[int, ...] = (), keep: bool = True) -> Variable:
         """A float64 zero-filled Variable, one copy per replica in a strategy's scope, summed on read.
         keep=False leaves it out of `variables` (a metric that makes its state at the first update
         adds it itself, once)."""
-        var = Variable(
-            torch.zeros(shape, dtype=_STATE_DTYPE),
-            trainable=False,
-            name=f"{self.name}/{name}",
-            synchronization=VariableSynchronization.ON_READ,
-            aggregation=VariableAggregation.SUM,
-        )
+        scope = (self._made_in.scope() if getattr(self, "_made_in", None) is not None and not has_strategy()
+                 else contextlib.nullcontext())
+        with scope:
+            var = Variable(
+                torch.zeros(shape, dtype=_STATE_DTYPE),
+                trainable=False,
+                name=f"{self.name}/{name}",
+                synchronization=VariableSynchronization.ON_READ,
+                aggregation=VariableAggregation.SUM,
+            )
         if keep:
             self._state.append(var)
         return var

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 import mirrored.distribute as md
-from mirrored.training import adapters, jit, losses, optimizers, saving
+from mirrored.training import adapters, compile_utils, jit, losses, optimizers, saving
 from mirrored.training import callbacks as callbacks_lib, data_adapter, epochs as epochs_lib, metrics as metrics_lib
 from mirrored.training._trackables import LossScale
 from mirrored.training.data_adapter import unpack_x_y_sample_weight
@@ -70,8 +70,8 @@ class Model:
             self.compile = self._compile_own
         self.optimizer: optimizers.Optimizer | None = None
         self._mopt: Any = None
-        self._loss: losses.Loss | None = None
-        self._metrics: list[Any] = []
+        self._outputs: compile_utils.CompiledOutputs | None = None  # compile's losses and metrics, per output
+        self._class_weight: Mapping[int, float] | None = None  # fit's, while it trains
         self._loss_tracker: Any = None
         self._logs_view: _Logs | None = None  # what the default steps return: the metrics, read when asked
         self._loss_records: dict[int, Any] = {}  # per local replica: its last compute_loss's part of the reported loss
@@ -122,8 +122,22 @@ class Model:
 
     @property
     def metrics(self) -> list[Any]:
-        """The loss tracker (once compiled) and the compiled metrics, as Keras's `model.metrics`."""
-        return ([self._loss_tracker] if self._loss_tracker is not None else []) + list(self._metrics)
+        """The loss tracker (once compiled), the compiled metrics and, for several outputs, each output's
+        loss tracker, as Keras's `model.metrics` (a multi-output model's once its first step built them)."""
+        compiled = self._outputs.metric_objects() if self._outputs is not None else []
+        return ([self._loss_tracker] if self._loss_tracker is not None else []) + compiled
+
+    @property
+    def _loss(self) -> losses.Loss | None:
+        """The compiled loss of a model with one output."""
+        return self._outputs.single_loss if self._outputs is not None else None
+
+    @property
+    def _metrics(self) -> list[Any]:
+        """The compiled metrics (and weighted metrics), without the loss trackers."""
+        if self._outputs is None:
+            return []
+        return [m for output in self._outputs.metric_sets for m in output.metrics]
 
     def __getattr__(self, name: str) -> Any:
         # The module's attributes, as a Keras model's layers are its attributes: through the mirror, so
@@ -172,10 +186,12 @@ class Model:
         self._adapter.summary(self.module, title, print_fn)
 
     # ---- compile -----------------------------------------------------------------------------------
-    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Sequence[Any] | None = None,
-                steps_per_execution: int = 1, precision: str | None = None, jit_compile: bool | str = "auto",
-                memory_format: str = "auto") -> None:
-        """Chooses the optimizer, loss and metrics. Strings mean Keras names; losses take logits.
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
+                metrics: Any = None, weighted_metrics: Any = None, run_eagerly: bool = False,
+                steps_per_execution: int = 1, jit_compile: bool | str = "auto", auto_scale_loss: bool = True,
+                precision: str | None = None, memory_format: str = "auto") -> None:
+        """Chooses the optimizer, loss and metrics (Keras 3's arguments, in Keras's order, then ours).
+        Strings mean Keras names; losses take logits.
 
         Args:
           optimizer: a Keras name ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adamax", "nadam",
@@ -183,18 +199,30 @@ class Model:
             config, or a torch.optim class or instance (its class and defaults are reused: every replica
             gets its own). `model.optimizer` is it; a step calls its step().
           loss: a name ("sparse_categorical_crossentropy", "mse", ...; crossentropies take logits), an
-            mr.losses.Loss, a torch.nn loss module, or fn(y_true, y_pred) -> per-example losses. The
-            default train_step needs one; a train_step of your own may compute its loss itself.
+            mr.losses.Loss, a torch.nn loss module, or fn(y_true, y_pred) -> per-example losses. For a
+            module returning a dict, list or tuple of outputs: a dict keyed by output (or a list, by
+            position) of those, None for an output without a loss; one loss applies to every output.
+            The default train_step needs one; a train_step of your own may compute its loss itself.
+          loss_weights: a number (it multiplies the loss), or a dict / list with one per output: the
+            loss minimised is the weighted sum of the outputs' losses (the logs' `<output>_loss` are
+            unweighted, as Keras's).
           metrics: names ("accuracy" follows the loss, as in Keras), mr.metrics.Metric objects, or
-            functions fn(y_true, y_pred) -> one value per example.
+            functions fn(y_true, y_pred) -> one value per example; for several outputs a dict keyed by
+            output (or a list with an entry per output) of such lists. They ignore sample weights, as
+            Keras 3's do; a several-output model logs them as `<output>_<name>`.
+          weighted_metrics: metrics as above that the sample weights (or class weights) weigh.
+          run_eagerly: True runs every step eagerly (jit_compile is then off), as Keras; the default
+            steps run eagerly anyway unless jit_compile compiles them.
           steps_per_execution: batches each strategy.run call trains on, one update each: fewer hand-offs
             to the replica threads, the same updates.
-          precision: None or "fp32"; "bf16" (autocast, CPU or CUDA); "fp16" (autocast with a loss scale per
-            replica, CUDA only).
           jit_compile: True compiles each replica's forward and backward with torch.compile (training/jit.py:
             what is compiled, the tolerance against eager, the fallback); False runs eager; "auto" (Keras
             3's default) starts eager and compiles after fit's first steps where the steps left pay back
             the compile time (logged at INFO).
+          auto_scale_loss: with precision="fp16", scale the loss (a GradScaler per replica), as Keras wraps
+            the optimizer in a LossScaleOptimizer under "mixed_float16"; False trains fp16 unscaled.
+          precision: None or "fp32"; "bf16" (autocast, CPU or CUDA); "fp16" (autocast with a loss scale per
+            replica, CUDA only). Ours: Keras sets this by a dtype policy.
           memory_format: where the module's 2-D / 3-D convolution weights live in memory (ours; Keras has no
             such knob): "auto" channels_last(_3d) for float32/16 weights on CPU and CUDA, whose kernels are
             fastest so (1.4-1.6x on a CPU); "channels_last" always; "preserve" the module's own format, as
@@ -215,6 +243,8 @@ class Model:
         if precision == "fp16" and not all(d.startswith("cuda") for d in devices):
             raise ValueError("compile(precision=\"fp16\") needs CUDA devices (fp16 with loss scaling); on CPU use "
                              "precision=\"bf16\".")
+        if run_eagerly:  # as Keras: eager steps, nothing compiled
+            jit_compile = False
         use_jit = jit.resolve(jit_compile)
         if use_jit:
             self._adapter.refuse_jit()
@@ -222,16 +252,13 @@ class Model:
         # Before the optimizer is built: its gradient buckets follow the weights' layout.
         self._net.set_memory_format(memory_format)
         with strategy.scope():
-            self._loss = None if loss is None else self._adapter.loss(loss)
-            if getattr(self._loss, "reduction", None) == "none":
-                raise ValueError(f"compile(loss={loss!r}): reduction='none' leaves one loss per example, but fit "
-                                 "needs one number to minimise. Use reduction='sum_over_batch_size' (the mean, "
-                                 "Keras's default) or 'sum'.")
-            loss_name = getattr(self._loss, "name", None)
-            self._metrics = [self._adapter.metric(m, loss_name) for m in (metrics or [])]
+            # One output's losses and metrics are made here; those of several, at the first step.
+            self._outputs = compile_utils.CompiledOutputs(self._adapter, loss, loss_weights, metrics, weighted_metrics,
+                                                           self._adapter.output_names(self.module))
             self._loss_tracker = metrics_lib.Mean(name="loss")
         self._precision = None if precision == "fp32" else precision
-        self._scalers = [torch.amp.GradScaler("cuda") for _ in devices] if precision == "fp16" else []
+        self._scalers = ([torch.amp.GradScaler("cuda") for _ in devices] if precision == "fp16" and auto_scale_loss
+                         else [])
         self._mopt = self._bind(recipe, self._net)
         self.optimizer = recipe
         self._logs_view = _Logs(self)
@@ -248,10 +275,13 @@ class Model:
         # can say what to pass.
         self._compile_config = {
             "optimizer": _config_or_repr(self.optimizer, self.optimizer, optimizers.serialize),
-            "loss": None if loss is None else _config_or_repr(loss, self._loss, losses.serialize),
-            "metrics": [_config_or_repr(m, compiled, metrics_lib.serialize)
-                        for m, compiled in zip(metrics or [], self._metrics)],
-            "precision": precision, "jit_compile": use_jit, "memory_format": memory_format}
+            "loss": compile_utils.config_of(
+                loss, lambda given: _config_or_repr(given, self._adapter.loss(given), losses.serialize)),
+            "loss_weights": loss_weights,
+            "metrics": compile_utils.config_of(metrics or [], _metric_config),
+            "weighted_metrics": compile_utils.config_of(weighted_metrics, _metric_config),
+            "precision": precision, "jit_compile": use_jit, "memory_format": memory_format,
+            "auto_scale_loss": auto_scale_loss}
         self._compiled = True
 
     def _compile_own(self, *args: Any, **kwargs: Any) -> None:
@@ -337,7 +367,7 @@ class Model:
         x, y, sample_weight = unpack_x_y_sample_weight(data)
         if not data_adapter.rows(x) and not self._sync_bn:
             # An empty part (a short last batch): nothing to learn from, but every replica's update meets.
-            self._empty_part(training=True)
+            self._empty_part(x, y, training=True)
             self.optimizer.step()
             self.optimizer.zero_grad()
             return self.get_metrics_result()
@@ -359,10 +389,11 @@ class Model:
             return self._own_steps.step("test", data)
         x, y, sample_weight = unpack_x_y_sample_weight(data)
         if not data_adapter.rows(x):
-            self._empty_part(training=False)
+            self._empty_part(x, y, training=False)
             return self.get_metrics_result()
         y_pred = self(x, training=False)
-        if self._loss is not None or self._adapter.module_loss(y_pred) is not None:
+        if (self._outputs is not None and self._outputs.loss is not None) \
+                or self._adapter.module_loss(y_pred) is not None:
             self._track_loss(self.compute_loss(x, y, y_pred, sample_weight, training=False), x)
         return self.compute_metrics(x, y, y_pred, sample_weight)
 
@@ -377,11 +408,14 @@ class Model:
     def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None,
                      training: bool = True) -> Tensor:
         """This replica's loss on its part of the batch, as Keras computes one device's: the compiled loss
-        reduced over the part (sample_weight as Keras weighs it), plus the module's regularization.
-        With training=True it also tells the model's optimizer how the part's gradients weigh in the
-        average over the replicas - by the loss values it averaged: its examples, or the labels kept
-        with ignore_class - so the update is one device's on the global batch."""
-        if self._loss is None:
+        reduced over the part (sample_weight as Keras weighs it), plus the module's regularization; for
+        several outputs, each output's loss reduced so, weighted by loss_weights and summed (and each
+        output's unweighted loss tracked, as Keras's `<output>_loss`). With training=True it also tells
+        the model's optimizer how the part's gradients weigh in the average over the replicas - by the
+        loss values it averaged: its examples, or the labels kept with ignore_class - so the update is
+        one device's on the global batch."""
+        compiled = self._outputs
+        if compiled is None or compiled.loss is None:
             own = self._adapter.module_loss(y_pred)
             if own is None:
                 raise ValueError("Model.compute_loss: no loss to compute. Provide a `loss` argument in `compile()`, "
@@ -392,33 +426,39 @@ class Model:
             rows = data_adapter.rows(x)
             self._loss_records[0 if ctx is None else ctx.local_replica_id] = (own.detach().double() * rows, rows)
             return own
-        y_pred = self._adapter.prediction(y_pred)
         if y is None:
             y = self._adapter.labels(x)
         if y is None:
-            raise ValueError(f"Model.compute_loss: the batch has no labels for the loss {self._loss.name!r}: the data "
-                             "yields inputs only. Give (x, y) batches (or y= with arrays), labels inside a dict of "
-                             "inputs under \"labels\", or compile without a loss for a module that computes its own.")
+            raise ValueError(f"Model.compute_loss: the batch has no labels for the loss {_describe(compiled.loss)}: "
+                             "the data yields inputs only. Give (x, y) batches (or y= with arrays), labels inside a "
+                             "dict of inputs under \"labels\", or compile without a loss for a module that computes "
+                             "its own.")
+        y_pred = self._built_for(y, y_pred)
+        if not compiled.single:
+            return self._outputs_loss(x, y, y_pred, sample_weight, training)
+        out = compiled.losses[0]
         dtype = data_adapter.module_dtype(self._net)
         # Labels and weights as Keras's data adapters make them: float ones in the module's dtype (floatx).
         y = data_adapter.cast_inputs(data_adapter.as_labels(y), dtype)
-        per_example = self._loss.per_example(y, y_pred)
+        per_example = out.loss.per_example(y, y_pred)
         sw = data_adapter.weights_like(data_adapter.cast_inputs(sample_weight, dtype), per_example)
         if sw is not None:
             per_example = per_example * sw
+        if out.weight is not None:
+            per_example = per_example * out.weight
         penalty = self._adapter.regularization(self._net)
         ctx = md.get_replica_context()
         rid = 0 if ctx is None else ctx.local_replica_id
         rows = per_example.shape[0] if per_example.dim() else 1
-        ignore = getattr(self._loss, "ignore_class", None)
+        ignore = getattr(out.loss, "ignore_class", None)
         total = per_example.sum()
-        if self._loss.reduction == "sum" or ignore is not None:
+        if out.loss.reduction == "sum" or ignore is not None:
             # Keras reports each step's loss weighted by its batch size, and these losses are no mean over
             # examples: the reported one needs the global batch's rows (and labels kept) - one meeting,
             # which an empty part joins too (_empty_part).
-            kept = self._loss.kept(y) if ignore is not None else None
+            kept = out.loss.kept(y) if ignore is not None else None
             kept_all, rows_all = self._global_counts(ctx, kept, rows)
-            if self._loss.reduction == "sum":
+            if out.loss.reduction == "sum":
                 # The replicas' sums add up to one device's, so they are summed, not averaged; the penalty is
                 # shared by rows.
                 loss = total + penalty * (rows / rows_all).to(total.dtype)
@@ -439,20 +479,87 @@ class Model:
         self._loss_records[rid] = record
         return loss
 
+    def _outputs_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool) -> Tensor:
+        """compute_loss for several outputs: sum of loss_weight * the output's loss, each reduced as Keras
+        reduces it on one device, plus the regularization. Where every loss is a mean over its values (the
+        default) the replicas' gradients weigh by rows, as one loss's do. Otherwise (a sum, ignore_class) the
+        outputs' means divide by different counts, which no one weight per replica can give: each replica
+        then takes its share of one device's loss (its sums over the global counts, one meeting), whose
+        gradients add up to one device's, and the returned value is still its own part's loss."""
+        compiled = self._outputs
+        dtype = data_adapter.module_dtype(self._net)
+        ctx = md.get_replica_context()
+        rid = 0 if ctx is None else ctx.local_replica_id
+        rows = data_adapter.rows(x) if x is not None else data_adapter.rows(y_pred)
+        terms = []
+        for out in compiled.losses:
+            y_t = data_adapter.cast_inputs(data_adapter.as_labels(compiled.part_of(y, out.path, "a loss")), dtype)
+            per_example = out.loss.per_example(y_t, compile_utils.select(y_pred, out.path))
+            sw = data_adapter.cast_inputs(compile_utils.sample_weight_of(sample_weight, out.path, compiled), dtype)
+            sw = data_adapter.weights_like(sw, per_example)
+            if sw is not None:
+                per_example = per_example * sw
+            terms.append((out, y_t, per_example))
+        penalty = self._adapter.regularization(self._net)
+
+        def weighed(out: compile_utils.OutputLoss, value: Tensor) -> Tensor:
+            return value if out.weight is None else value * out.weight
+
+        if not compile_utils.shares_needed(compiled):
+            values = [pe.sum() / max(pe.numel(), 1) for _, _, pe in terms]
+            loss = sum(weighed(out, v) for (out, _, _), v in zip(terms, values)) + penalty
+            self._loss_records[rid] = (loss.detach().double() * rows, rows)
+            for (out, _, _), v in zip(terms, values):
+                self._track_output_loss(out, v.detach().double() * rows, rows)
+            return loss
+        local = [out.loss.kept(y_t) if getattr(out.loss, "ignore_class", None) is not None else pe.numel()
+                 for out, y_t, pe in terms]
+        counts, rows_all = self._global_sums(ctx, local, rows)
+        shares, values = [], []
+        for (out, _, pe), c, c_all in zip(terms, local, counts):
+            total = pe.sum()
+            if out.loss.reduction == "sum":
+                shares.append(total)
+                values.append(total)
+            else:
+                shares.append(total / c_all.clamp(min=1).to(total.device, total.dtype))
+                values.append(total / torch.as_tensor(c, device=total.device).clamp(min=1).to(total.dtype))
+        share = sum(weighed(out, v) for (out, _, _), v in zip(terms, shares)) \
+            + penalty * (rows / rows_all).to(shares[0].dtype)
+        value = sum(weighed(out, v) for (out, _, _), v in zip(terms, values)) + penalty
+        if training and self._mopt is not None:
+            self._mopt.set_gradient_weight(1, divide=False)  # (the shares' gradients add up to one device's)
+        self._loss_records[rid] = (share.detach().double() * rows_all, rows)
+        for (out, _, _), v in zip(terms, shares):
+            self._track_output_loss(out, v.detach().double() * rows_all, rows)
+        return share + (value - share).detach()
+
+    @staticmethod
+    def _track_output_loss(out: compile_utils.OutputLoss, total: Tensor, rows: int) -> None:
+        """An output's loss tracker (several outputs): its unweighted loss, weighted by the batch's rows."""
+        if out.tracker is not None:
+            out.tracker.total.assign_add(total)
+            out.tracker.count.assign_add(rows)
+
     def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Mapping[str, Any]:
-        """Updates the compiled metrics with this replica's part and returns the logs (get_metrics_result)."""
-        if y_pred is not None and self._metrics:
-            y_pred = self._adapter.prediction(y_pred)
+        """Updates the compiled metrics with this replica's part (each output's with its labels; only the
+        weighted_metrics with the sample weights, as Keras 3) and returns the logs (get_metrics_result)."""
+        compiled = self._outputs
+        if y_pred is not None and compiled is not None:
             if y is None:
                 y = self._adapter.labels(x)
-            y = data_adapter.cast_inputs(data_adapter.as_labels(y),
-                                         y_pred.dtype if y_pred.is_floating_point() else None)
-            sw = sample_weight
-            while isinstance(sw, Tensor) and sw.dim() > 1 and sw.shape[-1] == 1:
-                sw = sw.squeeze(-1)
-            y_pred = y_pred.detach()
-            for m in self._metrics:
-                m.update_state(y, y_pred, sw)
+            y_pred = self._built_for(y, y_pred)
+            for output in compiled.metric_sets:
+                if not output.metrics:
+                    continue
+                y_p = compile_utils.select(y_pred, output.path).detach()
+                y_t = data_adapter.cast_inputs(data_adapter.as_labels(compiled.part_of(y, output.path, "metrics")),
+                                               y_p.dtype if y_p.is_floating_point() else None)
+                sw = compile_utils.sample_weight_of(sample_weight, output.path, compiled) if output.weighted else None
+                while isinstance(sw, Tensor) and sw.dim() > 1 and sw.shape[-1] == 1:
+                    sw = sw.squeeze(-1)
+                for m in output.metrics:
+                    m.update_state(y_t, y_p, sw)
         return self.get_metrics_result()
 
     def get_metrics_result(self) -> Mapping[str, Any]:
@@ -465,25 +572,74 @@ class Model:
         train_step does first."""
         self._net.zero_grad(set_to_none=True)
 
-    def _empty_part(self, training: bool) -> None:
-        """An empty part of a short last batch: it joins the count of the global batch that a loss with
-        reduction="sum" or ignore_class makes, and in training weighs nothing in the replicas' average."""
-        if self._loss is not None and (self._loss.reduction == "sum"
-                                       or getattr(self._loss, "ignore_class", None) is not None):
-            self._global_counts(md.get_replica_context(), torch.zeros((), dtype=torch.int64), 0)
+    def _built_for(self, y: Any, y_pred: Any) -> Any:
+        """The outputs as the compiled losses and metrics read them, once those are built against them: a
+        module's first step with several outputs (or metrics whose state the data sizes) builds them, in
+        one merge_call that every replica joins, an empty part's too (_empty_part)."""
+        compiled = self._outputs
+        view = self._adapter.prediction(y_pred) if compiled.single and not compile_utils.is_nested(y) else y_pred
+        if compiled.needs_build(y):
+            self._build_compiled(y, view)
+        return view
+
+    def _build_compiled(self, y: Any, y_pred: Any) -> None:
+        compiled = self._outputs
+        seen = _Seen(y, y_pred)
+        ctx = md.get_replica_context()
+
+        def build(strategy: Any, seen: Any) -> None:
+            parts = strategy.experimental_local_results(seen) if isinstance(seen, md.PerReplica) else (seen,)
+            first = next((p for p in parts if p.y_pred is not None), None)
+            if first is not None and compiled.needs_build(first.y):
+                compiled.build(first.y, first.y_pred)
+
+        if ctx is None or ctx.strategy is not self.distribute_strategy:
+            with self.distribute_strategy.scope():
+                build(self.distribute_strategy, seen)
+        else:
+            ctx.merge_call(build, args=(seen,))
+
+    def _empty_part(self, x: Any, y: Any, training: bool) -> None:
+        """An empty part of a short last batch: it joins the first step's build of the compiled losses and
+        metrics, the count of the global batch that a loss with reduction="sum" or ignore_class makes, and
+        in training weighs nothing in the replicas' average."""
+        compiled = self._outputs
+        sums = False
+        if compiled is not None:
+            labels = y if y is not None else self._adapter.labels(x)
+            if compiled.needs_build(labels):
+                self._build_compiled(labels, None)
+            ctx = md.get_replica_context()
+            loss = compiled.single_loss
+            if compiled.single and loss is not None and (
+                    loss.reduction == "sum" or getattr(loss, "ignore_class", None) is not None):
+                self._global_counts(ctx, torch.zeros((), dtype=torch.int64), 0)
+                sums = loss.reduction == "sum"
+            elif not compiled.single and compile_utils.shares_needed(compiled):
+                self._global_sums(ctx, [torch.zeros((), dtype=torch.int64) for _ in compiled.losses], 0)
+                sums = True
         if training and self._mopt is not None:
-            self._mopt.set_gradient_weight(0, divide=self._loss is None or self._loss.reduction != "sum")
+            self._mopt.set_gradient_weight(0, divide=not sums)
 
     @staticmethod
     def _global_counts(ctx: Any, kept: Tensor | None, rows: int) -> tuple[Tensor, Tensor]:
         """The labels kept and the rows of the global batch, as float64 tensors (one meeting of every
         replica; nothing is read on the host)."""
-        device = kept.device if kept is not None else None
-        local = torch.tensor([0.0, float(rows)], dtype=torch.float64, device=device)
-        local[0] = kept if kept is not None else rows
+        (kept_all,), rows_all = Model._global_sums(ctx, [kept if kept is not None else rows], rows)
+        return kept_all, rows_all
+
+    @staticmethod
+    def _global_sums(ctx: Any, counts: Sequence[Tensor | int], rows: int) -> tuple[list[Tensor], Tensor]:
+        """`counts` (numbers or one-element tensors) and the rows, summed over the replicas, as float64
+        tensors: one meeting of every replica; nothing is read on the host."""
+        device = next((c.device for c in counts if isinstance(c, Tensor)), None)
+        local = torch.zeros(len(counts) + 1, dtype=torch.float64, device=device)
+        for i, c in enumerate(counts):
+            local[i] = c
+        local[-1] = float(rows)
         if ctx is not None and ctx.num_replicas_in_sync > 1:
             local = ctx.all_reduce(md.ReduceOp.SUM, local)
-        return local[0], local[1]
+        return list(local[:-1]), local[-1]
 
     def _track_loss(self, loss: Tensor, x: Any) -> None:
         """The reported loss is Keras's: each step's loss (regularization included) weighted by its batch
@@ -507,6 +663,8 @@ class Model:
         journal = md.current_journal() if len(batches) > 1 else None
         for data in batches:
             updates = journal.updates if journal is not None else 0
+            if self._class_weight is not None:  # (Keras's data adapter makes them: train_step sees them in data)
+                data = data_adapter.with_class_weight(data, self._class_weight)
             logs = self.train_step(data)
             if journal is not None and journal.updates > updates:
                 journal.commit()
@@ -530,8 +688,8 @@ class Model:
         x, _, _ = unpack_x_y_sample_weight(data)
         if data_adapter.rows(x) or self._predict_like is None:
             return self.predict_step(data)
-        shape, dtype = self._predict_like
-        return torch.empty((0, *shape), dtype=dtype, device=data_adapter.device_of(self._net.module))
+        device = data_adapter.device_of(self._net.module)
+        return md.map_structure(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), self._predict_like)
 
     def _run_options(self, group: int) -> md.RunOptions:
         """How fit's strategy.run calls may run. A step of this class's own train_step notes everything it
@@ -546,32 +704,43 @@ class Model:
         return md.RunOptions(rerunnable=own and group == 1 and not ema_without_meeting)
 
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
-            verbose: Any = "auto", callbacks: Sequence[Any] | None = None, validation_data: Any = None,
-            shuffle: bool = True, sample_weight: Any = None, initial_epoch: int = 0,
-            steps_per_epoch: int | None = None, validation_steps: int | None = None,
+            verbose: Any = "auto", callbacks: Sequence[Any] | None = None, validation_split: float = 0.0,
+            validation_data: Any = None, shuffle: bool = True, class_weight: Mapping[int, float] | None = None,
+            sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
+            validation_steps: int | None = None, validation_batch_size: int | None = None,
             validation_freq: int | Sequence[int] = 1) -> Any:
         """Trains for `epochs` epochs over a dataset of GLOBAL batches (or arrays with batch_size): each
-        batch split over the replicas, train_step run on every one.
+        batch split over the replicas, train_step run on every one. Keras 3's arguments, in its order.
 
         Args:
           x: an mr.data.Dataset (or any iterable) of GLOBAL batches, each (x, y) or (x, y, sample_weight);
-            or the inputs as a numpy array or tensor, with `y` and `batch_size`.
-          y: the labels, for array `x` only (a dataset yields its own).
+            or the inputs as a numpy array or tensor (or a dict of them), with `y` and `batch_size`.
+          y: the labels, for array `x` only (a dataset yields its own): an array, or for a module with
+            several outputs a dict keyed by output (or a tuple, by position) of arrays.
           batch_size: the GLOBAL batch size, for array `x` only; default 32 per replica.
           epochs: the epoch to stop before, counted from 0 (Keras's rule): with initial_epoch=2, epochs=5
             trains epochs 2, 3 and 4.
           verbose: "auto" or 1 a progress bar (whole lines when not a terminal), 2 one line per epoch, 0
             silent.
           callbacks: Callback objects; a History (returned) and, unless verbose=0, a ProgbarLogger are added.
+          validation_split: a fraction in (0, 1) of array data to validate on instead of training: the last
+            rows of x, y and sample_weight, taken before any shuffling (Keras's rule). Not for a dataset,
+            which would have to be read to be split; validation_data, where given, takes precedence.
           validation_data: a dataset of GLOBAL batches, or a tuple (x, y) or (x, y, sample_weight) of arrays
-            (batched by `batch_size`), evaluated at the end of the epochs `validation_freq` selects; its
-            results enter the logs with the val_ prefix.
+            (batched by `validation_batch_size`, else `batch_size`), evaluated at the end of the epochs
+            `validation_freq` selects; its results enter the logs with the val_ prefix.
           shuffle: for array `x`, draw the examples in a new order every epoch (a dataset shuffles itself).
-          sample_weight: per-example weights of the loss and metrics, for array `x` only.
+          class_weight: {class id: weight}: each training example's loss (and weighted_metrics) is weighed
+            by its label's weight (1 for a class not listed), as Keras turns it into sample weights (one-hot
+            labels by their argmax). Single-output models only; not together with sample weights.
+          sample_weight: per-example weights of the loss and weighted_metrics, for array `x` only (for
+            several outputs: one array for all, or a dict / tuple with one per output).
           initial_epoch: the epoch to start at, to resume a run.
           steps_per_epoch: batches per epoch; then each epoch goes on from where the last one stopped (for
             ds.repeat()). None: one full pass per epoch.
           validation_steps: batches of validation_data per evaluation; None: all of it.
+          validation_batch_size: the GLOBAL batch size of array validation data (or of the split); default
+            `batch_size`. A dataset is batched already.
           validation_freq: validate every that many epochs (an int), or after the listed 1-based epochs.
 
         Returns:
@@ -580,17 +749,15 @@ class Model:
         """
         self._require_compiled("fit")
         data_adapter.check_validation_freq(validation_freq)
+        self._check_class_weight(class_weight, y, sample_weight, "fit")
         replicas = self.distribute_strategy.num_replicas_in_sync
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = data_adapter.train_validation_split(
+                x, y, sample_weight, validation_split)
+        elif validation_split:  # (validation_data takes precedence, as in Keras)
+            data_adapter.check_validation_split(validation_split)
         dataset = data_adapter.as_dataset(x, y, batch_size, sample_weight, shuffle, "fit", replicas)
-        val = None
-        if validation_data is not None:
-            if isinstance(validation_data, tuple) and len(validation_data) in (2, 3):
-                vx, vy, *vsw = validation_data
-                val = data_adapter.as_dataset(vx, vy, batch_size, vsw[0] if vsw else None, False,
-                                              "fit(validation_data)", replicas)
-            else:
-                val = data_adapter.as_dataset(validation_data, None, None, None, False, "fit(validation_data)",
-                                              replicas)
+        val = self._validation_dataset(validation_data, validation_batch_size or batch_size, validation_batch_size)
         strategy = self.distribute_strategy
         # Keras: with steps_per_epoch, each epoch continues the previous one's iterator (so ds.repeat()
         # with steps_per_epoch sees all the data); without it, every epoch is a fresh full pass.
@@ -607,6 +774,7 @@ class Model:
                                          verbose=verbose, epochs=epochs, steps=epoch_iterator.num_batches)
         self.stop_training = False
         self._epoch_iterator = epoch_iterator
+        self._class_weight = class_weight
         try:
             cbs.on_train_begin()  # BackupAndRestore may move the iterator to where a run stopped
             optimizers.warn_if_instance_changed(self.optimizer, stacklevel=2)
@@ -622,7 +790,39 @@ class Model:
             cbs.on_train_end(epoch_logs)
         finally:
             self._epoch_iterator = None
+            self._class_weight = None
         return self.history
+
+    def _validation_dataset(self, validation_data: Any, batch_size: int | None,
+                            validation_batch_size: int | None) -> Any:
+        """fit's validation data as a dataset of GLOBAL batches: arrays (x, y) or (x, y, sample_weight)
+        batched by `batch_size`, or a dataset as it is."""
+        if validation_data is None:
+            return None
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        if isinstance(validation_data, tuple) and len(validation_data) in (2, 3):
+            vx, vy, *vsw = validation_data
+            return data_adapter.as_dataset(vx, vy, batch_size, vsw[0] if vsw else None, False,
+                                           "fit(validation_data)", replicas)
+        if validation_batch_size is not None:
+            raise ValueError(f"Model.fit(validation_batch_size={validation_batch_size!r}): validation_data is a "
+                             "dataset, which is batched already (by the GLOBAL batch size); validation_batch_size "
+                             "is for array validation data (or validation_split).")
+        return data_adapter.as_dataset(validation_data, None, None, None, False, "fit(validation_data)", replicas)
+
+    def _check_class_weight(self, class_weight: Any, y: Any, sample_weight: Any, where: str) -> None:
+        """Keras's rules for class_weight, checked before anything runs: {class id: weight}, a single
+        output, and no sample weights beside it (a dataset's are refused at its first batch)."""
+        if class_weight is None:
+            return
+        data_adapter.check_class_weight(class_weight, where)
+        if sample_weight is not None:
+            raise ValueError(f"Model.{where}: class_weight and sample_weight were both given; Keras takes one or "
+                             "the other. Fold the class weights into sample_weight (multiply them), or drop one.")
+        if compile_utils.is_nested(y) or (self._outputs is not None and not self._outputs.single):
+            raise ValueError(f"Model.{where}(class_weight=...): the model has several outputs, and class_weight "
+                             "is only for a single output (as in Keras). Give sample_weight instead: a dict (or "
+                             "tuple) with one weight array per output.")
 
     def _fit_epochs(self, epoch_iterator: epochs_lib.EpochIterator, epochs: int, cbs: Any, dataset: Any, val: Any,
                     validation_steps: int | None, validation_freq: Any) -> dict[str, float]:
@@ -678,7 +878,7 @@ class Model:
         if not isinstance(first, Mapping):
             raise TypeError(f"{type(self).__name__}.train_step/test_step returned a {type(first).__name__}; return "
                             "a dict of logs ({name: value}), self.compute_metrics(...), or None.")
-        return {k: _as_float(k, v) for k, v in first.items()}
+        return {k: _log_value(k, v) for k, v in first.items()}
 
     def _input_options(self) -> md.InputOptions:
         """Batches copied to a replica's device (a GPU) are written there in the convolutions' layout."""
@@ -748,10 +948,75 @@ class Model:
                                          verbose=verbose, epochs=1,
                                          steps=steps if steps is not None else epochs_lib.len_or_none(dataset))
         logs = self._evaluate(dataset, steps, cbs)
-        return logs if return_dict else (list(logs.values()) if len(logs) > 1 else next(iter(logs.values())))
+        return logs if return_dict else self._flatten_logs(logs)
+
+    def _flatten_logs(self, logs: dict[str, Any]) -> Any:
+        """Logs as evaluate's list (Keras's order: loss, the metrics, each output's loss, the rest sorted);
+        the one value alone."""
+        values = compile_utils.flatten_metrics_in_order(logs, self._outputs)
+        return values[0] if len(values) == 1 else values
+
+    def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
+                       class_weight: Mapping[int, float] | None = None, return_dict: bool = False) -> Any:
+        """One update on one GLOBAL batch of arrays (Keras's train_on_batch): the batch is split over the
+        replicas as fit splits it, train_step runs on every one, and the metrics are reset first, so the
+        logs are this batch's.
+
+        Args:
+          x, y, sample_weight: the batch as arrays (as fit's x, y and sample_weight), all of it one step.
+          class_weight: {class id: weight}, as fit's.
+          return_dict: return {name: value} instead of evaluate's list.
+
+        Returns:
+          The loss alone (no metrics), a list [loss, *metrics] in evaluate's order, or a dict.
+        """
+        self._require_compiled("train_on_batch")
+        self._check_class_weight(class_weight, y, sample_weight, "train_on_batch")
+        batch = self._one_batch(x, y, sample_weight, "train_on_batch")
+        self._net.train()
+        self._net.zero_grad()
+        self.reset_metrics()
+        self._class_weight = class_weight
+        try:
+            logs = self.distribute_strategy.run(self._train_function, args=([batch],), options=self._run_options(1))
+        finally:
+            self._class_weight = None
+        logs = self._read_logs(logs)
+        return logs if return_dict else self._flatten_logs(logs)
+
+    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None, return_dict: bool = False) -> Any:
+        """The loss and metrics of one GLOBAL batch of arrays (Keras's test_on_batch), split over the
+        replicas; the metrics are reset first. Returns as train_on_batch does."""
+        self._require_compiled("test_on_batch")
+        batch = self._one_batch(x, y, sample_weight, "test_on_batch")
+        self._net.eval()
+        self.reset_metrics()
+        options = md.RunOptions(rerunnable=type(self).test_step is Model.test_step)
+        logs = self._read_logs(self.distribute_strategy.run(self._test_function, args=([batch],), options=options))
+        return logs if return_dict else self._flatten_logs(logs)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """The outputs of one GLOBAL batch of arrays (Keras's predict_on_batch), split over the replicas:
+        predict(x) with the batch as one step."""
+        x = data_adapter.as_array(x, "predict_on_batch", "x")
+        if not data_adapter.is_arrays(x):
+            raise TypeError(f"Model.predict_on_batch: x is a {type(x).__name__}; give one batch as arrays (a numpy "
+                            "array or tensor, or a dict of them). For a dataset, use predict.")
+        return self.predict(x, batch_size=max(data_adapter.rows(x), 1), verbose=0)
+
+    def _one_batch(self, x: Any, y: Any, sample_weight: Any, where: str) -> Any:
+        """The arrays x, y, sample_weight as one GLOBAL batch, split over the replicas (a distributed batch)."""
+        x = data_adapter.as_array(x, where, "x")
+        if not data_adapter.is_arrays(x):
+            raise TypeError(f"Model.{where}: x is a {type(x).__name__}; give one batch as arrays (a numpy array or "
+                            "tensor, or a dict of them), with y and sample_weight as arrays too.")
+        dataset = data_adapter.as_dataset(x, y, max(data_adapter.rows(x), 1), sample_weight, False, where,
+                                          self.distribute_strategy.num_replicas_in_sync)
+        distributed = self.distribute_strategy.experimental_distribute_dataset(dataset, self._input_options())
+        return next(iter(distributed))
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto", steps: int | None = None,
-                callbacks: Sequence[Any] | None = None) -> np.ndarray:
+                callbacks: Sequence[Any] | None = None) -> Any:
         """Model outputs for every input row, in input order (the uneven last batch included); the
         callbacks' predict hooks see each batch's outputs (logs["outputs"]), as in Keras.
 
@@ -765,7 +1030,8 @@ class Model:
 
         Returns:
           A numpy array, the outputs of all batches (every replica's rows, every worker's too)
-          concatenated along dim 0.
+          concatenated along dim 0; for a module returning a dict, list or tuple, the same structure of
+          such arrays.
         """
         strategy = self.distribute_strategy
         x = data_adapter.as_array(x, "predict", "x")
@@ -786,16 +1052,17 @@ class Model:
                 break
             cbs.on_predict_batch_begin(i)
             result = strategy.run(self._predict_function, args=(batch,), options=options)
-            first = next((p for p in strategy.experimental_local_results(result) if len(p)), None)
+            first = next((p for p in strategy.experimental_local_results(result) if data_adapter.rows(p)), None)
             if first is not None and self._predict_like is None:
-                self._predict_like = (first.shape[1:], first.dtype)
+                self._predict_like = md.map_structure(lambda t: t[:0].detach(), first)
             # Every replica's rows in batch order: on a multi-worker strategy, every worker's.
-            outputs.append(strategy.gather(result, axis=0).detach().cpu().numpy())
+            outputs.append(md.map_structure(lambda t: t.detach().cpu().numpy(), strategy.gather(result, axis=0)))
             cbs.on_predict_batch_end(i, {"outputs": outputs[-1]})
         cbs.on_predict_end()
         if not outputs:
             raise ValueError("Model.predict: the dataset yielded no batches.")
-        return np.concatenate(outputs, axis=0)
+        # (a module with several outputs: their structure, each output's rows concatenated, as Keras's)
+        return md.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
     def check_in_sync(self) -> None:
         """Raises OutOfSyncError unless every replica holds bitwise-identical weights and optimizer state."""
@@ -809,8 +1076,14 @@ class Model:
         for m in self.metrics:
             m.reset_state()
 
-    def _logs(self) -> dict[str, float]:
-        return {m.name: float(m.result()) for m in self.metrics}
+    def _logs(self) -> dict[str, Any]:
+        return {name: _log_value(name, m.result()) for name, m in self._log_entries()}
+
+    def _log_entries(self) -> list[tuple[str, Any]]:
+        """(name in the logs, metric) for every metric of `metrics` (which a subclass may override): the
+        compiled ones as Keras names them (an output's prefixed), any other by its own name."""
+        named = {id(m): name for name, m in self._outputs.names} if self._outputs is not None else {}
+        return [(named.get(id(m), m.name), m) for m in self.metrics]
 
     # ---- weights and checkpoints ------------------------------------------------------------------
     def get_weights(self) -> list[np.ndarray]:
@@ -839,33 +1112,48 @@ class Model:
         otherwise; Model.save and mr.train checkpoints (BackupAndRestore) keep it."""
         return LossScale(self._scalers) if self._scalers else None
 
-    def save(self, path: str | Path) -> None:
+    def save(self, filepath: str | Path, overwrite: bool = True, zipped: bool | None = None) -> None:
         """Weights, optimizer state, the random state and compile settings in one safetensors file,
-        written atomically (saving.py).
+        written atomically (saving.py). Keras's arguments.
 
         Args:
-          path: the file to write (a directory is refused: a checkpoint is one file). Replaced only once the
-            new file is complete, so a crash leaves the old one. `Model.load(path)` rebuilds the model. For
-            a Keras model, a path ending in ".keras" is a Keras archive (replica 0's model, which every
-            replica equals) that keras.models.load_model reads. Under a multi-worker strategy only the
+          filepath: the file to write (a directory is refused: a checkpoint is one file). Replaced only once
+            the new file is complete, so a crash leaves the old one. `Model.load(filepath)` rebuilds the
+            model. For a Keras model, a path ending in ".keras" is a Keras archive (replica 0's model, which
+            every replica equals) that keras.models.load_model reads. Under a multi-worker strategy only the
             chief writes it (TF's should_checkpoint; the workers' copies are bitwise equal); the others
             return without writing.
+          overwrite: False refuses a file that exists (FileExistsError; Keras asks at a prompt instead).
+          zipped: Keras's, for a ".keras" archive: None or True (the archive is zipped; Keras's unzipped
+            directory is refused).
         """
-        archive = adapters.is_archive(path)
+        archive = adapters.is_archive(filepath)
+        where = f"Model.save({str(filepath)!r})"
         if archive:  # refused on every worker alike, before the chief-only gate
-            self._adapter.check_archive(self.module, path, f"Model.save({str(path)!r})")
-        if not self._writes_checkpoints("save", path):
+            self._adapter.check_archive(self.module, filepath, where)
+        if zipped is not None and not (archive and zipped is True):
+            raise ValueError(f"{where}: zipped={zipped!r}: a \".keras\" archive is written zipped (Keras's unzipped "
+                             "directory is not supported here), and a mirrored file is one safetensors file. Leave "
+                             "zipped out.")
+        saving.check_overwrite(filepath, overwrite, where)
+        if not self._writes_checkpoints("save", filepath):
             return
         if archive:
-            self._adapter.save_archive(self.module, path)
+            self._adapter.save_archive(self.module, filepath)
             return
-        saving.save(self, path, with_optimizer=True)
+        saving.save(self, filepath, with_optimizer=True)
 
-    def save_weights(self, path: str | Path) -> None:
+    def save_weights(self, filepath: str | Path, overwrite: bool = True, max_shard_size: float | None = None) -> None:
         """The weights alone (no optimizer state), in one safetensors file, written atomically (by the
-        chief only, under a multi-worker strategy)."""
-        if self._writes_checkpoints("save_weights", path):
-            saving.save(self, path, with_optimizer=False)
+        chief only, under a multi-worker strategy). Keras's arguments: overwrite=False refuses a file that
+        exists (FileExistsError); max_shard_size must stay None (the file is never sharded)."""
+        where = f"Model.save_weights({str(filepath)!r})"
+        if max_shard_size is not None:
+            raise ValueError(f"{where}: max_shard_size={max_shard_size!r}, but the weights are written to one "
+                             "safetensors file, never sharded. Leave max_shard_size out.")
+        saving.check_overwrite(filepath, overwrite, where)
+        if self._writes_checkpoints("save_weights", filepath):
+            saving.save(self, filepath, with_optimizer=False)
 
     def _writes_checkpoints(self, what: str, path: str | Path) -> bool:
         # TF's other workers write to a temporary path and delete it; nothing here is collective, so they skip.
@@ -874,10 +1162,12 @@ class Model:
         logger.debug("Model.%s(%s): not the chief worker, so nothing is written here", what, path)
         return False
 
-    def load_weights(self, path: str | Path) -> None:
+    def load_weights(self, filepath: str | Path, skip_mismatch: bool = False) -> None:
         """Loads the weights of a checkpoint saved on any number of replicas into every replica; every
-        tensor's name, shape and dtype is checked first (CheckpointError naming the file otherwise)."""
-        saving.load_weights(self, path)
+        tensor's name, shape and dtype is checked first (CheckpointError naming the file otherwise).
+        skip_mismatch=True (Keras's) loads the tensors that fit and skips, with one warning naming them,
+        those whose shape or dtype differs and those only one side has."""
+        saving.load_weights(self, filepath, skip_mismatch=skip_mismatch)
 
     @classmethod
     def load(cls, path: str | Path, module: nn.Module | None = None, compile: bool = True) -> Model:
@@ -907,6 +1197,19 @@ class Model:
 
 
 
+class _Seen:
+    """What one replica saw at the first step (the labels, and the outputs: None for an empty part), handed
+    to the merge_call that builds the compiled losses and metrics, as one value per replica."""
+
+    def __init__(self, y: Any, y_pred: Any):
+        self.y, self.y_pred = y, y_pred
+
+
+def _describe(given: Any) -> str:
+    """A compile() argument in an error: a name as it is, else its type."""
+    return repr(given) if isinstance(given, str) else type(given).__name__
+
+
 def _reads_batch_logs(cbs: Any) -> bool:
     """Whether a callback has its own on_train_batch_end (or on_batch_end), which reads each step's logs.
     Without one, fit reads the metrics once per epoch, as tf.keras converts a step's logs to numbers
@@ -924,6 +1227,21 @@ def _config_or_repr(given: Any, obj: Any, serialize: Any) -> Any:
     return serialize(obj) or {"object": repr(obj)}
 
 
+def _metric_config(given: Any) -> Any:
+    """What compile() records of one metric: a name as given, else the config of the metric it makes (an
+    mr.metrics function's too), else {"object": its repr}, which load() leaves out with a warning."""
+    if isinstance(given, str):
+        return given
+    metric = None
+    if isinstance(given, metrics_lib.Metric):
+        metric = given
+    elif isinstance(given, type) and issubclass(given, metrics_lib.Metric):
+        metric = given()
+    elif callable(given) and not isinstance(given, type) and not type(given).__module__.startswith("keras"):
+        metric = metrics_lib.MeanMetricWrapper(given)
+    return (metrics_lib.serialize(metric) if metric is not None else None) or {"object": repr(given)}
+
+
 def _averages_weights(optimizer: Any) -> bool:
     """Whether `optimizer` keeps a moving average of the weights (use_ema), which it may write into them
     in a step that only accumulates gradients."""
@@ -934,9 +1252,14 @@ def _as_double(value: Tensor | float) -> Tensor | float:
     return value.detach().double() if isinstance(value, Tensor) else float(value)
 
 
-def _as_float(key: str, value: Any) -> float:
-    if isinstance(value, Tensor) and value.numel() == 1:
-        return float(value)
+def _log_value(key: str, value: Any) -> float | np.ndarray:
+    """A log's value as Keras gives it: a float, or a numpy array for a metric with one value per class
+    (F1Score(average=None), R2Score(class_aggregation=None)), which History and evaluate keep as arrays
+    and the progress bar shows by its mean."""
+    if isinstance(value, Tensor):
+        return float(value) if value.numel() == 1 else value.detach().float().cpu().numpy()
+    if isinstance(value, np.ndarray) and value.dtype.kind in "fiub":
+        return float(value) if value.size == 1 else value
     if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
         return float(value)
     raise TypeError(f"a step's logs hold {key!r}: {value!r:.80}, not a number; give each log one number (a "
@@ -952,7 +1275,7 @@ class _Logs(Mapping):
         self._model = model
 
     def _by_name(self) -> dict[str, Any]:
-        return {m.name: m for m in self._model.metrics}
+        return dict(self._model._log_entries())
 
     def __getitem__(self, name: str) -> Tensor:
         return self._by_name()[name].result()
@@ -961,7 +1284,7 @@ class _Logs(Mapping):
         return iter(self._by_name())
 
     def __len__(self) -> int:
-        return len(self._model.metrics)
+        return len(self._by_name())
 
     def __repr__(self) -> str:
         return f"<logs of {', '.join(self._by_name())}>"

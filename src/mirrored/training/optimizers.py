@@ -620,7 +620,7 @@ class _KerasSteps:
             if (options.accumulation_steps > 1 or options.clipnorm is not None or options.clipvalue is not None
                     or options.global_clipnorm is not None
                     or options.loss_scale_factor is not None):  # (else no gradient is read)
-                grads = [p.grad for p in self._params() if p.grad is not None]
+                grads = _clippable(self._params())
                 with torch.no_grad():
                     divisor = options.accumulation_steps * (options.loss_scale_factor or 1)
                     if divisor != 1:
@@ -779,21 +779,36 @@ def _like_params(values: Any, params: list[Tensor], what: str) -> list[Any] | No
     return [None if v is None else v.detach().to(p.device, p.dtype).clone() for v, p in zip(values, params)]
 
 
+def _clippable(params: list[Tensor]) -> list[Tensor]:
+    """The gradients of `params`, a sparse one (nn.Embedding(sparse=True)) coalesced in place of its .grad:
+    one that names a row twice holds that row's gradient as the sum of the two, which clipping must see."""
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse and not p.grad.is_coalesced():
+            p.grad = p.grad.coalesce()
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _values(g: Tensor) -> Tensor:
+    """The values a (coalesced) gradient holds: a sparse one's stored rows, a dense one itself."""
+    return g._values() if g.is_sparse else g
+
+
 def _clip(grads: list[Tensor], options: _Options) -> None:
     """Keras's clipping, in place: each gradient to norm <= clipnorm, all of them together to
-    global_clipnorm (a NaN or infinite norm makes them all NaN, as Keras), or each value to +-clipvalue."""
+    global_clipnorm (a NaN or infinite norm makes them all NaN, as Keras), or each value to +-clipvalue.
+    A sparse gradient (coalesced) counts its stored rows, as its dense form would."""
     if options.clipnorm is not None:
         for g in grads:
-            g.mul_(options.clipnorm / torch.linalg.vector_norm(g).clamp(min=options.clipnorm))
+            g.mul_(options.clipnorm / torch.linalg.vector_norm(_values(g)).clamp(min=options.clipnorm))
     elif options.global_clipnorm is not None and grads:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).float() for g in grads]))
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(_values(g)).float() for g in grads]))
         scale = (options.global_clipnorm / norm).clamp(max=1.0)
         scale = torch.where(torch.isfinite(norm), scale, torch.full_like(scale, float("nan")))
         for g in grads:
             g.mul_(scale)
     elif options.clipvalue is not None:
         for g in grads:
-            g.clamp_(-options.clipvalue, options.clipvalue)
+            _values(g).clamp_(-options.clipvalue, options.clipvalue)
 
 
 _WITH_OPTIONS: dict[type, type] = {}

@@ -10,6 +10,7 @@ checkpoint_checks.py, tracking.py, _trackables.py, losses.py, metrics.py and opt
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mirrored.training import _trackables, checkpoint, checkpoint_checks, losses, metrics as metrics_lib
-from mirrored.training import optimizers, tracking
+from mirrored.training import _trackables, checkpoint, checkpoint_checks, compile_utils, losses
+from mirrored.training import metrics as metrics_lib, optimizers, tracking
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +71,45 @@ def _from_first_format(tensors: dict[str, Tensor], meta: dict[str, Any]) -> tupl
     return moved, {**rest, "format": FORMAT, "objects": objects}
 
 
-def load_weights(model: Any, path: str | Path) -> None:
+def check_overwrite(path: str | Path, overwrite: bool, where: str) -> None:
+    """Keras's overwrite=False: an existing file is not replaced (Keras asks at a prompt; a library refuses)."""
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"{where}: overwrite={overwrite!r}; give True or False.")
+    if not overwrite and os.path.exists(path):
+        raise FileExistsError(f"{where}: {str(path)!r} exists and overwrite=False, so nothing was written. Pass "
+                              "overwrite=True (the default) to replace it, or another path.")
+
+
+def load_weights(model: Any, path: str | Path, skip_mismatch: bool = False) -> None:
     """Loads the weights of a Model file (saved on any number of replicas) into every replica; every
-    tensor's name, shape and dtype is checked first (CheckpointError naming the file otherwise)."""
+    tensor's name, shape and dtype is checked first (CheckpointError naming the file otherwise). With
+    skip_mismatch, the tensors that do not fit (another shape or kind of dtype, or a name only one side
+    has) are skipped with one warning, and the others load, as Keras's skip_mismatch."""
     state = checkpoint.load_state_dict(path, where="Model.load_weights")
     origin = checkpoint_checks.Origin(f"Model.load_weights({str(path)!r})")
-    model._net.load_state_dict(checkpoint_checks.state_dict(origin, state, model.module.state_dict(), prefix=""))
+    expected = model.module.state_dict()
+    if not skip_mismatch:
+        model._net.load_state_dict(checkpoint_checks.state_dict(origin, state, expected, prefix=""))
+        return
+    fits, skipped = {}, []
+    for name, t in state.items():
+        ref = expected.get(name)
+        if not isinstance(ref, torch.Tensor):
+            skipped.append(f"{name!r} (not in the model)")
+        elif tuple(t.shape) != tuple(ref.shape):
+            skipped.append(f"{name!r} (shape {tuple(t.shape)} in the file, {tuple(ref.shape)} in the model)")
+        elif t.dtype != ref.dtype and not (t.dtype.is_floating_point and ref.dtype.is_floating_point):
+            skipped.append(f"{name!r} (dtype {t.dtype} in the file, {ref.dtype} in the model)")
+        else:
+            fits[name] = t
+    missing = [name for name, ref in expected.items() if isinstance(ref, torch.Tensor) and name not in state]
+    skipped += [f"{name!r} (not in the file: kept as it is)" for name in missing]
+    if skipped:
+        warnings.warn(f"Model.load_weights({str(path)!r}, skip_mismatch=True): skipped {len(skipped)} tensor(s) that "
+                      f"do not fit: {', '.join(skipped[:8])}{' ...' if len(skipped) > 8 else ''}. The other "
+                      f"{len(fits)} loaded.", UserWarning, stacklevel=3)
+    model._net.load_state_dict(checkpoint_checks.state_dict(origin, fits, {k: expected[k] for k in fits}, prefix=""),
+                               strict=False)
 
 
 def load(cls: type, path: str | Path, module: Any, compile: bool) -> Any:
@@ -117,27 +151,41 @@ def load(cls: type, path: str | Path, module: Any, compile: bool) -> Any:
 
 
 def _compile_from_config(model: Any, cfg: dict[str, Any], path: str) -> None:
-    """compile() as save() recorded it: names, and configs rebuilt from mirrored's own classes by name."""
-    loss = cfg.get("loss")
-    if isinstance(loss, dict) and "object" in loss:  # training with another loss would be wrong
-        raise ValueError(
-            f"Model.load({path!r}): the model was compiled with the loss {loss['object']}, an object without a "
-            "config (a class or function of your own), so the file cannot rebuild it. Load with compile=False "
-            "and call model.compile(...) with it again; the weights load either way.")
-    metrics, dropped = [], []
-    for m in cfg.get("metrics", []):
-        if isinstance(m, dict) and "object" in m:
-            dropped.append(m["object"])
-        else:
-            metrics.append(metrics_lib.deserialize(m) if isinstance(m, dict) else m)
+    """compile() as save() recorded it: names, and configs rebuilt from mirrored's own classes by name;
+    a loss or metric argument per output as it was given (a dict keyed by output, or a list)."""
+    def loss_of(leaf: Any) -> Any:
+        if isinstance(leaf, dict) and "object" in leaf:  # training with another loss would be wrong
+            raise ValueError(
+                f"Model.load({path!r}): the model was compiled with the loss {leaf['object']}, an object without a "
+                "config (a class or function of your own), so the file cannot rebuild it. Load with compile=False "
+                "and call model.compile(...) with it again; the weights load either way.")
+        return losses.deserialize(leaf) if isinstance(leaf, dict) else leaf
+
+    dropped: list[str] = []
+
+    def metric_of(leaf: Any) -> Any:
+        if isinstance(leaf, dict) and "object" in leaf:
+            dropped.append(leaf["object"])
+            return None
+        return metrics_lib.deserialize(leaf) if isinstance(leaf, dict) else leaf
+
+    def metrics_from(recorded: Any) -> Any:
+        rebuilt = compile_utils.from_config(recorded, metric_of)
+        if isinstance(rebuilt, list) and not any(isinstance(m, (list, dict)) for m in rebuilt):
+            rebuilt = [m for m in rebuilt if m is not None]  # (one output's list: a dropped one leaves no gap)
+        return rebuilt
+
+    loss = compile_utils.from_config(cfg.get("loss"), loss_of)
+    metrics = metrics_from(cfg.get("metrics") or [])
+    weighted = metrics_from(cfg.get("weighted_metrics"))
     if dropped:
         warnings.warn(f"Model.load({path!r}): the metrics {', '.join(dropped)} were objects without a config "
                       "(classes or functions of your own); the model is compiled without them. Load with "
                       "compile=False and compile(...) again to have them.", UserWarning, stacklevel=4)
-    model.compile(optimizer=_optimizer_from_config(cfg["optimizer"], path),
-                  loss=losses.deserialize(loss) if isinstance(loss, dict) else loss, metrics=metrics,
+    model.compile(optimizer=_optimizer_from_config(cfg["optimizer"], path), loss=loss,
+                  loss_weights=cfg.get("loss_weights"), metrics=metrics, weighted_metrics=weighted,
                   precision=cfg.get("precision"), jit_compile=cfg.get("jit_compile", False),
-                  memory_format=cfg.get("memory_format", "auto"))
+                  auto_scale_loss=cfg.get("auto_scale_loss", True), memory_format=cfg.get("memory_format", "auto"))
 
 
 def _optimizer_from_config(cfg: dict[str, Any], path: str) -> optimizers.Optimizer:

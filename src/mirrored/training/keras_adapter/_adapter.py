@@ -45,6 +45,13 @@ class KerasAdapter:
         """A Keras model's output, as Keras's compiled loss and metrics take it."""
         return y_pred
 
+    @staticmethod
+    def output_names(module: nn.Module) -> list[str] | None:
+        """The model's output names (a functional model's output layers), which name its outputs' losses and
+        metrics in the logs as Keras names them; None where it has none."""
+        names = getattr(module, "output_names", None)
+        return list(names) if isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names) else None
+
     def module_loss(self, y_pred: Any) -> Tensor | None:
         """None: a Keras model's own losses are its `losses` (regularization), added to the compiled loss."""
         del y_pred
