@@ -124,6 +124,8 @@ class Model:
     def metrics(self) -> list[Any]:
         """The loss tracker (once compiled), the compiled metrics and, for several outputs, each output's
         loss tracker, as Keras's `model.metrics` (a multi-output model's once its first step built them)."""
+        if self._own_steps is not None:  # a Keras model that compiles itself: its own metrics (replica 0's)
+            return list(self.module.metrics)
         compiled = self._outputs.metric_objects() if self._outputs is not None else []
         return ([self._loss_tracker] if self._loss_tracker is not None else []) + compiled
 
@@ -289,8 +291,7 @@ class Model:
         compile(*args, **kwargs) on every replica's copy; its compiled optimizer, losses and metrics are
         what its steps use, and its metrics are the Model's."""
         self.optimizer = self._own_steps.compile(*args, **kwargs)
-        self._metrics = list(self.module.metrics)
-        self._loss = self._loss_tracker = self._mopt = self._logs_view = self._precision = None
+        self._outputs = self._loss_tracker = self._mopt = self._logs_view = self._precision = None
         self._jit = self._auto_jit = None
         self._scalers, self._steps_per_execution = [], 1
         # (Model.load cannot call it: it refuses compile=True naming it, and loads the weights with compile=False)
