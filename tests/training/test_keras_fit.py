@@ -146,6 +146,23 @@ def test_optimizers_give_one_devices_update(name):
     assert int(ours.optimizer.iterations) == int(ref.optimizer.iterations)
 
 
+def test_a_compiled_sum_loss_sums_the_replicas_gradients():
+    """reduction="sum": the parts' sums add up to the batch's, so the replicas' gradients are summed, not
+    averaged, and the weights equal one device's (70 rows in batches of 32 on 3 replicas: uneven and
+    padded parts). The loss tracker weighs each replica's sum by its rows, as tf.keras's does."""
+    x, y = flat_digits(70)
+
+    def loss():
+        return keras.losses.SparseCategoricalCrossentropy(reduction="sum")
+    ref = mlp()
+    ref.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01), loss=loss())
+    ref.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    strategy = strategy_of(3)
+    ours = compiled_in(strategy, mlp, optimizer=keras.optimizers.SGD(learning_rate=0.01), loss=loss())
+    ours.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert_same(ref, ours, strategy=strategy)
+
+
 def test_ema_finalized_then_a_second_fit_stays_in_sync():
     """use_ema: Keras writes the averages into replica 0's weights after fit; the next step carries
     them to the other copies, and a second fit equals one device's second fit."""

@@ -158,9 +158,9 @@ def _weight_rule(model: nn.Module, kind: str) -> Any:
 
 def _compiled_reduction(model: nn.Module) -> str | None:
     """"sum" where every compiled loss sums, None otherwise; a mix of sums and means is refused."""
-    compiled = getattr(model, "_compile_loss", None)
-    losses = [loss for loss in getattr(compiled, "flat_losses", None) or [] if loss is not None]
-    reductions = {getattr(getattr(loss, "fn", loss), "reduction", None) for loss in losses}
+    compiled = getattr(model, "_compile_loss", None)  # (built by then: Keras's fit builds it before the first step)
+    entries = [entry for entry in getattr(compiled, "_flat_losses", None) or [] if entry is not None]
+    reductions = {getattr(getattr(entry, "loss", entry), "reduction", None) for entry in entries}
     if reductions == {"sum"}:
         return "sum"
     if "sum" in reductions:
