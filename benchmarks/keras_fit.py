@@ -1,4 +1,4 @@
-"""A Keras 3 model (torch backend) under mr.Model against Keras's own fit and a torch twin (issue 23).
+"""A Keras 3 model (torch backend) under mr.Model and under Keras's own fit in a 2-replica scope, against Keras's own fit on one device and a torch twin (issues 23, 34).
 
     .venv/bin/python benchmarks/keras_fit.py                          # batch 64, 10 steps, 3 rounds
     .venv/bin/python benchmarks/keras_fit.py --batch 8 --steps 2 --rounds 1 --width 4   # a smoke run
@@ -12,15 +12,17 @@ same loop inside a replica's random-number mode (the TorchFunctionMode every rep
 under, distribute/random.py), which shows what that mode costs a Keras step alone;
 `mr.Model(keras_model)` on 1 replica; the plain step on two threads that never meet, and on two
 threads that wait for each other after every backward (where the all-reduce would be, nothing
-exchanged); `mr.Model(keras_model)` on 2 CPU replicas; and `mr.Model(torch module)` of the
+exchanged); `mr.Model(keras_model)` on 2 CPU replicas; Keras's own fit of the model built and
+compiled in a 2-replica scope (the tf.keras program); and `mr.Model(torch module)` of the
 equivalent torch network (the twin) on 2 CPU replicas. Rounds alternate the contestants, after a
 warm-up of each, so a loaded machine slows all of them alike; the median of the rounds is printed,
 with the ratios: ours on 1 replica / Keras's fit (target >= 0.95), ours on 1 replica / the plain
 step loop (what is ours: fit's machinery and the random mode), the loop in the mode / the loop,
 ours on 2 replicas / the two-thread loop (what is ours on 2 replicas) and / the meeting two-thread
 loop (what is ours beyond meeting at all), the meeting loop / the other one, the two-thread loop / the
-one-thread loop (how a Keras step scales on threads), and the Keras model on 2 replicas / the torch
-twin on 2 replicas (target: 1 within noise). Each row also gives the process's CPU time per
+one-thread loop (how a Keras step scales on threads), the Keras model on 2 replicas / the torch
+twin on 2 replicas (target: 1 within noise), and Keras's own fit on 2 replicas / mr.Model's on 2
+replicas (target >= 0.95). Each row also gives the process's CPU time per
 example (all its threads), which other processes on a loaded machine disturb less than wall time,
 and the same ratios of CPU cost. `--threads 1` gives the one-device contestants one intra-op thread,
 as each replica has on a 2-core machine.
@@ -49,6 +51,7 @@ KERAS_FIT, PLAIN, PLAIN_MODE = "Keras's own fit, 1 device", "Keras's own step co
 PLAIN_TWO = "Keras's step, 2 threads, no exchange"
 PLAIN_MEET = "  the same, meeting every step"
 ONE, TWO, TORCH_TWO = "mr.Model(keras), 1 replica", "mr.Model(keras), 2 replicas", "mr.Model(torch), 2 replicas"
+KERAS_FIT_TWO = "Keras's own fit, 2 replicas"
 
 
 def keras_net(width: int, size: int) -> keras.Model:
@@ -181,6 +184,9 @@ def main() -> None:
     two = ours(keras_net(args.width, size), 2, sgd(), "sparse_categorical_crossentropy")
     torch_two = ours(TorchNet(args.width), 2, mr.optimizers.SGD(learning_rate=0.01, momentum=0.9),
                      "sparse_categorical_crossentropy")
+    with mr.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():  # a tf.keras program: Keras's own fit
+        own_two = keras_net(args.width, size)
+        own_two.compile(optimizer=sgd(), loss="sparse_categorical_crossentropy")
     contestants = {
         KERAS_FIT: lambda: own.fit(x_hwc, y, batch_size=args.batch, shuffle=False, verbose=0),
         PLAIN: plain_loop(False),
@@ -189,6 +195,7 @@ def main() -> None:
         PLAIN_TWO: plain_threads(False),
         PLAIN_MEET: plain_threads(True),
         TWO: lambda: two.fit(x_hwc, y, batch_size=args.batch, shuffle=False, verbose=0),
+        KERAS_FIT_TWO: lambda: own_two.fit(x_hwc, y, batch_size=args.batch, shuffle=False, verbose=0),
         TORCH_TWO: lambda: torch_two.fit(x_chw, y, batch_size=args.batch, shuffle=False, verbose=0),
     }
     for fit in contestants.values():  # warm-up: first calls build functions and touch memory
@@ -229,6 +236,8 @@ def main() -> None:
           "(what a synchronous step costs by itself)")
     print(f"ratio Keras's step on 2 threads / on 1: {rate[PLAIN_TWO] / rate[PLAIN]:.3f} (2 would be perfect scaling)")
     print(f"ratio mr.Model(keras) / mr.Model(torch), 2 replicas: {rate[TWO] / rate[TORCH_TWO]:.3f} (target ~1)")
+    print(f"ratio Keras's own fit distributed / mr.Model path, 2 replicas: {rate[KERAS_FIT_TWO] / rate[TWO]:.3f} "
+          "(target >= 0.95)")
 
 if __name__ == "__main__":
     main()

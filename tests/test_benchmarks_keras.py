@@ -27,7 +27,7 @@ def test_keras_fit_benchmark_prints_every_row_and_both_ratios():
     assert proc.returncode == 0, out
     for label in ("Keras's own fit, 1 device", "Keras's own step cost", "  the same in the random mode",
                   "mr.Model(keras), 1 replica", "Keras's step, 2 threads, no exchange", "  the same, meeting every step",
-                  "mr.Model(keras), 2 replicas",
+                  "mr.Model(keras), 2 replicas", "Keras's own fit, 2 replicas",
                   "mr.Model(torch), 2 replicas"):
         assert re.search(rf"^  {re.escape(label)}\s+[0-9.]+\s+[0-9.]+\s+\(", proc.stdout, re.M), out
     assert re.search(r"^CPU cost mr.Model\(keras\) 1 replica / Keras's own fit: [0-9.]+", proc.stdout, re.M), out
@@ -35,6 +35,7 @@ def test_keras_fit_benchmark_prints_every_row_and_both_ratios():
     assert re.search(r"^ratio mr.Model\(keras\) / mr.Model\(torch\), 2 replicas: [0-9.]+", proc.stdout, re.M), out
     assert re.search(r"^ratio Keras's step on 2 threads meeting every step / never meeting: [0-9.]+", proc.stdout,
                      re.M), out
+    assert re.search(r"^ratio Keras's own fit distributed / mr.Model path, 2 replicas: [0-9.]+", proc.stdout, re.M), out
 
 
 @pytest.mark.slow

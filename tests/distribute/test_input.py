@@ -251,3 +251,20 @@ def test_cpu_batches_are_not_copied():
     batch = torch.arange(6)
     (dist,) = list(s.experimental_distribute_dataset([batch]))
     assert all(t.untyped_storage().data_ptr() == batch.untyped_storage().data_ptr() for t in dist.values)
+
+
+def test_split_global_batch_splits_as_the_distributed_dataset_does():
+    """One batch drawn by a loop of its own (Keras's fit) is split as experimental_distribute_dataset
+    splits each batch: the same parts on the same devices, the row counts and the global size; a
+    list stays a list (a DataLoader over a TensorDataset yields lists) and numpy becomes tensors."""
+    strategy = strategy_of(3)
+    x, y = torch.arange(20.0).reshape(10, 2), np.arange(10)
+    parts, rows, size = md.split_global_batch(strategy, [x, y])
+    assert rows == [4, 4, 2] and size == 10
+    (expected,) = list(strategy.experimental_distribute_dataset([(x, torch.from_numpy(y))]))
+    for r, part in enumerate(parts):
+        assert isinstance(part, list)
+        want = strategy.experimental_local_results(expected)[r]
+        assert torch.equal(part[0], want[0]) and torch.equal(part[1], want[1])
+    parts, rows, _ = md.split_global_batch(strategy, (x[:1],))
+    assert rows == [1, 0, 0] and [p[0].shape[0] for p in parts] == [1, 0, 0]

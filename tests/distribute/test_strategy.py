@@ -269,3 +269,54 @@ def test_replicas_run_in_the_callers_grad_and_autocast_modes():
         w = torch.randn(3, 3)
         assert {t.dtype for t in local(s.run(lambda: torch.randn(2, 3) @ w))} == {torch.bfloat16}
     assert set(local(s.run(probe))) == {(True, False, False, torch.get_autocast_dtype("cpu"))}  # nothing leaks
+
+
+def test_gradient_reducer_averages_by_weight_and_compares_the_copies():
+    """strategy.gradient_reducer: what code that applies its own gradients (a Keras optimizer's apply)
+    meets the other replicas in. Weighted by rows, 2 replicas' mean-loss gradients on uneven parts
+    (3 and 2 rows) give the one-device gradient of the whole batch, bitwise the same on both."""
+    torch.manual_seed(0)
+    net, x, y = torch.nn.Linear(3, 1), torch.randn(5, 3), torch.randn(5, 1)
+    ref = torch.nn.functional.mse_loss(net(x), y)
+    want = torch.autograd.grad(ref, list(net.parameters()))
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net)
+    reducer = strategy.gradient_reducer(mnet)
+    parts = md.PerReplica([(x[:3], y[:3]), (x[3:], y[3:])])
+
+    def step(part):
+        xb, yb = part
+        copy = mnet.values[replica_id()]
+        params = list(copy.parameters())
+        grads = list(torch.autograd.grad(torch.nn.functional.mse_loss(copy(xb), yb), params))
+        return reducer.reduce(md.get_replica_context(), params, grads, weight=xb.shape[0])
+
+    first, second = strategy.experimental_local_results(strategy.run(step, args=(parts,)))
+    for got, other, expected in zip(first, second, want):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+        assert torch.equal(got, other)
+    with pytest.raises(TypeError, match="mirror\\(\\) returned"):
+        strategy.gradient_reducer(net)
+
+
+def test_check_in_sync_takes_the_module_a_mirror_took():
+    """The module given to strategy.mirror is replica 0's copy: check_in_sync(module) checks the
+    mirror's copies, and tensors a registered finder names outside the state_dict too."""
+    strategy = strategy_of(2)
+    net = torch.nn.Linear(2, 2)
+    extra = {}
+    with strategy.scope():
+        mnet = strategy.mirror(net)
+    for copy in mnet.values:
+        extra[id(copy)] = torch.zeros(3)
+    handle = md.register_synced_tensors(lambda m: [("extra", extra[id(m)])] if id(m) in extra else None)
+    try:
+        strategy.check_in_sync(net)
+        extra[id(mnet.values[1])][0] = 1.0
+        with pytest.raises(md.OutOfSyncError, match="extra"):
+            strategy.check_in_sync(net)
+    finally:
+        handle.remove()
+    with pytest.raises(TypeError, match="strategy.mirror took"):
+        strategy.check_in_sync(torch.nn.Linear(2, 2))

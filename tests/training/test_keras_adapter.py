@@ -1,7 +1,7 @@
 """Keras 3 models (torch backend) under MirroredStrategy (issue 23), against Keras's own torch-backend
 fit on one device with the same data and global batches: weights, loss and metric histories, the
 `training` flag, Keras's losses, metrics and optimizers, BatchNormalization's moving statistics,
-the .keras archive and Keras's own fit under our scope."""
+and the .keras archive. Keras's own fit under our scope: test_keras_fit.py."""
 from __future__ import annotations
 
 import os
@@ -426,21 +426,6 @@ def test_backup_and_restore_resumes_exactly(tmp_path):
         np.testing.assert_allclose(b, a, atol=1e-6)
 
 
-def test_keras_fit_under_our_scope_warns_once():
-    """Keras's own fit on a model compiled in a mirrored scope trains on one device: a warning, at
-    the user's line, names mr.Model."""
-    x, y = _data()
-    with strategy_of(2).scope():
-        net = _mlp()
-        net.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        net.fit(x, y, batch_size=GLOBAL, epochs=1, verbose=0)
-        net.fit(x, y, batch_size=GLOBAL, epochs=1, verbose=0)
-    ours = [w for w in caught if "mr.Model" in str(w.message)]
-    assert len(ours) == 1 and ours[0].filename == __file__
-
-
 def test_refused_with_the_fix():
     with pytest.raises(ValueError, match="not built yet"):  # each replica would draw its own weights
         _ours(keras.Sequential([keras.layers.Dense(3)]), 2, optimizer="sgd", loss="mse")
@@ -608,22 +593,6 @@ def test_is_keras_model_is_pure_and_mirroring_outside_a_scope_installs_the_repli
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["pure", "True"], done.stdout
-
-
-def test_keras_own_fit_warns_in_a_program_that_never_touched_mr_model():
-    """Issue 23: the watch on Keras's own fit was installed only once something imported the Keras
-    adapter (mr.Model, strategy.mirror); a program that compiled and fit a Keras model in our scope
-    and nothing else trained on one device silently. A fresh process, as a user's."""
-    probe = ("import os, warnings; os.environ['KERAS_BACKEND'] = 'torch'\n"
-             "import keras, numpy as np, mirrored as mr\n"
-             "with mr.MirroredStrategy(devices=['cpu:0', 'cpu:1']).scope():\n"
-             "    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
-             "    net.compile(optimizer='sgd', loss='mse')\n"
-             "with warnings.catch_warnings(record=True) as seen:\n"
-             "    warnings.simplefilter('always')\n"
-             "    net.fit(np.zeros((4, 3), 'float32'), np.zeros((4, 2), 'float32'), verbose=0)\n"
-             "print(any('mr.Model' in str(w.message) for w in seen))\n")
-    assert _last_line_of_fresh_process(probe) == "True"
 
 
 def test_preprocessing_layers_are_copied_for_the_replicas():

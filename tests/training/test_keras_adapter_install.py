@@ -17,12 +17,15 @@ import os; os.environ["KERAS_BACKEND"] = "torch"
 import keras
 from keras.src.random import seed_generator
 from keras.src.layers.normalization.batch_normalization import BatchNormalization as BN
-own = (seed_generator.SeedGenerator.next, seed_generator.global_seed_generator, BN._moments,
-       keras.Model.compile, keras.Model.fit)
-owned = ("next" in vars(seed_generator.SeedGenerator), "compile" in vars(keras.Model), "fit" in vars(keras.Model))
+from keras.src.backend.torch.trainer import TorchTrainer
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+from keras.src.trainers import data_adapters
 def now():
     return (seed_generator.SeedGenerator.next, seed_generator.global_seed_generator, BN._moments,
-            keras.Model.compile, keras.Model.fit)
+            keras.Model.compile, keras.Model.train, TorchTrainer.make_train_function, BaseOptimizer.apply,
+            data_adapters.get_data_adapter)
+own = now()
+owned = ("next" in vars(seed_generator.SeedGenerator), "compile" in vars(keras.Model), "train" in vars(keras.Model))
 import mirrored as mr
 from mirrored.distribute import modules
 from mirrored.training import keras_adapter
@@ -37,7 +40,7 @@ assert len(modules._COPIERS) == copiers + 1
 keras_adapter.uninstall()
 assert now() == own, "uninstall left a replacement"
 assert owned == ("next" in vars(seed_generator.SeedGenerator), "compile" in vars(keras.Model),
-                 "fit" in vars(keras.Model)), "uninstall left an attribute where Keras inherits one"
+                 "train" in vars(keras.Model)), "uninstall left an attribute where Keras inherits one"
 assert len(modules._COPIERS) == copiers and not keras_adapter.installed()
 # A Keras model taken in installs it again: its replicas are Keras copies, its dropout per replica.
 net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])

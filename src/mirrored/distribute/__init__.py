@@ -7,10 +7,11 @@ from mirrored.distribute.context import (ReplicaContext, get_replica_context, ge
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, InMemoryAllReduce,
                                                   NcclAllReduce, ReductionToOneDevice)
 from mirrored.distribute.input import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator,
-                                      InputContext, InputOptions, Optional)
+                                      InputContext, InputOptions, Optional, split_global_batch)
 from mirrored.distribute.modules import (HookHandles, MirroredModule, mirror_holding, register_adapter_loader,
-                                         register_copier, register_state_tensors)
+                                         register_copier, register_state_tensors, register_synced_tensors)
 from mirrored.distribute.optimizer import MirroredOptimizer
+from mirrored.distribute.reducer import GradientReducer
 from mirrored.distribute.random import StrategyRandom, WithoutReplicaRandom
 from mirrored.distribute._collectives import CollectiveAllReduce
 from mirrored.distribute.multi_worker import CommunicationOptions, MultiWorkerMirroredStrategy
@@ -25,11 +26,11 @@ from mirrored.distribute.variables import (MirroredVariable, SyncOnReadVariable,
 __all__ = [
     "ClusterResolver", "CollectiveAllReduce", "CollectiveMismatchError", "CollectiveTimeoutError", "CommunicationOptions",
     "CrossDeviceOps", "DistributedDataset", "DistributedDatasetsFromFunction", "DistributedIterator",
-    "DistributedValues", "HierarchicalCopyAllReduce", "HookHandles", "InMemoryAllReduce", "InputContext",
+    "DistributedValues", "GradientReducer", "HierarchicalCopyAllReduce", "HookHandles", "InMemoryAllReduce", "InputContext",
     "InputOptions", "Mirrored", "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable",
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "Optional", "OutOfSyncError", "PerReplica", "ReduceOp",
     "ReductionToOneDevice", "ReplicaContext", "RunOptions", "StepJournal", "Strategy", "StrategyRandom", "SyncOnReadVariable", "ValueContext", "Variable",
     "VariableAggregation", "VariableSynchronization", "WithoutReplicaRandom", "current_journal", "flatten", "get_replica_context",
     "get_strategy", "has_strategy", "in_cross_replica_context", "map_structure", "mirror_holding", "register_adapter_loader", "register_copier",
-    "register_scope_hook", "register_state_tensors",
+    "register_scope_hook", "register_state_tensors", "register_synced_tensors", "split_global_batch",
 ]

@@ -189,6 +189,32 @@ class _Splitter:
         return pack_sequence_as(placed[0], [PerReplica(list(col)) for col in zip(*leaves)])
 
 
+def split_global_batch(strategy: Strategy, batch: Any, options: InputOptions | None = None,
+                       compare_workers: bool = False) -> tuple[list[Any], list[int], int]:
+    """One GLOBAL batch split as experimental_distribute_dataset splits each of its batches, for a loop
+    that draws its own batches (Keras's own fit): this process's replicas' parts, each on its replica's
+    device and in the batch's own containers (a list stays a list), their row counts, and the global
+    size. With compare_workers (a loop's first batch, on a multi-worker strategy) the workers compare
+    digests of the batch first: every worker must draw the same global batches.
+
+    Returns:
+      A tuple (parts, rows, global_batch_size), with one part and one row count per local replica, in
+      replica order.
+    """
+    where = "split_global_batch"
+    if compare_workers and strategy.num_workers > 1:
+        compare_first_batches(strategy, batch)
+    size = batch_size_of(batch, where)
+    splitter = _Splitter(strategy, options)
+    sizes = split_sizes(size, strategy.num_replicas_in_sync)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    local = range(strategy.first_replica_id, strategy.first_replica_id + len(splitter._devices))
+    leaves = flatten(batch)
+    parts = [splitter.place(pack_sequence_as(batch, [_part(leaf, starts[i], starts[i] + sizes[i]) for leaf in leaves]),
+                            r) for r, i in enumerate(local)]
+    return parts, [sizes[i] for i in local], size
+
+
 class _GetNext:
     """tf.distribute.DistributedIterator's two reading methods, over the iterator's own __next__: shared
     by DistributedIterator and the iterator of distribute_datasets_from_function, as TF gives both kinds

@@ -11,8 +11,9 @@ MirroredOptimizer (optimizer.py) keeps the copies in sync; `named_copies` lists 
 check_in_sync. A change that reaches some copies only all the same (through what a read returned:
 `p.requires_grad = False` on replica 0's parameter) is caught when the replicas' gradients meet, by
 the module's CopyWatch (_copy_watch.py). A layer above may register how a kind of module is
-copied (register_copier) and which of its tensors besides buffers a step changes
-(register_state_tensors): training/'s Keras adapter does, for Keras 3 models, loaded for a Keras
+copied (register_copier), which of its tensors besides buffers a step changes
+(register_state_tensors) and which others the copies keep equal (register_synced_tensors, for
+check_in_sync): training/'s Keras adapter does, for Keras 3 models, loaded for a Keras
 model through the loader mirrored/__init__.py registers (register_adapter_loader). Uses context.py,
 devices.py, guards.py, random.py, rollback.py and
 _copy_watch.py.
@@ -69,6 +70,35 @@ def register_copier(copier: Callable[[nn.Module], nn.Module | None]) -> Removabl
     handle = RemovableHandle(_COPIERS)
     _COPIERS[handle.id] = copier
     return handle
+
+
+# Finders of the tensors a module copy holds outside its state_dict that the replicas keep equal all the
+# same (a Keras optimizer's variables, which a Keras model does not register with torch), for
+# check_in_sync; registered as the others. Each returns [(name, tensor)], or None for another kind.
+_SYNCED_FINDERS: OrderedDict[int, Callable[[nn.Module], list[tuple[str, Tensor]] | None]] = OrderedDict()
+
+
+def register_synced_tensors(finder: Callable[[nn.Module], list[tuple[str, Tensor]] | None]) -> RemovableHandle:
+    """Makes check_in_sync of a mirrored module also compare the tensors `finder(copy)` names on each
+    copy (state a step keeps equal outside the module's state_dict); until the handle's remove()."""
+    handle = RemovableHandle(_SYNCED_FINDERS)
+    _SYNCED_FINDERS[handle.id] = finder
+    return handle
+
+
+def _synced_tensors(copies: Sequence[nn.Module]) -> Iterator[tuple[str, list[Tensor]]]:
+    for finder in list(_SYNCED_FINDERS.values()):
+        found = [finder(c) for c in copies]
+        if found[0] is None:
+            continue
+        if any(f is None or len(f) != len(found[0]) for f in found):
+            from mirrored.distribute.strategy import OutOfSyncError
+
+            raise OutOfSyncError(f"the copies of the module hold different state besides their state_dict "
+                                 f"({[None if f is None else len(f) for f in found]} tensors): a change reached some "
+                                 "copies only.")
+        for j, (name, _) in enumerate(found[0]):
+            yield name, [f[j][1] for f in found]
 
 
 # Loaders of the adapters for module kinds defined in other packages (a Keras 3 model), by the
@@ -841,6 +871,10 @@ def named_copies(obj: Any) -> Iterator[tuple[str, list[Tensor]]]:
             raise OutOfSyncError(f"the copies of the module differ: {problem}")
         for name in states[0]:
             yield name, [s[name] for s in states]
+        yield from _synced_tensors(obj.replicas)
+    elif isinstance(obj, nn.Module) and _held_as_first(obj) is not None:
+        # The module strategy.mirror() took (a Keras model Keras's own fit distributed): its mirror's copies.
+        yield from named_copies(_held_as_first(obj))
     elif isinstance(obj, MirroredOptimizer):
         states = [opt.state_dict()["state"] for opt in obj.replicas]
         _same_keys(states, "the optimizer's state (parameters with state)")
@@ -858,13 +892,22 @@ def named_copies(obj: Any) -> Iterator[tuple[str, list[Tensor]]]:
         for item in obj:
             yield from named_copies(item)
     else:
-        raise TypeError(f"check_in_sync: expected a mirrored module, optimizer or variable; got "
-                        f"{type(obj).__name__}.")
+        raise TypeError(f"check_in_sync: expected a mirrored module, optimizer or variable (or the module "
+                        f"strategy.mirror took); got {type(obj).__name__}.")
+
+
+def _held_as_first(module: nn.Module) -> MirroredModule | None:
+    """The live mirror whose replica 0's copy is `module` itself, else None."""
+    ref = _MIRRORS.get(module)
+    mirror = ref() if ref is not None else None
+    return mirror if mirror is not None and mirror.replicas[0] is module else None
 
 
 def copies_checked(obj: Any) -> None:
     """check_in_sync found the copies of `obj` (a mirrored module, or a list of objects) equal: their
     count of in-place writes starts again from here (see _copy_watch.py)."""
+    if isinstance(obj, nn.Module) and not isinstance(obj, MirroredModule) and _held_as_first(obj) is not None:
+        obj = _held_as_first(obj)
     if isinstance(obj, MirroredModule):
         if obj._shared.watch is not None:
             obj._shared.watch.equal_now(obj.replicas)

@@ -35,7 +35,7 @@ from mirrored.distribute.context import ReplicaContext
 from mirrored.distribute.cross_device_ops import (CrossDeviceOps, Disagreement, as_reduce_op, default_for,
                                                 mean_of_sum, shape_mismatch, shapes_of)
 from mirrored.distribute.devices import intra_op_threads, resolve_devices, torch_device
-from mirrored.distribute.reducer import Communicator
+from mirrored.distribute.reducer import Communicator, GradientReducer
 from mirrored.distribute.values import (Device, DistributedValues, Nested, ReduceOp, flatten, is_nested, map_structure,
                                         pack_sequence_as, regroup, select_replica)
 
@@ -652,6 +652,25 @@ class Strategy:
         optimizer = MirroredOptimizer(self, optimizer_cls, module, hparams, gradient_reduction, reduce_in_backward)
         self._gradient_reductions.add(optimizer.gradient_reduction)
         return optimizer
+
+    def gradient_reducer(self, module: Any, where: str | None = None) -> GradientReducer:
+        """Where the copies of `module` (what mirror() returned) meet to all-reduce their gradients, for
+        code that applies gradients itself (a Keras optimizer's apply inside a replica step) rather than
+        through mirror_optimizer: the same GradientReducer a mirrored optimizer owns, over this
+        strategy's replicas, comparing the copies as it does. Use one per list of parameters reduced.
+
+        Args:
+          module: the MirroredModule that strategy.mirror() returned.
+          where: how errors name the reduction (default: the module's class).
+        """
+        from mirrored.distribute.modules import MirroredModule
+
+        if not isinstance(module, MirroredModule) or module.distribute_strategy is not self:
+            raise TypeError(f"strategy.gradient_reducer({type(module).__name__}): pass the module this strategy's "
+                            "mirror() returned, whose copies the reduction compares.")
+        devices = [torch_device(d) for d in self._devices]
+        return GradientReducer(self._communicator(), devices, module._shared.watch,
+                               where or f"the gradients of {type(module.replicas[0]).__name__}")
 
     @property
     def gradient_reductions(self) -> frozenset[str]:

@@ -88,6 +88,10 @@ class TorchAdapter:
     def refuse_jit(self) -> None:
         """torch.compile takes any module (jit.py falls back to eager where it cannot)."""
 
+    def own_steps(self, mirror: Any) -> None:
+        """None: a torch module's steps are the Model's (a subclass of Model overrides them)."""
+        del mirror
+
     def summary(self, module: nn.Module, title: str, print_fn: Callable[[str], Any]) -> None:
         """The top-level children with their parameter counts, and the totals."""
         rows = [(name, type(child).__name__, sum(p.numel() for p in child.parameters()))

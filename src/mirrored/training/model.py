@@ -63,6 +63,11 @@ class Model:
         with strategy.scope():  # (convolutions in channels_last memory: compile(memory_format=) changes it)
             self._net = strategy.mirror(module, memory_format="auto")
         self._sync_bn = has_sync_batchnorm(module)
+        # A Keras model whose class defines its own steps or compile runs them on every replica's copy, and
+        # compile() is its own, with its own arguments (a GAN's compile(d_optimizer=..., ...)).
+        self._own_steps = self._adapter.own_steps(self._net)
+        if self._own_steps is not None:
+            self.compile = self._compile_own
         self.optimizer: optimizers.Optimizer | None = None
         self._mopt: Any = None
         self._outputs: compile_utils.CompiledOutputs | None = None  # compile's losses and metrics, per output
@@ -119,6 +124,8 @@ class Model:
     def metrics(self) -> list[Any]:
         """The loss tracker (once compiled), the compiled metrics and, for several outputs, each output's
         loss tracker, as Keras's `model.metrics` (a multi-output model's once its first step built them)."""
+        if self._own_steps is not None:  # a Keras model that compiles itself: its own metrics (replica 0's)
+            return list(self.module.metrics)
         compiled = self._outputs.metric_objects() if self._outputs is not None else []
         return ([self._loss_tracker] if self._loss_tracker is not None else []) + compiled
 
@@ -279,6 +286,18 @@ class Model:
             "auto_scale_loss": auto_scale_loss}
         self._compiled = True
 
+    def _compile_own(self, *args: Any, **kwargs: Any) -> None:
+        """compile() of a Keras model whose class defines its own steps or compile: the model's own
+        compile(*args, **kwargs) on every replica's copy; its compiled optimizer, losses and metrics are
+        what its steps use, and its metrics are the Model's."""
+        self.optimizer = self._own_steps.compile(*args, **kwargs)
+        self._outputs = self._loss_tracker = self._mopt = self._logs_view = self._precision = None
+        self._jit = self._auto_jit = None
+        self._scalers, self._steps_per_execution = [], 1
+        # (Model.load cannot call it: it refuses compile=True naming it, and loads the weights with compile=False)
+        self._compile_config = {"optimizer": {"object": f"{type(self.module).__name__}.compile(...)"}}
+        self._compiled = True
+
     def build_optimizer(self, optimizer: Any, module: Any = None) -> optimizers.Optimizer:
         """An optimizer for `module` (a part of this model, such as a GAN's self.discriminator; the whole
         module by default) on every replica, made as compile() makes its own: a name, an
@@ -344,6 +363,8 @@ class Model:
         change what a step does (the optimizer's step() must be called on every replica, as any
         collective). Returns the logs: compute_metrics's, or a dict of values (replica 0's are
         reported, as tf.keras reports the first replica's)."""
+        if self._own_steps is not None:  # a Keras model's own train_step, on this replica's copy
+            return self._own_steps.step("train", data)
         x, y, sample_weight = unpack_x_y_sample_weight(data)
         if not data_adapter.rows(x) and not self._sync_bn:
             # An empty part (a short last batch): nothing to learn from, but every replica's update meets.
@@ -365,6 +386,8 @@ class Model:
     def test_step(self, data: Any) -> Any:
         """One evaluation step on this replica's part: the forward pass in inference mode, the loss and
         the metrics (Keras 3's test_step). evaluate and fit's validation run it on every replica."""
+        if self._own_steps is not None:
+            return self._own_steps.step("test", data)
         x, y, sample_weight = unpack_x_y_sample_weight(data)
         if not data_adapter.rows(x):
             self._empty_part(x, y, training=False)
@@ -378,6 +401,8 @@ class Model:
     def predict_step(self, data: Any) -> Any:
         """The outputs on this replica's part (Keras 3's predict_step; a Hugging Face output's logits);
         predict concatenates every replica's in the order of the input rows."""
+        if self._own_steps is not None:
+            return self._own_steps.step("predict", data)
         x, _, _ = unpack_x_y_sample_weight(data)
         return self._adapter.prediction(self(x, training=False))
 
@@ -673,7 +698,7 @@ class Model:
         up to the update (rerunnable); a train_step of your own, a group of several batches (which
         updates between them) and moving averages written into the weights by a step that only
         accumulates gradients (use_ema with gradient accumulation: no meeting before that write) are not."""
-        own = type(self).train_step is Model.train_step
+        own = type(self).train_step is Model.train_step and self._own_steps is None
         optimizer = getattr(self._mopt, "optimizer", None)
         ema_without_meeting = _averages_weights(optimizer) and getattr(
             getattr(optimizer, "_options", None), "accumulation_steps", 1) > 1
@@ -880,7 +905,7 @@ class Model:
         batches = epochs_lib.EpochIterator(strategy.experimental_distribute_dataset(dataset, self._input_options()),
                                            steps_per_epoch=steps,
                                            steps_per_execution=self._steps_per_execution)
-        options = md.RunOptions(rerunnable=type(self).test_step is Model.test_step)
+        options = md.RunOptions(rerunnable=type(self).test_step is Model.test_step and self._own_steps is None)
         i, logs = -1, None
         for i, (_, group) in enumerate(batches.steps()):
             if cbs is not None:
@@ -1021,7 +1046,7 @@ class Model:
         self._net.eval()
         outputs = []
         self._predict_like = None
-        options = md.RunOptions(rerunnable=type(self).predict_step is Model.predict_step)
+        options = md.RunOptions(rerunnable=type(self).predict_step is Model.predict_step and self._own_steps is None)
         cbs.on_predict_begin()
         for i, batch in enumerate(strategy.experimental_distribute_dataset(dataset, self._input_options())):
             if steps is not None and i >= steps:

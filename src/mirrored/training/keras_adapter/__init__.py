@@ -5,9 +5,13 @@
 - _objects.py, _optimizer.py: keras.losses / keras.metrics / keras.optimizers objects computed by
   Keras on every replica, with tf.distribute's aggregation;
 - _mirroring.py: a copy per replica, and the variables layers assign in call, combined after a step;
-- _seeds.py, _batchnorm.py, _fit.py: what replica threads need of Keras's own code (a random stream
-  per replica, global-batch BatchNormalization, Keras's own fit watched);
-- _install.py: install() / uninstall(), the one explicit, undoable call that puts the last two in place.
+- _replicas.py: a Keras model's own steps on every replica's copy (the gradient all-reduce in its
+  optimizer's apply, the metrics combined after each step), which _keras_fit.py (Keras's own fit,
+  evaluate and predict in a strategy's scope) and _own_steps.py (mr.Model of a class that defines its
+  own steps or compile) use;
+- _seeds.py, _batchnorm.py, _keras_fit.py: what replica threads need of Keras's own code (a random
+  stream per replica, global-batch BatchNormalization, Keras's own fit on every replica);
+- _install.py: install() / uninstall(), the one explicit, undoable call that puts the last three in place.
 
 Keras is never imported by `import mirrored`: an object is a Keras one only if the program imported
 keras already. Uses mirrored.distribute's public surface, losses.py, metrics.py, optimizers.py and keras.

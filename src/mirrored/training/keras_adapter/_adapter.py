@@ -4,7 +4,8 @@ The forward pass gets `training=True` in fit's train steps and False elsewhere, 
 trainer passes it; loss and metric names mean probabilities (from_logits=False), and keras.losses /
 keras.metrics / keras.optimizers objects compute Keras's own values (_objects.py, _optimizer.py);
 the model's `losses` (regularizers) join the loss, as Keras's compute_loss adds them. Building one
-installs the adapter (_install.py). Uses _common.py, _objects.py, _optimizer.py, _install.py and keras.
+installs the adapter (_install.py). A class that defines its own steps or compile runs them on every
+replica (_own_steps.py). Uses _common.py, _objects.py, _optimizer.py, _install.py, _own_steps.py and keras.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from mirrored._files import write_atomically
 from mirrored.training.keras_adapter import _objects, _optimizer
 from mirrored.training.keras_adapter._common import check_model, device_scope, keras
 from mirrored.training.keras_adapter._install import install
+from mirrored.training.keras_adapter._own_steps import OwnSteps, defines_own_steps
 
 
 class KerasAdapter:
@@ -83,6 +85,12 @@ class KerasAdapter:
         raise ValueError("compile(jit_compile=True) with a Keras model: not supported (untested with Keras's "
                          "layers on the replica threads). Use jit_compile=False or \"auto\" (eager, Keras 3's "
                          "default on torch).")
+
+    def own_steps(self, mirror: Any) -> OwnSteps | None:
+        """For a Keras model whose class defines its own steps or compile (keras.io's "Customizing what
+        happens in fit()"): what runs its compile and steps on every replica's copy (_own_steps.py);
+        None for Keras's default steps, which mr.Model runs itself."""
+        return OwnSteps(mirror) if defines_own_steps(mirror.replicas[0]) else None
 
     def summary(self, module: nn.Module, title: str, print_fn: Callable[[str], Any]) -> None:
         """The Keras model's own summary."""

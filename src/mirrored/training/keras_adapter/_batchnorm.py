@@ -1,7 +1,7 @@
 """BatchNormalization over the global batch: a layer convert_sync_batchnorm flags computes its batch
 statistics over every replica's part in training, as tf.keras's BatchNormalization(synchronized=True)
 under MirroredStrategy (Keras on torch refuses that argument). patches() lists what install()
-replaces in Keras. Uses _common.py, mirrored.distribute and keras."""
+replaces in Keras. Uses _common.py, _replicas.py, mirrored.distribute and keras."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 import mirrored.distribute as md
+from mirrored.training.keras_adapter import _replicas
 from mirrored.training.keras_adapter._common import is_keras_model, keras
 
 _GLOBAL_BN = "_mirrored_global_batch"  # the flag convert_sync_batchnorm sets on a layer (copied with it)
@@ -28,11 +29,28 @@ def _global_moments(layer: Any, inputs: Tensor) -> tuple[Tensor, Tensor]:
     f64 = torch.float64
     local = torch.cat([inputs.sum(dim=axes).to(f64), inputs.square().sum(dim=axes).to(f64),
                        inputs.new_full((1,), float(count), dtype=f64)])
+    step = _replicas.current()
+    if step is not None:
+        # A Keras model's own step weighs each replica's gradients by what its loss weighs in one device's
+        # (its share of the batch): the statistics' gradient from this replica's loss is scaled by that
+        # share on its way out, and what arrives here is divided by it, since the gradients it reaches are
+        # weighed by it again. A padded replica (a row copied, share 0) counts in no statistic.
+        share = step.loss_share
+        local = _scale_gradient(local, 1 / share if share else 0.0) * (1.0 if share else 0.0)
     total = md.get_replica_context().all_reduce(md.ReduceOp.SUM, local)
+    if step is not None:
+        total = _scale_gradient(total, step.loss_share)
     n = total[-1].clamp_min(1)
     mean = total[:channels] / n
     variance = total[channels:2 * channels] / n - mean.square()
     return mean.to(inputs.dtype), variance.to(inputs.dtype)
+
+
+def _scale_gradient(t: Tensor, factor: float) -> Tensor:
+    """`t`, whose gradient is multiplied by `factor` on its way back (the value is unchanged)."""
+    if factor == 1.0:
+        return t
+    return t.detach() + (t - t.detach()) * factor
 
 
 def patches() -> list[tuple[Any, str, Any]]:

@@ -3,9 +3,9 @@
 install() registers with mirrored.distribute how a Keras model is copied per replica and which of
 its variables the replicas combine after a step, and replaces in Keras what replica threads need of
 it: a random stream per replica (_seeds.py), global-batch BatchNormalization (_batchnorm.py), and
-Keras's own fit watched (_fit.py). It runs once per process, where a Keras model is taken in
-(mr.Model, strategy.mirror) or a strategy's scope is entered with keras imported; uninstall() puts
-Keras back as it was and takes the registrations back. Uses every section of the package.
+Keras's own fit, evaluate and predict on every replica (_keras_fit.py). It runs once per process,
+where a Keras model is taken in (mr.Model, strategy.mirror) or a strategy's scope is entered with
+keras imported; uninstall() puts Keras back as it was and takes the registrations back. Uses every section of the package.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 import mirrored.distribute as md
-from mirrored.training.keras_adapter import _batchnorm, _fit, _mirroring, _seeds
+from mirrored.training.keras_adapter import _batchnorm, _keras_fit, _mirroring, _seeds
 from mirrored.training.keras_adapter._common import keras
 
 _LOCK = threading.Lock()
@@ -34,11 +34,12 @@ def install() -> None:
     with _LOCK:
         if _handles:
             return
-        for owner, name, replacement in [*_seeds.patches(), *_batchnorm.patches(), *_fit.patches()]:
+        for owner, name, replacement in [*_seeds.patches(), *_batchnorm.patches(), *_keras_fit.patches()]:
             _installed.append((owner, name, vars(owner).get(name, _ABSENT)))
             setattr(owner, name, replacement)
         _handles.extend([md.register_copier(_mirroring.copy_model),
-                         md.register_state_tensors(_mirroring.state_tensors)])
+                         md.register_state_tensors(_mirroring.state_tensors),
+                         md.register_synced_tensors(_mirroring.optimizer_tensors)])
 
 
 def uninstall() -> None:
