@@ -1,5 +1,5 @@
 """Plain PyTorch playing a strategy's replicas by hand: the reference that fit's BatchNorm tests
-(test_model_fit_step.py, test_model_prefetch.py) compare mr.Model's fit with. No mirrored code."""
+(test_fit_step_path.py, test_fit_overhead.py) compare mr.Model's fit with. No mirrored code."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -26,12 +26,10 @@ def replicas_by_hand(make_net: Callable[[], torch.nn.Module], x: torch.Tensor, y
                      global_batch: int, epochs: int) -> tuple[torch.nn.Module, list[float]]:
     """Replica 0's module and the loss of each epoch (the mean over its examples) after fit's steps done op
     for op in plain PyTorch: one module copy per replica on its part of each global batch (TF's split),
-    crossentropy (as -log_softmax at the label, which mr's loss computes) averaged over the part (Keras's
-    loss of that part), backward on each copy; each copy's gradients times its part's size, summed in
-    replica order, divided by the global batch (the replicas' average weighted by their examples), and
-    applied by each copy's torch SGD (lr 0.1, momentum 0.9); the floating-point buffers set to the parts'
-    average weighted by their sizes, computed in float64 in replica order; the integer ones
-    (num_batches_tracked) replica 0's."""
+    crossentropy (as -log_softmax at the label, which mr's loss computes) summed over the part / global
+    batch, backward on each copy; the gradients summed in replica order and applied by each copy's torch
+    SGD (lr 0.1, momentum 0.9); the floating-point buffers set to the parts' average weighted by their
+    sizes, computed in float64 in replica order; the integer ones (num_batches_tracked) replica 0's."""
     copies = [make_net() for _ in range(replicas)]
     opts = [torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9) for c in copies]
     losses = []
@@ -46,19 +44,16 @@ def replicas_by_hand(make_net: Callable[[], torch.nn.Module], x: torch.Tensor, y
                 part = slice(start, start + size)
                 start += size
                 per_example = -F.log_softmax(c(xb[part]), dim=-1).gather(1, yb[part].unsqueeze(1)).squeeze(1)
-                loss = per_example.sum() / size
+                loss = per_example.sum() / len(xb)
                 loss.backward()
-                batch_loss += loss.item() * size
-            epoch_loss += batch_loss
+                batch_loss += loss.item()
+            epoch_loss += batch_loss * len(xb)
             with torch.no_grad():
                 params = [list(c.parameters()) for c in copies]
-                for ps, size in zip(params, sizes):
-                    torch._foreach_mul_([p.grad for p in ps], float(size))
                 summed = [p.grad.clone() for p in params[0]]
                 for other in params[1:]:
                     for s, p in zip(summed, other):
                         s.add_(p.grad)
-                torch._foreach_div_(summed, torch.tensor(float(sum(sizes))))
                 for c, opt in zip(copies, opts):
                     for p, s in zip(c.parameters(), summed):
                         p.grad = s.clone()

@@ -75,6 +75,7 @@ class Model:
         self._loss_tracker: Any = None
         self._logs_view: _Logs | None = None  # what the default steps return: the metrics, read when asked
         self._loss_records: dict[int, Any] = {}  # per local replica: its last compute_loss's part of the reported loss
+        self._global_rows: dict[int, int | None] = {}  # per local replica: its step's global batch, where known
         self._compiled = False
         self.stop_training = False
         self.history: Any = None
@@ -422,11 +423,12 @@ class Model:
                 raise ValueError("Model.compute_loss: no loss to compute. Provide a `loss` argument in `compile()`, "
                                  "return one from the module (an output mapping with a \"loss\", as a Hugging Face "
                                  "model given labels), or compute the loss yourself in an overridden train_step.")
-            # The module's own loss, a mean over its part: the optimizer weighs the part by its rows.
+            # The module's own loss, a mean over its part: its share of the global batch's by its rows.
             ctx = md.get_replica_context()
+            rid = 0 if ctx is None else ctx.local_replica_id
             rows = data_adapter.rows(x)
-            self._loss_records[0 if ctx is None else ctx.local_replica_id] = (own.detach().double() * rows, rows)
-            return own
+            self._loss_records[rid] = (own.detach().double() * rows, rows)
+            return self._as_share(own, rows, rid, training)
         if y is None:
             y = self._adapter.labels(x)
         if y is None:
@@ -453,6 +455,19 @@ class Model:
         rows = per_example.shape[0] if per_example.dim() else 1
         ignore = getattr(out.loss, "ignore_class", None)
         total = per_example.sum()
+        rows_all = self._global_rows.get(rid)
+        if out.loss.reduction != "sum" and ignore is None and rows_all:
+            # A mean over every loss value of the part (rows times the values per row: a sequence's steps).
+            # Its gradient is the replica's share of one device's loss on the global batch - its sums over
+            # the global count, and its rows' part of the penalty - so the replicas' gradients add up to
+            # one device's, through the statistics a SyncBatchNorm shares too; the value is its own part's.
+            values = per_example.numel() // rows if rows else 1
+            share = total / (rows_all * values) + penalty * (rows / rows_all)
+            loss = total / max(per_example.numel(), 1) + penalty
+            self._loss_records[rid] = (loss.detach().double() * rows, rows)
+            if training and self._mopt is not None:
+                self._mopt.set_gradient_weight(1, divide=False)
+            return share + (loss - share).detach()
         if out.loss.reduction == "sum" or ignore is not None:
             # Keras reports each step's loss weighted by its batch size, and these losses are no mean over
             # examples: the reported one needs the global batch's rows (and labels kept) - one meeting,
@@ -466,12 +481,13 @@ class Model:
                 record = (loss.detach().double() * rows_all, rows)
                 if training and self._mopt is not None:
                     self._mopt.set_gradient_weight(1, divide=False)
-            else:  # a mean over the labels kept: the replicas' gradients weigh by the labels each kept
-                loss = total / kept.clamp(min=1) + penalty
-                record = (total.detach().double() * rows_all / kept_all.clamp(min=1)
-                          + _as_double(penalty) * rows, rows)
+            else:  # a mean over the labels kept: the share of one device's mean over all the labels kept
+                local = total / kept.clamp(min=1) + penalty
+                share = total / kept_all.clamp(min=1).to(total.dtype) + penalty * (rows / rows_all).to(total.dtype)
+                loss = share + (local - share).detach()
+                record = (share.detach().double() * rows_all, rows)
                 if training and self._mopt is not None:
-                    self._mopt.set_gradient_weight(kept)
+                    self._mopt.set_gradient_weight(1, divide=False)
         else:
             # A mean over every loss value of the part: rows times the values per row (a sequence's steps).
             # The optimizer weighs the part by its rows, which is the same ratio.
@@ -512,7 +528,7 @@ class Model:
             self._loss_records[rid] = (loss.detach().double() * rows, rows)
             for (out, _, _), v in zip(terms, values):
                 self._track_output_loss(out, v.detach().double() * rows, rows)
-            return loss
+            return self._as_share(loss, rows, rid, training)
         local = [out.loss.kept(y_t) if getattr(out.loss, "ignore_class", None) is not None else pe.numel()
                  for out, y_t, pe in terms]
         counts, rows_all = self._global_sums(ctx, local, rows)
@@ -600,22 +616,36 @@ class Model:
         else:
             ctx.merge_call(build, args=(seen,))
 
+    def _as_share(self, loss: Tensor, rows: int, rid: int, training: bool) -> Tensor:
+        """`loss`, a mean over this replica's part, with the gradient of its share of the global batch's
+        loss (its rows' part) where the global batch is known: the replicas' gradients then add up to one
+        device's, through what they share in the step (a SyncBatchNorm's statistics) too. Elsewhere the
+        optimizer weighs the part by its examples."""
+        rows_all = self._global_rows.get(rid)
+        if not rows_all:
+            return loss
+        if training and self._mopt is not None:
+            self._mopt.set_gradient_weight(1, divide=False)
+        share = loss * (rows / rows_all)
+        return share + (loss - share).detach()
+
     def _empty_part(self, x: Any, y: Any, training: bool) -> None:
         """An empty part of a short last batch: it joins the first step's build of the compiled losses and
         metrics, the count of the global batch that a loss with reduction="sum" or ignore_class makes, and
         in training weighs nothing in the replicas' average."""
         compiled = self._outputs
-        sums = False
+        ctx = md.get_replica_context()
+        # (as the replicas with examples weigh theirs: shares summed where the global batch is known)
+        sums = bool(self._global_rows.get(0 if ctx is None else ctx.local_replica_id))
         if compiled is not None:
             labels = y if y is not None else self._adapter.labels(x)
             if compiled.needs_build(labels):
                 self._build_compiled(labels, None)
-            ctx = md.get_replica_context()
             loss = compiled.single_loss
             if compiled.single and loss is not None and (
                     loss.reduction == "sum" or getattr(loss, "ignore_class", None) is not None):
                 self._global_counts(ctx, torch.zeros((), dtype=torch.int64), 0)
-                sums = loss.reduction == "sum"
+                sums = True
             elif not compiled.single and compile_utils.shares_needed(compiled):
                 self._global_sums(ctx, [torch.zeros((), dtype=torch.int64) for _ in compiled.losses], 0)
                 sums = True
@@ -655,30 +685,44 @@ class Model:
         self._loss_tracker.count.assign_add(record[1])
 
     # ---- fit / evaluate / predict: the loops, on the caller's thread ----------------------------------
-    def _train_function(self, batches: list[Any]) -> Any:
+    def _train_function(self, batches: list[Any], rows: list[int | None] | None = None) -> Any:
         """What fit runs on every replica for one strategy.run: train_step on each batch of the group
-        (steps_per_execution), returning the last one's logs. A step of the group that updated the
-        weights is kept whole - what it wrote after its update too (metrics a train_step of your own
-        updates after optimizer.step()) - if a later one fails."""
+        (steps_per_execution, each of `rows` examples in all), returning the last one's logs. A step of
+        the group that updated the weights is kept whole - what it wrote after its update too (metrics
+        a train_step of your own updates after optimizer.step()) - if a later one fails."""
         logs = None
         journal = md.current_journal() if len(batches) > 1 else None
-        for data in batches:
+        for i, data in enumerate(batches):
             updates = journal.updates if journal is not None else 0
             if self._class_weight is not None:  # (Keras's data adapter makes them: train_step sees them in data)
                 data = data_adapter.with_class_weight(data, self._class_weight)
-            logs = self.train_step(data)
+            with self._global_batch(rows[i] if rows is not None else None):
+                logs = self.train_step(data)
             if journal is not None and journal.updates > updates:
                 journal.commit()
         return logs
 
     @torch.no_grad()
-    def _test_function(self, batches: list[Any]) -> Any:
+    def _test_function(self, batches: list[Any], rows: list[int | None] | None = None) -> Any:
         """What evaluate runs on every replica: test_step on each batch of the group, without autograd
         (as Keras's test function)."""
         logs = None
-        for data in batches:
-            logs = self.test_step(data)
+        for i, data in enumerate(batches):
+            with self._global_batch(rows[i] if rows is not None else None):
+                logs = self.test_step(data)
         return logs
+
+    @contextlib.contextmanager
+    def _global_batch(self, rows: int | None) -> Any:
+        """While a step runs, the examples of its whole global batch (every replica's part, every
+        worker's), for compute_loss: the calling replica's, where fit knows it."""
+        ctx = md.get_replica_context()
+        rid = 0 if ctx is None else ctx.local_replica_id
+        self._global_rows[rid] = rows
+        try:
+            yield
+        finally:
+            self._global_rows[rid] = None
 
     @torch.no_grad()
     def _predict_function(self, data: Any) -> Any:
@@ -838,7 +882,8 @@ class Model:
             options = {True: self._run_options(1), False: self._run_options(2)}  # by whether a group is one batch
             for step, group in epoch_iterator.steps():
                 cbs.on_train_batch_begin(step)
-                logs = strategy.run(self._train_function, args=([b for b, _ in group],), options=options[len(group) == 1])
+                logs = strategy.run(self._train_function, args=([b for b, _ in group], [n for _, n in group]),
+                                    options=options[len(group) == 1])
                 # (the logs read every metric across replicas, while they wait: only for callbacks that read
                 # each batch's; else once per epoch)
                 cbs.on_train_batch_end(step + len(group) - 1,
@@ -910,7 +955,8 @@ class Model:
         for i, (_, group) in enumerate(batches.steps()):
             if cbs is not None:
                 cbs.on_test_batch_begin(i)
-            logs = strategy.run(self._test_function, args=([b for b, _ in group],), options=options)
+            logs = strategy.run(self._test_function, args=([b for b, _ in group], [n for _, n in group]),
+                                options=options)
             if cbs is not None:
                 cbs.on_test_batch_end(i, self._read_logs(logs))
         if i < 0 and steps != 0:
@@ -973,13 +1019,14 @@ class Model:
         """
         self._require_compiled("train_on_batch")
         self._check_class_weight(class_weight, y, sample_weight, "train_on_batch")
-        batch = self._one_batch(x, y, sample_weight, "train_on_batch")
+        batch, rows = self._one_batch(x, y, sample_weight, "train_on_batch")
         self._net.train()
         self._net.zero_grad()
         self.reset_metrics()
         self._class_weight = class_weight
         try:
-            logs = self.distribute_strategy.run(self._train_function, args=([batch],), options=self._run_options(1))
+            logs = self.distribute_strategy.run(self._train_function, args=([batch], [rows]),
+                                                options=self._run_options(1))
         finally:
             self._class_weight = None
         logs = self._read_logs(logs)
@@ -989,11 +1036,12 @@ class Model:
         """The loss and metrics of one GLOBAL batch of arrays (Keras's test_on_batch), split over the
         replicas; the metrics are reset first. Returns as train_on_batch does."""
         self._require_compiled("test_on_batch")
-        batch = self._one_batch(x, y, sample_weight, "test_on_batch")
+        batch, rows = self._one_batch(x, y, sample_weight, "test_on_batch")
         self._net.eval()
         self.reset_metrics()
         options = md.RunOptions(rerunnable=type(self).test_step is Model.test_step)
-        logs = self._read_logs(self.distribute_strategy.run(self._test_function, args=([batch],), options=options))
+        logs = self._read_logs(self.distribute_strategy.run(self._test_function, args=([batch], [rows]),
+                                                            options=options))
         return logs if return_dict else self._flatten_logs(logs)
 
     def predict_on_batch(self, x: Any) -> Any:
@@ -1013,8 +1061,8 @@ class Model:
                             "tensor, or a dict of them), with y and sample_weight as arrays too.")
         dataset = data_adapter.as_dataset(x, y, max(data_adapter.rows(x), 1), sample_weight, False, where,
                                           self.distribute_strategy.num_replicas_in_sync)
-        distributed = self.distribute_strategy.experimental_distribute_dataset(dataset, self._input_options())
-        return next(iter(distributed))
+        distributed = iter(self.distribute_strategy.experimental_distribute_dataset(dataset, self._input_options()))
+        return next(distributed), getattr(distributed, "global_batch_size", None)
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto", steps: int | None = None,
                 callbacks: Sequence[Any] | None = None) -> Any:
