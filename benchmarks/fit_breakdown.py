@@ -75,6 +75,7 @@ class Timers:
 
     def wrap_step(self, owner: Any, name: str) -> None:
         """The replica's whole step, split by schedstat into on-CPU, runnable, asleep."""
+        owner = next(c for c in owner.__mro__ if name in c.__dict__)  # the class that defines it
         original = owner.__dict__[name]
 
         @functools.wraps(original)
