@@ -200,7 +200,11 @@ MEMBER_GROUPS: dict[str, list[tuple[str, list[str]]]] = {
                             "sum_over_workers"]),
     ],
     "mirrored.Model": [
-        ("Training", ["compile", "fit", "evaluate", "predict", "summary", "metrics", "reset_metrics"]),
+        ("Training", ["compile", "fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+                      "predict_on_batch", "summary", "metrics", "reset_metrics"]),
+        ("The steps (a subclass overrides them; they run on every replica)",
+         ["train_step", "test_step", "predict_step", "compute_loss", "compute_metrics", "get_metrics_result",
+          "zero_grad", "build_optimizer"]),
         ("Saving and loading", ["save", "load", "save_weights", "load_weights", "get_weights",
                                 "set_weights"]),
         ("Replicas", ["module", "replicas", "mirrored_optimizer", "check_in_sync", "jit_compile",
@@ -227,8 +231,10 @@ def _member_directive(cls: type, name: str) -> str:
 
 
 def _source_order_members(cls: type) -> list[str]:
-    """The public members `cls` defines itself, in the order its source defines them."""
-    return [n for n in cls.__dict__ if not n.startswith("_")]
+    """The public members `cls` defines itself or takes from a private base of ours (a part of the class
+    in a file of its own, as Model's steps and loops), in the order their sources define them."""
+    parts = [cls] + [b for b in cls.__mro__[1:] if b.__name__.startswith("_") and b.__module__.startswith(ROOT)]
+    return list(dict.fromkeys(n for part in parts for n in part.__dict__ if not n.startswith("_")))
 
 
 def _grouped_class(path: str, obj: Any, groups: list[tuple[str, list[str]]]) -> str:

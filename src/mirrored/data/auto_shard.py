@@ -34,7 +34,7 @@ def set_drawn_seeds(dataset: Dataset, seeds: list[int]) -> None:
         node.seed = int(seed)
 
 
-def file_sources(dataset: Dataset) -> list[_sources.Files]:
+def file_sources(dataset: Dataset) -> list[_pipeline.Node]:
     """The lists of files (or TFDS shards) the pipeline reads: list_files, TFRecordDataset, tfds.load."""
     return [n for n in _graph(dataset._node) if isinstance(n, _sources.Files)]
 
@@ -53,7 +53,7 @@ def shard_files(dataset: Dataset, count: int, index: int) -> Dataset:
     return _rewritten(dataset, files, (count, index))
 
 
-def hint_shards(dataset: Dataset) -> list[_pipeline.Shard]:
+def hint_shards(dataset: Dataset) -> list[_pipeline.Node]:
     """The pipeline's shard(SHARD_HINT, SHARD_HINT) placeholders."""
     return [n for n in _graph(dataset._node) if isinstance(n, _pipeline.Shard) and n.hint]
 
@@ -103,7 +103,7 @@ def _rewritten(dataset: Dataset, replace: Callable[[_pipeline.Node], _pipeline.N
     return Dataset(clone(dataset._node))
 
 
-def describe_files(sources: list[_sources.Files]) -> str:
+def describe_files(sources: list[_pipeline.Node]) -> str:
     """'8 files' / '4 shards' (the smallest source first), for messages."""
     smallest = min(sources, key=lambda s: len(s.items))
     return f"{len(smallest.items)} {smallest.what}{'' if len(smallest.items) == 1 else 's'}"

@@ -12,7 +12,7 @@ from mirrored.distribute.modules import (HookHandles, MirroredModule, mirror_hol
                                          register_copier, register_state_tensors, register_synced_tensors)
 from mirrored.distribute.optimizer import MirroredOptimizer
 from mirrored.distribute.reducer import GradientReducer
-from mirrored.distribute.random import StrategyRandom, WithoutReplicaRandom
+from mirrored.distribute.random import ReplicaRandom, StepRandom, StrategyRandom, WithoutReplicaRandom
 from mirrored.distribute._collectives import CollectiveAllReduce
 from mirrored.distribute.multi_worker import CommunicationOptions, MultiWorkerMirroredStrategy
 from mirrored.distribute.rollback import StepJournal, current_journal
@@ -29,7 +29,7 @@ __all__ = [
     "DistributedValues", "GradientReducer", "HierarchicalCopyAllReduce", "HookHandles", "InMemoryAllReduce", "InputContext",
     "InputOptions", "Mirrored", "MirroredModule", "MirroredOptimizer", "MirroredStrategy", "MirroredVariable",
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "Optional", "OutOfSyncError", "PerReplica", "ReduceOp",
-    "ReductionToOneDevice", "ReplicaContext", "RunOptions", "StepJournal", "Strategy", "StrategyRandom", "SyncOnReadVariable", "ValueContext", "Variable",
+    "ReductionToOneDevice", "ReplicaContext", "ReplicaRandom", "RunOptions", "StepJournal", "StepRandom", "Strategy", "StrategyRandom", "SyncOnReadVariable", "ValueContext", "Variable",
     "VariableAggregation", "VariableSynchronization", "WithoutReplicaRandom", "current_journal", "flatten", "get_replica_context",
     "get_strategy", "has_strategy", "in_cross_replica_context", "map_structure", "mirror_holding", "register_adapter_loader", "register_copier",
     "register_scope_hook", "register_state_tensors", "register_synced_tensors", "split_global_batch",

@@ -20,10 +20,10 @@ import mirrored.distribute as md
 from mirrored.training import compile_utils, jit, optimizers
 from mirrored.training import callbacks as callbacks_lib, data_adapter, epochs as epochs_lib
 from mirrored.training.data_adapter import unpack_x_y_sample_weight
-from mirrored.training.steps import Steps, _Logs
+from mirrored.training.steps import _Logs, _Steps
 
 
-class Loops:
+class _Loops:
     """fit, evaluate, predict and the *_on_batch calls; mixed into Model (model.py)."""
 
     def _train_function(self, batches: list[Any], rows: list[int | None] | None = None) -> Any:
@@ -83,7 +83,7 @@ class Loops:
         up to the update (rerunnable); a train_step of your own, a group of several batches (which
         updates between them) and moving averages written into the weights by a step that only
         accumulates gradients (use_ema with gradient accumulation: no meeting before that write) are not."""
-        own = type(self).train_step is Steps.train_step and self._own_steps is None
+        own = type(self).train_step is _Steps.train_step and self._own_steps is None
         optimizer = getattr(self._mopt, "optimizer", None)
         ema_without_meeting = _averages_weights(optimizer) and getattr(
             getattr(optimizer, "_options", None), "accumulation_steps", 1) > 1
@@ -291,7 +291,7 @@ class Loops:
         batches = epochs_lib.EpochIterator(strategy.experimental_distribute_dataset(dataset, self._input_options()),
                                            steps_per_epoch=steps,
                                            steps_per_execution=self._steps_per_execution)
-        options = md.RunOptions(rerunnable=type(self).test_step is Steps.test_step and self._own_steps is None)
+        options = md.RunOptions(rerunnable=type(self).test_step is _Steps.test_step and self._own_steps is None)
         i, logs = -1, None
         for i, (_, group) in enumerate(batches.steps()):
             if cbs is not None:
@@ -380,7 +380,7 @@ class Loops:
         batch, rows = self._one_batch(x, y, sample_weight, "test_on_batch")
         self._net.eval()
         self.reset_metrics()
-        options = md.RunOptions(rerunnable=type(self).test_step is Steps.test_step)
+        options = md.RunOptions(rerunnable=type(self).test_step is _Steps.test_step)
         logs = self._read_logs(self.distribute_strategy.run(self._test_function, args=([batch], [rows]),
                                                             options=options))
         return logs if return_dict else self._flatten_logs(logs)
@@ -435,7 +435,7 @@ class Loops:
         self._net.eval()
         outputs = []
         self._predict_like = None
-        options = md.RunOptions(rerunnable=type(self).predict_step is Steps.predict_step and self._own_steps is None)
+        options = md.RunOptions(rerunnable=type(self).predict_step is _Steps.predict_step and self._own_steps is None)
         cbs.on_predict_begin()
         for i, batch in enumerate(strategy.experimental_distribute_dataset(dataset, self._input_options())):
             if steps is not None and i >= steps:

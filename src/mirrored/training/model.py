@@ -23,13 +23,13 @@ from mirrored.training import adapters, compile_utils, jit, losses, optimizers, 
 from mirrored.training import data_adapter, epochs as epochs_lib, metrics as metrics_lib
 from mirrored.training._trackables import LossScale
 from mirrored.training.layers import has_sync_batchnorm
-from mirrored.training.loops import Loops
-from mirrored.training.steps import Steps, _Logs, _OptimizerSteps
+from mirrored.training.loops import _Loops
+from mirrored.training.steps import _Logs, _OptimizerSteps, _Steps
 
 logger = logging.getLogger(__name__)
 
 
-class Model(Loops, Steps):
+class Model(_Loops, _Steps):
     """Wraps a torch.nn.Module (which returns logits) with Keras's training API, under a strategy.
 
     The module receives exactly what the data yields, in fit, evaluate, predict and model(x) alike:

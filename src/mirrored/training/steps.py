@@ -24,7 +24,7 @@ from mirrored.training import compile_utils, data_adapter
 from mirrored.training.data_adapter import unpack_x_y_sample_weight
 
 
-class Steps:
+class _Steps:
     """train_step, test_step, predict_step and what they call; mixed into Model (model.py)."""
 
     def _autocast(self, device: torch.device) -> Any:
@@ -350,7 +350,7 @@ class Steps:
     def _global_counts(ctx: Any, kept: Tensor | None, rows: int) -> tuple[Tensor, Tensor]:
         """The labels kept and the rows of the global batch, as float64 tensors (one meeting of every
         replica; nothing is read on the host)."""
-        (kept_all,), rows_all = Steps._global_sums(ctx, [kept if kept is not None else rows], rows)
+        (kept_all,), rows_all = _Steps._global_sums(ctx, [kept if kept is not None else rows], rows)
         return kept_all, rows_all
 
     @staticmethod
@@ -399,7 +399,7 @@ class _Logs(Mapping):
     a value is asked for - after the step, in cross-replica context, where a read sums the replicas'
     state - so that a step reads nothing it does not need to."""
 
-    def __init__(self, model: Steps):
+    def __init__(self, model: _Steps):
         self._model = model
 
     def _by_name(self) -> dict[str, Any]:
@@ -423,7 +423,7 @@ class _OptimizerSteps:
     optimizer's step, zero_grad and Keras's scale_loss / apply on the calling replica, with that
     replica's fp16 loss scale (a GradScaler) where the model has one."""
 
-    def __init__(self, mirrored: Any, model: Steps):
+    def __init__(self, mirrored: Any, model: _Steps):
         self.mirrored = mirrored
         self._model = weakref.ref(model)  # (the model holds the recipe, which holds this)
         self._scaled: dict[int, bool] = {}  # per replica: whether it scaled a loss since its last update
