@@ -9,7 +9,7 @@ limit (one replica's per-replica-batch step timed alone on 1 thread, x N), N ind
 x 1 thread, mirrored fit on N CPU replicas, DDP (gloo, N processes x 1 thread), and plain PyTorch
 (one process, every core). The load average before and after each table says how busy the machine
 was. The rows are defined in src/mirrored/_bench.py, which `mirrored bench` shares. Targets
-(issue 15): fit >= 0.95 of the limit at both batches, and >= 1.0 of DDP.
+(issues 15 and 35): fit >= 0.95 of the limit at both batches on both models, and >= 1.0 of DDP.
 """
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ def main() -> None:
                         "fit-readme and fit-readme-prefetch only when named)")
     parser.add_argument("--memory-format", choices=["auto", "channels_last", "preserve"], default="auto",
                         help="fit's compile(memory_format=); the other rows run the format fit ran")
+    parser.add_argument("--model", nargs="+", choices=sorted(_bench.MODELS), default=["resnet20"],
+                        help="the models, one table each: resnet20, and resnet8 (a conv stem, three residual blocks), "
+                        "where the fixed Python per step weighs most")
     parser.add_argument("--quick", action="store_true", help="512 images, one round (what `mirrored bench` runs)")
     args = parser.parse_args()
     if args.quick:
@@ -50,10 +53,12 @@ def main() -> None:
         parser.error("need --replicas >= 1, --rounds >= 1, every batch >= --replicas and --images >= the largest "
                      "batch")
     print(_bench.machine())
-    print("model: resnet_cifar(depth=20), 32x32 inputs, SGD(momentum=0.9), batches in memory")
-    for batch in args.batches:
-        _bench.compare(batch, args.replicas, args.images, args.rounds, args.steps_per_execution, rows=args.rows,
-                       memory_format=args.memory_format)
+    for model in args.model:
+        depth = _bench.MODELS[model]
+        print(f"\nmodel: resnet_cifar(depth={depth}), 32x32 inputs, SGD(momentum=0.9), batches in memory")
+        for batch in args.batches:
+            _bench.compare(batch, args.replicas, args.images, args.rounds, args.steps_per_execution, rows=args.rows,
+                           memory_format=args.memory_format, model=model)
     if args.scaling:
         _bench.scaling(args.batches[0], args.scaling, args.images, args.rounds)
 

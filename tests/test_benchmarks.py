@@ -43,7 +43,8 @@ def test_input_pipeline_benchmark_prints_every_row():
 def test_fit_throughput_benchmark_prints_every_row_and_the_scaling_curve():
     # (6 processes start, each importing torch: 60 s on the 2-core box at load 5, over 100 s at load 12)
     out = _run("fit_throughput.py", "--batches", "8", "--images", "16", "--rounds", "1", "--scaling", "1,2",
-               timeout_s=280)
+               "--model", "resnet8", timeout_s=280)
+    assert re.findall(r"^model: resnet_cifar\(depth=(\d+)\)", out, re.M) == ["8"], out  # the small model (issue 35)
     assert re.search(r"load average before [0-9.]+ [0-9.]+ [0-9.]+, after", out), out
     assert re.search(r"^  memory format: fit's convolutions ran channels_last \(compile\(memory_format='auto'\)\); "
                      r"every row runs channels_last$", out, re.M), out  # (issue 29)
@@ -78,6 +79,8 @@ def test_step_overhead_benchmark_prints_the_phases_the_scaling_and_the_python_ta
         assert len(re.findall(rf"^    {row}[^\n]*?\s+-?[0-9.]+", out, re.M)) == 2, (row, out)
     assert len(re.findall(r"^    fit / plain loop \(untimed runs\): [0-9.]+ \(rounds: [0-9., ]+\); target <= 1\.25$",
                           out, re.M)) == 2, out
+    assert len(re.findall(r"^    fit - plain loop: -?[0-9.]+ ms per replica step; on 8 replicas -?[0-9.]+ ms more", out,
+                          re.M)) == 2, out
 
 
 def test_vs_tensorflow_without_tensorflow_says_so_and_prints_our_rows(tmp_path):

@@ -61,10 +61,16 @@ def make_data(n: int, batch: int, seed: int = 0) -> Batches:
     return [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
 
 
-def make_net(channels_last: bool = False) -> torch.nn.Module:
-    """ResNet-20 on NCHW batches; channels_last=True stores its convolutions as fit's default does."""
+# The models a table can time (fit_throughput.py --model): CIFAR ResNets by depth. ResNet-8 (a conv stem,
+# one residual block per stage, BatchNorm) is where the fixed Python of a step weighs most.
+MODELS = {"resnet20": 20, "resnet8": 8}
+
+
+def make_net(channels_last: bool = False, model: str = "resnet20") -> torch.nn.Module:
+    """A CIFAR ResNet of MODELS (ResNet-20 by default) on NCHW batches; channels_last=True stores its
+    convolutions as fit's default does."""
     torch.manual_seed(0)
-    net = mr.models.resnet_cifar(depth=20, num_classes=10, data_format="channels_first")
+    net = mr.models.resnet_cifar(depth=MODELS[model], num_classes=10, data_format="channels_first")
     return net.to(memory_format=torch.channels_last) if channels_last else net
 
 
@@ -91,10 +97,10 @@ def _images(batches: Batches) -> int:
     return sum(len(x) for x, _ in batches)
 
 
-def plain_loop(batches: Batches, threads: int, channels_last: bool = False) -> float:
+def plain_loop(batches: Batches, threads: int, channels_last: bool = False, model: str = "resnet20") -> float:
     """Images/s of a hand-written loop in this process with `threads` intra-op threads."""
     with _threads(threads):
-        net = make_net(channels_last)
+        net = make_net(channels_last, model)
         _train(net, batches[:WARMUP_STEPS])
         start = time.perf_counter()
         _train(net, batches)
@@ -102,17 +108,17 @@ def plain_loop(batches: Batches, threads: int, channels_last: bool = False) -> f
     return _images(batches) / seconds
 
 
-def limit(per_replica_batches: Batches, replicas: int, channels_last: bool = False) -> float:
+def limit(per_replica_batches: Batches, replicas: int, channels_last: bool = False, model: str = "resnet20") -> float:
     """One replica's work timed alone (its batches, one thread), times the replica count."""
-    return replicas * plain_loop(per_replica_batches, 1, channels_last)
+    return replicas * plain_loop(per_replica_batches, 1, channels_last, model)
 
 
 def fit_model(replicas: int, steps_per_execution: int = 1, memory_format: str = "auto",
-              metrics: Sequence[str] = ()) -> mr.Model:
+              metrics: Sequence[str] = (), net: str = "resnet20") -> mr.Model:
     """The compiled mr.Model the fit row trains, on `replicas` logical CPU replicas."""
     strategy = mr.MirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
     with strategy.scope():
-        model = mr.Model(make_net())
+        model = mr.Model(make_net(model=net))
         model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.01, momentum=0.9),
                       loss="sparse_categorical_crossentropy", metrics=list(metrics),
                       steps_per_execution=steps_per_execution, memory_format=memory_format)
@@ -120,9 +126,9 @@ def fit_model(replicas: int, steps_per_execution: int = 1, memory_format: str = 
 
 
 def fit_loop(batches: Batches, replicas: int, steps_per_execution: int = 1, memory_format: str = "auto",
-             metrics: Sequence[str] = ()) -> float:
+             metrics: Sequence[str] = (), net: str = "resnet20") -> float:
     """Images/s of Model.fit on `replicas` logical CPU replicas over the same batches."""
-    model = fit_model(replicas, steps_per_execution, memory_format, metrics)
+    model = fit_model(replicas, steps_per_execution, memory_format, metrics, net)
     model.fit(batches[:WARMUP_STEPS], epochs=1, verbose=0)  # starts the replica threads, sizes buffers
     start = time.perf_counter()
     model.fit(batches, epochs=1, verbose=0)
@@ -159,18 +165,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def processes(kind: str, replicas: int, per_replica: int, images: int, channels_last: bool = False) -> float:
+def processes(kind: str, replicas: int, per_replica: int, images: int, channels_last: bool = False,
+              model: str = "resnet20") -> float:
     """Images/s of `replicas` worker processes of `kind` ("ddp" or "independent"): the images all of
     them trained on, over the slowest one's time from their common start."""
-    results = run_workers(kind, replicas, per_replica, images, channels_last)
+    results = run_workers(kind, replicas, per_replica, images, channels_last, model)
     return sum(r["images"] for r in results) / max(r["seconds"] for r in results)
 
 
-def run_workers(kind: str, replicas: int, per_replica: int, images: int, channels_last: bool = False) -> list[dict]:
+def run_workers(kind: str, replicas: int, per_replica: int, images: int, channels_last: bool = False,
+                model: str = "resnet20") -> list[dict]:
     """Each worker's {"images", "seconds", "cpu_seconds"} (wall and CPU time of its timed steps)."""
     port = _free_port()
     argv = [sys.executable, "-m", "mirrored._bench", "--worker", kind, "--world", str(replicas), "--port", str(port),
-            "--per-replica", str(per_replica), "--images", str(images)] + (["--channels-last"] if channels_last else [])
+            "--per-replica", str(per_replica), "--images", str(images), "--model", model]
+    argv += ["--channels-last"] if channels_last else []
     procs = [subprocess.Popen(argv + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(replicas)]
     results = []
@@ -189,7 +198,7 @@ def run_workers(kind: str, replicas: int, per_replica: int, images: int, channel
 
 
 def worker(kind: str, rank: int, world: int, port: int, per_replica: int, images: int,
-           channels_last: bool = False) -> None:
+           channels_last: bool = False, model: str = "resnet20") -> None:
     """One process of a process row: its share of the images, one intra-op thread; prints its JSON."""
     import torch.distributed as dist
 
@@ -197,7 +206,7 @@ def worker(kind: str, rank: int, world: int, port: int, per_replica: int, images
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         batches = make_data(images // world, per_replica, seed=1 + rank)
-        net = make_net(channels_last)
+        net = make_net(channels_last, model)
         if kind == "ddp":
             net = torch.nn.parallel.DistributedDataParallel(net)
         _train(net, batches[:WARMUP_STEPS])
@@ -230,7 +239,7 @@ def _cell(values: list[float]) -> str:
 
 def compare(batch: int, replicas: int, images: int, rounds: int, steps_per_execution: int = 1,
             rows: Sequence[str] = ROWS, print_fn: Callable[[str], None] = print,
-            memory_format: str = "auto") -> dict[str, float]:
+            memory_format: str = "auto", model: str = "resnet20") -> dict[str, float]:
     """Every row at one global batch, in turn, `rounds` times; prints the table, returns the medians.
     The rows other than fit store their convolutions in the memory format fit runs in."""
     per_replica = -(-batch // replicas)
@@ -239,11 +248,11 @@ def compare(batch: int, replicas: int, images: int, rounds: int, steps_per_execu
     ran = fit_memory_format(memory_format)
     cl = ran != "as given"
     runs: dict[str, Callable[[], float]] = {
-        "limit": lambda: limit(alone, replicas, cl),
-        "independent": lambda: processes("independent", replicas, per_replica, images, cl),
-        "fit": lambda: fit_loop(data, replicas, steps_per_execution, memory_format),
-        "DDP": lambda: processes("ddp", replicas, per_replica, images, cl),
-        "plain": lambda: plain_loop(data, usable_cores(), cl),
+        "limit": lambda: limit(alone, replicas, cl, model),
+        "independent": lambda: processes("independent", replicas, per_replica, images, cl, model),
+        "fit": lambda: fit_loop(data, replicas, steps_per_execution, memory_format, net=model),
+        "DDP": lambda: processes("ddp", replicas, per_replica, images, cl, model),
+        "plain": lambda: plain_loop(data, usable_cores(), cl, model),
         "fit-readme": lambda: fit_readme(data, replicas, False, memory_format),
         "fit-readme-prefetch": lambda: fit_readme(data, replicas, True, memory_format),
     }
@@ -298,10 +307,12 @@ def _worker_main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one worker process of the fit table (internal)")
     parser.add_argument("--worker", choices=["ddp", "independent"], required=True)
     parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet20")
     for flag in ("--rank", "--world", "--port", "--per-replica", "--images"):
         parser.add_argument(flag, type=int, required=True)
     args = parser.parse_args(argv)
-    worker(args.worker, args.rank, args.world, args.port, args.per_replica, args.images, args.channels_last)
+    worker(args.worker, args.rank, args.world, args.port, args.per_replica, args.images, args.channels_last,
+           args.model)
 
 
 if __name__ == "__main__":
