@@ -21,6 +21,8 @@ fails or raises does not stop the others) and skipped once the time budget (--bu
   fit, 2 replicas   fit on cuda:0 + cpu:0 (one GPU) or on every GPU (NCCL): results on each device
   seeded dropout    two fits with dropout on 1 GPU replica (seed=, and per_example_random) bitwise equal;
                     the replica's draws on its device; the same on cuda:0 + cpu:0 (issue 26)
+  quiet steps       fit's steps without the random mode on GPU replicas after a first step that drew nothing;
+                    a late dropout caught by the CUDA generators' watch and redone: bitwise the mode's
   checkpoint        a Model trained and saved on CUDA, read and run on the CPU in a fresh process
   profiler          mirrored.profiler.Profiler around fit on CUDA: steps, trace.json, timeline.png
   nccl              one GPU: NcclAllReduce and a second worker are refused clearly; two: all-reduce
@@ -460,6 +462,69 @@ def seeded_dropout(sizes: Sizes) -> tuple[str, str]:
                                         f"{' + '.join(mixed_devices)}: two fits bitwise equal {mixed}")
 
 
+class _LateDropout(nn.Module):
+    """Identity for its first `start - 1` calls per copy, dropout from then on; logs whether each call ran
+    in the replica random mode (one log shared by every copy: deepcopy keeps it)."""
+
+    def __init__(self, start: int, log: list[bool]):
+        super().__init__()
+        self.start, self.log, self.calls = start, log, 0
+
+    def __deepcopy__(self, memo: dict) -> _LateDropout:
+        return _LateDropout(self.start, self.log)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        from mirrored.distribute.random import ReplicaRandom
+
+        depth = torch._C._len_torch_function_stack()
+        self.log.append(bool(depth) and isinstance(torch._C._get_function_stack_at(depth - 1), ReplicaRandom))
+        self.calls += 1
+        return F.dropout(t, 0.5, training=self.training) if self.calls >= self.start else t
+
+
+def quiet_steps(sizes: Sizes) -> tuple[str, str]:
+    """Issue 35 on CUDA: fit's steps that draw nothing run without the replica random mode on GPU
+    replicas too, and a step that starts drawing dropout on the GPU (third step) is caught by the watch
+    of the replicas' CUDA generators, rolled back and redone with the mode: the weights equal, bitwise,
+    a fit with the mode on every step."""
+    import mirrored as mr
+    from mirrored.distribute import random as replica_random
+
+    devices = _two_devices(sizes)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(80, 16, generator=g), torch.randint(0, 4, (80,), generator=g)
+
+    def fit(always_mode: bool) -> tuple[list[torch.Tensor], list[bool]]:
+        log: list[bool] = []
+        quiet = replica_random.StrategyRandom.quiet
+        if always_mode:
+            replica_random.StrategyRandom.quiet = lambda self, key: False  # type: ignore[method-assign]
+        try:
+            torch.manual_seed(0)
+            with mr.MirroredStrategy(devices=devices, seed=11).scope():
+                model = mr.Model(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), _LateDropout(3, log), nn.Linear(32, 4)))
+                model.compile(optimizer=mr.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                              loss="sparse_categorical_crossentropy")
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+            if len({d.split(":")[0] for d in devices}) == 1:  # (a GPU and a CPU replica agree to rounding only)
+                model.check_in_sync()
+        finally:
+            replica_random.StrategyRandom.quiet = quiet  # type: ignore[method-assign]
+        return [p.detach().cpu().clone() for p in model.module.parameters()], log
+
+    weights, log = fit(False)
+    reference, _ = fit(True)
+    replicas = len(devices)
+    # Per replica: step 1 with the mode, step 2 without, step 3 without (caught drawing), redone with, on with.
+    quiet_second = log[replicas:2 * replicas] == [False] * replicas
+    mode_after = all(log[-replicas:])
+    same = all(torch.equal(a, b) for a, b in zip(weights, reference))
+    ok = quiet_second and mode_after and same
+    return ("PASS" if ok else "FAIL"), (f"{' + '.join(devices)}: step 2 without the mode {quiet_second}; the mode "
+                                        f"back after the late draw {mode_after}; weights bitwise those of the mode "
+                                        f"throughout {same}")
+
+
 def checkpoint_to_cpu(sizes: Sizes, tmp: Path) -> tuple[str, str]:
     """A Model trained and saved on the device, loaded in a fresh process that sees no GPU."""
     from safetensors.torch import save_file
@@ -573,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         check.run("sync batchnorm", 10, lambda: sync_batchnorm(sizes))
         check.run("fit on 2 replicas", 10, lambda: fit_on_two_replicas(sizes))
         check.run("seeded dropout", 10, lambda: seeded_dropout(sizes))
+        check.run("quiet steps", 10, lambda: quiet_steps(sizes))
         check.run("checkpoint -> cpu", 15, lambda: checkpoint_to_cpu(sizes, tmp))
         check.run("profiler", 10, lambda: profiler_on_device(sizes, tmp))
         check.run("nccl", 5, lambda: nccl_paths(sizes))
