@@ -341,7 +341,8 @@ class KerasReplicas:
             sums[2 * me] = torch.stack([t.detach().to(f64).sum() for t in written]).sum()
             sums[2 * me + 1] = torch.stack([t.detach().to(f64).square().sum() for t in written]).sum()
         sums[-1] = rows
-        pieces = [increments, _flat(base, f64, device) * float(first), _flat(means, f64, device) * rows,
+        means_flat = _flat(means, f64, device)
+        pieces = [increments, _flat(base, f64, device) * float(first), means_flat * rows,
                   _flat(firsts, f64, device) * float(first)]
         if logged:
             pieces.append(torch.stack([torch.as_tensor(v).detach().reshape(()).to(device=device, dtype=f64)
@@ -359,14 +360,16 @@ class KerasReplicas:
                              "weights with self.optimizer.apply(grads, variables), which all-reduces the gradients "
                              "first, or write the same values on every replica.")
         with torch.no_grad():
-            sums_and_firsts = [(m, v.aggregation == "sum") for m, v in metrics]
-            summed = increments + bases
-            _unflat(values, [s if is_sum else i for s, i, (_, is_sum)
-                             in zip(_split(summed, values), _split(increments, values), sums_and_firsts)])
+            if values:
+                summed = increments + bases
+                if not all(v.aggregation == "sum" for _, v in metrics):  # (an only_first_replica one: its increment)
+                    is_sum = torch.tensor([v.aggregation == "sum" for _, v in metrics], device=device)
+                    summed = torch.where(is_sum.repeat_interleave(torch.tensor([t.numel() for t in values],
+                                                                               device=device)), summed, increments)
+                _unflat(values, summed)
             if means:
-                old = _flat(means, f64, device)
-                _unflat(means, _split(torch.where(count > 0, mean_sums / count.clamp(min=1), old), means))
-            _unflat(firsts, _split(first_values, firsts))
+                _unflat(means, torch.where(count > 0, mean_sums / count.clamp(min=1), means_flat))
+            _unflat(firsts, first_values)
         if not isinstance(logs, Mapping):
             return logs, ()
         averaged = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in logs.items()}
@@ -387,13 +390,12 @@ def _flat(tensors: list[Tensor], dtype: torch.dtype, device: torch.device) -> Te
     return torch.cat([t.detach().reshape(-1).to(device) for t in tensors]).to(dtype)
 
 
-def _split(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
-    return [piece.reshape(t.shape) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
-
-
-def _unflat(tensors: list[Tensor], values: list[Tensor]) -> None:
-    for t, value in zip(tensors, values):
-        t.copy_(value.to(t.dtype))
+def _unflat(tensors: list[Tensor], flat: Tensor) -> None:
+    """Writes `flat`'s consecutive pieces into `tensors`, each in its own dtype, in one foreach call (a
+    copy rounds a float64 value to float32 as .to() does)."""
+    if tensors:
+        pieces = flat.split([t.numel() for t in tensors])
+        torch._foreach_copy_(tensors, [piece.view(t.shape) for piece, t in zip(pieces, tensors)])
 
 
 def with_metrics(model: nn.Module, logs: Any, of_metrics: tuple[str, ...]) -> Any:
