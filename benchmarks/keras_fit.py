@@ -22,9 +22,9 @@ ours on 2 replicas / the two-thread loop (what is ours on 2 replicas) and / the 
 loop (what is ours beyond meeting at all), the meeting loop / the other one, the two-thread loop / the
 one-thread loop (how a Keras step scales on threads), the Keras model on 2 replicas / the torch
 twin on 2 replicas (target: 1 within noise), and Keras's own fit on 2 replicas / mr.Model's on 2
-replicas (target >= 0.95). Each row also gives the process's CPU time per
-example (all its threads), which other processes on a loaded machine disturb less than wall time,
-and the same ratios of CPU cost. `--threads 1` gives the one-device contestants one intra-op thread,
+replicas (target >= 0.95; `--pair` runs only those two, for many rounds). Each row also gives the
+process's CPU time per example (all its threads), which other processes on a loaded machine disturb
+less than wall time, and the same ratios of CPU cost. `--threads 1` gives the one-device contestants one intra-op thread,
 as each replica has on a 2-core machine.
 """
 from __future__ import annotations
@@ -97,6 +97,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--width", type=int, default=16, help="channels of the first block")
     parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--pair", action="store_true",
+                        help="only the two 2-replica fits of a Keras model (Keras's own in the scope, mr.Model's), "
+                             "alternating: their ratio with many rounds, and the median of each round's ratio")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's intra-op threads for the one-device contestants (Keras's fit, the step loops, "
                              "1 replica, which runs on the caller's thread); default torch's. Each of 2 replicas "
@@ -198,6 +201,8 @@ def main() -> None:
         KERAS_FIT_TWO: lambda: own_two.fit(x_hwc, y, batch_size=args.batch, shuffle=False, verbose=0),
         TORCH_TWO: lambda: torch_two.fit(x_chw, y, batch_size=args.batch, shuffle=False, verbose=0),
     }
+    if args.pair:
+        contestants = {name: contestants[name] for name in (TWO, KERAS_FIT_TWO)}
     for fit in contestants.values():  # warm-up: first calls build functions and touch memory
         fit()
     times: dict[str, list[float]] = {name: [] for name in contestants}
@@ -220,6 +225,12 @@ def main() -> None:
     print(f"  {'contestant':<36}{'examples/s':>12}{'CPU ms/example':>16}  (rounds, examples/s)")
     for name, ts in times.items():
         print(f"  {name:<36}{rate[name]:>12.1f}{cost[name]:>16.2f}  ({', '.join(f'{n / t:.0f}' for t in ts)})")
+    if args.pair:
+        rounds = [t / k for t, k in zip(times[TWO], times[KERAS_FIT_TWO])]
+        print(f"ratio Keras's own fit distributed / mr.Model path, 2 replicas: {rate[KERAS_FIT_TWO] / rate[TWO]:.3f}; "
+              f"median of the rounds' ratios {statistics.median(rounds):.3f}; CPU per example "
+              f"{cost[TWO] / cost[KERAS_FIT_TWO]:.3f} (target >= 0.95)")
+        return
     print(f"CPU cost mr.Model(keras) 1 replica / Keras's own fit: {cost[ONE] / cost[KERAS_FIT]:.3f}; / Keras's own "
           f"step cost: {cost[ONE] / cost[PLAIN]:.3f}; the random mode / the step: {cost[PLAIN_MODE] / cost[PLAIN]:.3f}; "
           f"2 replicas / the 2-thread step: {cost[TWO] / cost[PLAIN_TWO]:.3f} (above 1: ours)")

@@ -40,6 +40,20 @@ def test_keras_fit_benchmark_prints_every_row_and_both_ratios():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_keras_fit_pair_runs_only_the_two_distributed_fits_and_prints_their_ratios():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "keras_fit.py"), "--pair", "--batch", "4",
+                           "--steps", "1", "--rounds", "2", "--width", "2", "--image-size", "8"], cwd=REPO,
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "KERAS_BACKEND": "torch"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    rows = re.findall(r"^  (\S.*?)\s+[0-9.]+\s+[0-9.]+\s+\(", proc.stdout, re.M)
+    assert rows == ["mr.Model(keras), 2 replicas", "Keras's own fit, 2 replicas"], out
+    assert re.search(r"^ratio Keras's own fit distributed / mr.Model path, 2 replicas: [0-9.]+; median of the "
+                     r"rounds' ratios [0-9.]+; CPU per example [0-9.]+", proc.stdout, re.M), out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_keras_conv_layout_benchmark_checks_its_variants_and_prints_every_row():
     """benchmarks/keras_conv_layout.py (issue 29): every variant computes Keras's own values (the
     script refuses otherwise) and every row is printed with its ratio to Keras as is."""
