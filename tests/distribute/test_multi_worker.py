@@ -79,7 +79,9 @@ def sparse_optimizers(net: nn.Module, make) -> dict:
     """SparseAdam for the tables beside Adam for the head, or Adagrad (which takes both kinds) for all."""
     return {"SparseAdam": lambda: [make(torch.optim.SparseAdam, net.tables, lr=0.05),
                                    make(torch.optim.Adam, net.head, lr=0.05)],
-            "Adagrad": lambda: [make(torch.optim.Adagrad, net, lr=0.3)]}
+            "Adagrad": lambda: [make(torch.optim.Adagrad, net, lr=0.3)],
+            # (its momentum buffers of the tables are sparse: check_in_sync compares them by checksum)
+            "SGD momentum": lambda: [make(torch.optim.SGD, net, lr=0.3, momentum=0.9)]}
 
 
 # name: (how the workers sum sparse gradients, optimizers, gradient_reduction, replicas per worker)
@@ -88,7 +90,8 @@ SPARSE_RUNS = {"gathered-sparseadam-sum": ("gathered", "SparseAdam", "sum", 1),
                "gathered-adagrad-mean": ("gathered", "Adagrad", "mean", 1),
                "densified-adagrad-mean": ("densified", "Adagrad", "mean", 1),
                "gathered-sparseadam-mean-x2": ("gathered", "SparseAdam", "mean", 2),
-               "densified-adagrad-sum-x2": ("densified", "Adagrad", "sum", 2)}
+               "densified-adagrad-sum-x2": ("densified", "Adagrad", "sum", 2),
+               "gathered-sgdmomentum-mean": ("gathered", "SGD momentum", "mean", 1)}
 
 
 def sparse_reference(optimizers: str) -> list[torch.Tensor]:

@@ -115,6 +115,11 @@ def _sgd(net, **kw):
     return [_build(torch.optim.SGD, net, lr=0.5, **kw)]
 
 
+def _sgd_momentum(net, **kw):
+    """SGD's momentum buffer of a sparse gradient is itself a sparse tensor, which check_in_sync compares."""
+    return [_build(torch.optim.SGD, net, lr=0.3, momentum=0.9, **kw)]
+
+
 def _adagrad(net, **kw):
     return [_build(torch.optim.Adagrad, net, lr=0.3, **kw)]
 
@@ -130,8 +135,8 @@ def _sparse_adam_only(net, **kw):
     return [_build(torch.optim.SparseAdam, net, lr=0.05, **kw)]
 
 
-OPTIMIZERS = {"SGD": _sgd, "Adagrad": _adagrad, "SparseAdam + Adam": _sparse_adam_and_adam,
-              "SparseAdam": _sparse_adam_only}
+OPTIMIZERS = {"SGD": _sgd, "SGD momentum": _sgd_momentum, "Adagrad": _adagrad,
+              "SparseAdam + Adam": _sparse_adam_and_adam, "SparseAdam": _sparse_adam_only}
 
 
 def assert_one_device(mnet: md.MirroredModule, ref: nn.Module, strategy: md.MirroredStrategy, optimizers) -> None:
@@ -150,6 +155,34 @@ def test_sparse_gradients_train_as_one_device(replicas, reduction, optimizer):
     ref = one_device(OPTIMIZERS[optimizer], batches)
     strategy, mnet, optimizers = mirrored(replicas, OPTIMIZERS[optimizer], batches, reduction)
     assert_one_device(mnet, ref, strategy, optimizers)
+
+
+def test_check_in_sync_names_a_sparse_momentum_buffer_that_differs_between_replicas():
+    strategy, mnet, (opt,) = mirrored(2, _sgd_momentum, global_batches(), "mean")
+    strategy.check_in_sync(opt)  # equal after training (the test above compares with one device)
+    table = mnet.values[1].tables["item"].weight
+    buf = opt.replicas[1].state[table]["momentum_buffer"]
+    assert buf.is_sparse
+    values = buf.coalesce().values().clone()
+    values[0, 0] = torch.nextafter(values[0, 0], torch.tensor(float("inf")))  # one ulp on replica 1
+    opt.replicas[1].state[table]["momentum_buffer"] = torch.sparse_coo_tensor(buf.coalesce().indices(), values,
+                                                                              buf.shape).coalesce()
+    with pytest.raises(md.OutOfSyncError, match=r"momentum_buffer.*replica 0 and replica 1.*max abs difference"):
+        strategy.check_in_sync(opt)
+
+
+def test_a_sparse_tensors_checksum_is_that_of_its_coalesced_rows():
+    """What check_in_sync compares across workers: equal for the same rows however they are stored
+    (uncoalesced, repeats), different for one ulp of one value."""
+    from mirrored.distribute._collectives import _value_digest
+
+    i = torch.tensor([[3, 1, 3]])
+    v = torch.tensor([[1.0, 2.0], [0.5, 0.5], [0.25, 0.5]])
+    coalesced = torch.sparse_coo_tensor(i, v, (5, 2)).coalesce()
+    assert _value_digest(torch.sparse_coo_tensor(i, v, (5, 2))) == _value_digest(coalesced)
+    nudged = coalesced.values().clone()
+    nudged[0, 0] = torch.nextafter(nudged[0, 0], torch.tensor(float("inf")))
+    assert _value_digest(torch.sparse_coo_tensor(coalesced.indices(), nudged, (5, 2))) != _value_digest(coalesced)
 
 
 @pytest.mark.parametrize("mode", ["gathered", "densified"])

@@ -96,8 +96,15 @@ def _shape_digest(tensors: Sequence[Tensor]) -> int:
 
 
 def _value_digest(t: Tensor) -> int:
-    flat = t.detach().contiguous().reshape(-1).cpu()
-    return _digest(flat.view(torch.uint8).numpy().tobytes())
+    """The checksum of a tensor's bytes; a sparse COO one's, of its coalesced indices and values."""
+    if t.is_sparse:
+        t = t.detach().coalesce()
+        return _digest(b"".join(_bytes(part) for part in (t.indices(), t.values())))
+    return _digest(_bytes(t))
+
+
+def _bytes(t: Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).cpu().view(torch.uint8).numpy().tobytes()
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

@@ -141,7 +141,13 @@ def _component(value: Any, replica: int) -> Any:
 
 
 def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
-    """Same bits (NaN equals NaN, -0.0 differs from 0.0), whatever the strides (channels_last state too)."""
+    """Same bits (NaN equals NaN, -0.0 differs from 0.0), whatever the strides (channels_last state too);
+    sparse COO tensors (SGD's momentum for a sparse gradient) by their coalesced indices and values."""
+    if a.is_sparse or b.is_sparse:
+        if a.layout != b.layout or a.shape != b.shape:
+            return False
+        a, b = a.coalesce(), b.coalesce()
+        return torch.equal(a.indices(), b.indices()) and _bitwise_equal(a.values(), b.values())
     if a.is_floating_point() or a.is_complex():
         return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     return torch.equal(a, b)

@@ -691,7 +691,8 @@ class Strategy:
                         diff = (f" (shape {tuple(ref.shape)} {ref.dtype} against {tuple(other.shape)} "
                                 f"{other.dtype})")
                     else:
-                        diff = (f" (max abs difference {(ref.double() - other.double()).abs().max().item():.3g})"
+                        a, b = (t.to_dense().double() if t.is_sparse else t.double() for t in (ref, other))
+                        diff = (f" (max abs difference {(a - b).abs().max().item():.3g})"
                                 if ref.is_floating_point() else "")
                     raise OutOfSyncError(f"{name}: replica 0 and replica {r} ({self._devices[r]}) hold different "
                                          f"values{diff}; the copies must be bitwise identical after every step.")
