@@ -45,13 +45,36 @@ def program(strategy, out_dir: Path, seed: int) -> dict:
                                   keras.layers.Dense(3, activation="softmax")])
         model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1, momentum=0.9),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-                        callbacks=[keras.callbacks.ModelCheckpoint(str(out_dir / "ckpt.keras"))])
+    # BackupAndRestore's file operations in this process: a double backup saved every 2 batches copies
+    # and writes in the shared directory, and deletes it at the end - which every worker did, racing
+    from keras.src.callbacks import backup_and_restore
+
+    files = backup_and_restore.file_utils
+    done: list[str] = []
+    originals = {name: getattr(files, name) for name in ("makedirs", "copy", "rmtree")}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            done.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(files, name, counted(name))
+    try:
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[keras.callbacks.ModelCheckpoint(str(out_dir / "ckpt.keras")),
+                                       keras.callbacks.BackupAndRestore(str(out_dir / "backup"), save_freq=2,
+                                                                        double_checkpoint=True)])
+    finally:
+        for name, original in originals.items():
+            setattr(files, name, original)
     evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     predicted = model.predict(x[:21], batch_size=16, verbose=0)
     strategy.check_in_sync(model)
     return {"weights": [w.tolist() for w in model.get_weights()], "history": history.history,
-            "evaluate": evaluated, "predict": predicted.tolist(), "seen": sorted(seen)}
+            "evaluate": evaluated, "predict": predicted.tolist(), "seen": sorted(seen),
+            "backup_files": sorted(set(done)), "backup_left": (out_dir / "backup").exists()}
 
 
 def free_port() -> int:
@@ -89,12 +112,17 @@ def test_two_workers_of_one_replica_equal_one_process_of_two(tmp_path):
     logs = "\n".join((tmp_path / f"w{r}.log").read_text()[-3000:] for r in range(2))
     assert codes == [0, 0], logs
     workers = [json.loads((tmp_path / f"w{r}.json").read_text()) for r in range(2)]
+    # BackupAndRestore: the chief made, wrote and deleted the backup directory; the other worker touched
+    # nothing in it
+    assert [w.pop("backup_files") for w in workers] == [["copy", "makedirs", "rmtree"], []]
+    assert not (tmp_path / "backup").exists() and not any(w.pop("backup_left") for w in workers)
     assert workers[0] == workers[1]  # bitwise: the same floats on both workers
     assert workers[0]["seen"] == sorted([8] * 8 + [3] * 2)  # each worker's replica trains on half of each batch
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".keras") == ["ckpt.keras"]
     one = tmp_path / "one"
     one.mkdir()
     reference = program(strategy_of(2), one, seed=0)
+    assert reference.pop("backup_files") == ["copy", "makedirs", "rmtree"] and not reference.pop("backup_left")
     ours = workers[0]
     for a, b in zip(ours["weights"], reference["weights"]):
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)

@@ -229,7 +229,8 @@ def patches() -> list[tuple[Any, str, Any]]:
     (Keras sets the torch mode of the model it has; the copies follow), the three
     optimizers' apply (the gradient all-reduce), finalize_variable_values (use_ema's averages written
     after fit reach every copy), Mean.update_state (a replica's share), the data
-    adapter lookup (mr.data), and Model.save / save_weights (the chief writes)."""
+    adapter lookup (mr.data), and Model.save / save_weights and BackupAndRestore's saves and cleanup (the
+    chief writes)."""
     import keras
     from keras.src.backend.torch.trainer import TorchTrainer
     from keras.src.metrics.reduction_metrics import Mean
@@ -348,15 +349,26 @@ def patches() -> list[tuple[Any, str, Any]]:
     def chief_writes(what: str) -> Any:
         def maker(original: Any) -> Any:
             def write(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
-                rec = record_of(self)
-                strategy = rec.strategy if rec is not None else None
-                if strategy is not None and strategy.num_workers > 1 and not strategy.extended.should_checkpoint:
+                if not _writes_files(self):
                     # TF's other workers write to a temporary path and delete it; the chief's file is everyone's.
                     logger.debug("%s.%s(%s): not the chief worker, so nothing is written here", type(self).__name__,
                                  what, filepath)
                     return None
                 return original(self, filepath, *args, **kwargs)
             return write
+        return maker
+
+    def chief_keeps_backup(what: str) -> Any:
+        """BackupAndRestore's saves and its deletion at the end: the chief's alone. Every worker copying,
+        writing and deleting one shared directory raced (one worker's rmtree under another's copy)."""
+        def maker(original: Any) -> Any:
+            def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+                model = getattr(self, "model", None)
+                if model is not None and not _writes_files(model):
+                    logger.debug("BackupAndRestore.%s: not the chief worker, which keeps the backup", what)
+                    return None
+                return original(self, *args, **kwargs)
+            return run
         return maker
 
     _KerasDatasetAdapter = type("DatasetAdapter", (DatasetAdapter, DataAdapter), {})
@@ -373,7 +385,17 @@ def patches() -> list[tuple[Any, str, Any]]:
     wrap(data_adapters, "get_data_adapter", adapter_lookup)
     wrap(keras.Model, "save", chief_writes("save"))
     wrap(keras.Model, "save_weights", chief_writes("save_weights"))
+    wrap(keras.callbacks.BackupAndRestore, "_save_model", chief_keeps_backup("_save_model"))
+    wrap(keras.callbacks.BackupAndRestore, "on_train_end", chief_keeps_backup("on_train_end"))
     return found
+
+
+def _writes_files(model: Any) -> bool:
+    """False on a worker other than the chief of the multi-worker strategy `model` was built or compiled
+    in: its files are the chief's (the workers' copies are equal)."""
+    rec = record_of(model)
+    strategy = rec.strategy if rec is not None else None
+    return strategy is None or strategy.num_workers == 1 or bool(strategy.extended.should_checkpoint)
 
 
 def _is_scalar(values: Any) -> bool:
