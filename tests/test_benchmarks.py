@@ -106,9 +106,9 @@ def test_gpu_check_runs_in_cpu_smoke_mode():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
     for section in ("environment", "cuda tests", "resnet50 fit vs plain", "resnet50 channels_last vs nchw",
                     "fp16 loss scaling", "sync batchnorm",
-                    "fit on 2 replicas", "seeded dropout", "checkpoint -> cpu", "profiler", "nccl"):
+                    "fit on 2 replicas", "seeded dropout", "quiet steps", "checkpoint -> cpu", "profiler", "nccl"):
         assert re.search(rf"^{re.escape(section)}\s+(PASS|SKIP)\s+[0-9.]+\s+\S", proc.stdout, re.M), proc.stdout
-    assert "11 of 11 sections without failure" in proc.stdout, proc.stdout
+    assert "12 of 12 sections without failure" in proc.stdout, proc.stdout
 
 
 def test_replica_random_benchmark_prints_its_three_comparisons():  # issue 26
