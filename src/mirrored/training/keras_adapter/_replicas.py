@@ -330,8 +330,7 @@ class KerasReplicas:
         keep = [float(rows > 0) if v.aggregation == "sum" else float(first) for _, v in metrics]
         increments = _flat(values, f64, device)
         if keep and min(keep) != max(keep):
-            increments = increments * torch.tensor(keep, dtype=f64, device=device).repeat_interleave(
-                torch.tensor([t.numel() for t in values], device=device))
+            increments = increments * _per_element(keep, values, f64, device)
         elif keep:
             increments = increments * keep[0]
         n = ctx.num_replicas_in_sync
@@ -362,10 +361,9 @@ class KerasReplicas:
         with torch.no_grad():
             if values:
                 summed = increments + bases
-                if not all(v.aggregation == "sum" for _, v in metrics):  # (an only_first_replica one: its increment)
-                    is_sum = torch.tensor([v.aggregation == "sum" for _, v in metrics], device=device)
-                    summed = torch.where(is_sum.repeat_interleave(torch.tensor([t.numel() for t in values],
-                                                                               device=device)), summed, increments)
+                is_sum = [v.aggregation == "sum" for _, v in metrics]
+                if not all(is_sum):  # (an only_first_replica one: its increment)
+                    summed = torch.where(_per_element(is_sum, values, torch.bool, device), summed, increments)
                 _unflat(values, summed)
             if means:
                 _unflat(means, torch.where(count > 0, mean_sums / count.clamp(min=1), means_flat))
@@ -388,6 +386,12 @@ def _flat(tensors: list[Tensor], dtype: torch.dtype, device: torch.device) -> Te
     if not tensors:
         return torch.zeros(0, dtype=dtype, device=device)
     return torch.cat([t.detach().reshape(-1).to(device) for t in tensors]).to(dtype)
+
+
+def _per_element(flags: list[Any], tensors: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """One entry per tensor, repeated over its elements: a mask or factor for _flat(tensors)."""
+    return torch.tensor(flags, dtype=dtype, device=device).repeat_interleave(
+        torch.tensor([t.numel() for t in tensors], device=device))
 
 
 def _unflat(tensors: list[Tensor], flat: Tensor) -> None:
