@@ -474,10 +474,9 @@ class _LateDropout(nn.Module):
         return _LateDropout(self.start, self.log)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        from mirrored.distribute.random import ReplicaRandom
+        from mirrored.distribute.random import current_mode
 
-        depth = torch._C._len_torch_function_stack()
-        self.log.append(bool(depth) and isinstance(torch._C._get_function_stack_at(depth - 1), ReplicaRandom))
+        self.log.append(current_mode() is not None)
         self.calls += 1
         return F.dropout(t, 0.5, training=self.training) if self.calls >= self.start else t
 

@@ -25,8 +25,7 @@ from _replicas import strategy_of  # tests/_replicas.py
 
 
 def _in_mode() -> bool:
-    depth = torch._C._len_torch_function_stack()
-    return bool(depth) and isinstance(torch._C._get_function_stack_at(depth - 1), replica_random.ReplicaRandom)
+    return replica_random.current_mode() is not None
 
 
 class Probe(nn.Module):

@@ -399,15 +399,20 @@ class WithoutReplicaRandom:
     __slots__ = ("_mode",)
 
     def __enter__(self) -> None:
-        self._mode = None
-        depth = torch._C._len_torch_function_stack()
-        if depth and isinstance(torch._C._get_function_stack_at(depth - 1), ReplicaRandom):
-            self._mode = torch._C._pop_torch_function_stack()
+        self._mode = torch._C._pop_torch_function_stack() if current_mode() is not None else None
 
     def __exit__(self, *exc: Any) -> None:
         if self._mode is not None:
             torch._C._push_on_torch_function_stack(self._mode)
             self._mode = None
+
+
+def current_mode() -> ReplicaRandom | None:
+    """The replica random mode this thread runs in (a ReplicaRandom on top of torch's function-mode
+    stack), or None: a quiet step, or outside a replica step."""
+    depth = torch._C._len_torch_function_stack()
+    top = torch._C._get_function_stack_at(depth - 1) if depth else None
+    return top if isinstance(top, ReplicaRandom) else None
 
 
 def _always(args: tuple, kwargs: dict) -> bool:
