@@ -150,18 +150,8 @@ class _Steps:
         ignore = getattr(out.loss, "ignore_class", None)
         total = per_example.sum()
         rows_all = self._global_rows.get(rid)
-        if out.loss.reduction != "sum" and ignore is None and rows_all:
-            # A mean over every loss value of the part (rows times the values per row: a sequence's steps).
-            # Its gradient is the replica's share of one device's loss on the global batch - its sums over
-            # the global count, and its rows' part of the penalty - so the replicas' gradients add up to
-            # one device's, through the statistics a SyncBatchNorm shares too; the value is its own part's.
-            values = per_example.numel() // rows if rows else 1
-            share = total / (rows_all * values) + penalty * (rows / rows_all)
-            loss = total / max(per_example.numel(), 1) + penalty
-            self._loss_records[rid] = (loss.detach().double() * rows, rows)
-            if training and self._mopt is not None:
-                self._mopt.set_gradient_weight(1, divide=False)
-            return share + (loss - share).detach()
+        # Where the replicas' losses are shares of one device's (their gradients summed, not weighed by rows)
+        shares = out.loss.reduction == "sum" or ignore is not None or bool(rows_all)
         if out.loss.reduction == "sum" or ignore is not None:
             # Keras reports each step's loss weighted by its batch size, and these losses are no mean over
             # examples: the reported one needs the global batch's rows (and labels kept) - one meeting,
@@ -173,21 +163,26 @@ class _Steps:
                 # shared by rows.
                 loss = total + penalty * (rows / rows_all).to(total.dtype)
                 record = (loss.detach().double() * rows_all, rows)
-                if training and self._mopt is not None:
-                    self._mopt.set_gradient_weight(1, divide=False)
             else:  # a mean over the labels kept: the share of one device's mean over all the labels kept
                 local = total / kept.clamp(min=1) + penalty
                 share = total / kept_all.clamp(min=1).to(total.dtype) + penalty * (rows / rows_all).to(total.dtype)
                 loss = share + (local - share).detach()
                 record = (share.detach().double() * rows_all, rows)
-                if training and self._mopt is not None:
-                    self._mopt.set_gradient_weight(1, divide=False)
         else:
             # A mean over every loss value of the part: rows times the values per row (a sequence's steps).
-            # The optimizer weighs the part by its rows, which is the same ratio.
             loss = total / max(per_example.numel(), 1) + penalty
             record = (loss.detach().double() * rows, rows)
+            if rows_all:
+                # Its gradient is the replica's share of one device's loss on the global batch - its sums over
+                # the global count, and its rows' part of the penalty - so the replicas' gradients add up to
+                # one device's, through the statistics a SyncBatchNorm shares too; the value is its own
+                # part's. (Where the global batch is unknown, the optimizer weighs the part by its rows.)
+                values = per_example.numel() // rows if rows else 1
+                share = total / (rows_all * values) + penalty * (rows / rows_all)
+                loss = share + (loss - share).detach()
         self._loss_records[rid] = record
+        if shares and training and self._mopt is not None:
+            self._mopt.set_gradient_weight(1, divide=False)
         return loss
 
     def _outputs_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool) -> Tensor:
