@@ -351,3 +351,38 @@ def test_a_keras_loss_tracker_reports_the_loss_where_tf_keras_reports_loss_over_
     parts = [float(np.mean((pred[r] - y[r]) ** 2)) for r in (slice(0, 4), slice(4, 8))]
     tf_reported = sum(p / 2 for p in parts) / 2  # total: each replica's loss / N, count: one per replica
     np.testing.assert_allclose(tf_reported, want / 2, rtol=1e-5)
+
+
+CALLS: list[int] = []  # one entry per run of LateDrawing.test_step, any replica (a global: shared by copies)
+
+
+class LateDrawing(keras.Model):
+    """An own test_step that draws nothing at first and from its third run on draws from torch's default
+    generator: a step of your own may do anything, so it is never rolled back and run again."""
+
+    def test_step(self, data):
+        CALLS.append(1)
+        x, y = data
+        y_pred = self(x, training=False)
+        if len(CALLS) > 2:
+            y_pred = y_pred + 0 * torch.rand(())
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def test_test_on_batch_runs_a_keras_models_own_test_step_once_per_replica():
+    """mr.Model's test_on_batch took a Keras model's own test_step for the Model's default step, which may
+    be rolled back and run again: after a first call that drew nothing, a call that drew ran twice."""
+    x, y, _ = data(8)
+    CALLS.clear()
+
+    def call(model):
+        return [model.test_on_batch(x, y) for _ in range(3)]
+
+    run(LateDrawing, 2, "mr_model", {"optimizer": "sgd", "loss": "mse"}, call)
+    assert len(CALLS) == 3 * 2  # 3 calls on 2 replicas, each step once

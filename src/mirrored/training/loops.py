@@ -89,6 +89,13 @@ class _Loops:
             getattr(optimizer, "_options", None), "accumulation_steps", 1) > 1
         return md.RunOptions(rerunnable=own and group == 1 and not ema_without_meeting)
 
+    def _step_options(self, kind: str) -> md.RunOptions:
+        """How evaluate's and predict's strategy.run calls may run ("test", "predict"): this class's own
+        step notes what it changes, so it may be rolled back and run again; yours, or a Keras model's
+        own, may do anything and is not."""
+        own = getattr(type(self), f"{kind}_step") is getattr(_Steps, f"{kind}_step") and self._own_steps is None
+        return md.RunOptions(rerunnable=own)
+
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
             verbose: Any = "auto", callbacks: Sequence[Any] | None = None, validation_split: float = 0.0,
             validation_data: Any = None, shuffle: bool = True, class_weight: Mapping[int, float] | None = None,
@@ -291,7 +298,7 @@ class _Loops:
         batches = epochs_lib.EpochIterator(strategy.experimental_distribute_dataset(dataset, self._input_options()),
                                            steps_per_epoch=steps,
                                            steps_per_execution=self._steps_per_execution)
-        options = md.RunOptions(rerunnable=type(self).test_step is _Steps.test_step and self._own_steps is None)
+        options = self._step_options("test")
         i, logs = -1, None
         for i, (_, group) in enumerate(batches.steps()):
             if cbs is not None:
@@ -380,7 +387,7 @@ class _Loops:
         batch, rows = self._one_batch(x, y, sample_weight, "test_on_batch")
         self._net.eval()
         self.reset_metrics()
-        options = md.RunOptions(rerunnable=type(self).test_step is _Steps.test_step)
+        options = self._step_options("test")
         logs = self._read_logs(self.distribute_strategy.run(self._test_function, args=([batch], [rows]),
                                                             options=options))
         return logs if return_dict else self._flatten_logs(logs)
@@ -435,7 +442,7 @@ class _Loops:
         self._net.eval()
         outputs = []
         self._predict_like = None
-        options = md.RunOptions(rerunnable=type(self).predict_step is _Steps.predict_step and self._own_steps is None)
+        options = self._step_options("predict")
         cbs.on_predict_begin()
         for i, batch in enumerate(strategy.experimental_distribute_dataset(dataset, self._input_options())):
             if steps is not None and i >= steps:
