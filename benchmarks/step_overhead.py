@@ -237,6 +237,10 @@ _ACCOUNTED = (  # (class, method, row), in the order printed
     # torch.optim.SGD.step, which copies the wrapper's marks, was skipped and the update counted as ours)
     (optimizers_lib._KerasSteps, "_update", "optimizer update (torch's SGD)"),
     (optimizer_lib.MirroredOptimizer, "sync_buffers", "buffer sync (BatchNorm statistics)"),
+    # (fit's buffer average rides in the gradients' meeting: its packing and unpacking, and the walk)
+    (optimizer_lib.MirroredOptimizer, "_buffer_plans_of", "buffer sync (BatchNorm statistics)"),
+    (optimizer_lib._BufferPlan, "gather", "buffer sync (BatchNorm statistics)"),
+    (optimizer_lib._BufferPlan, "scatter", "buffer sync (BatchNorm statistics)"),
     (optimizer_lib.MirroredOptimizer, "zero_grad", "zero_grad"),
     (rollback.StepJournal, "before_forward", "checks (journal, copy watch)"),
     (rollback.StepJournal, "before_write", "checks (journal, copy watch)"),
@@ -303,6 +307,40 @@ def _plain_loop_ms(net_fn: Any, per_replica: int, steps: int, rows: bool = True)
     return rows
 
 
+def _threads_floor_ms(net_fn: Any, per_replica: int, steps: int, replicas: int) -> float:
+    """ms of CPU per step of `replicas` plain loops (as _plain_loop_ms's) on as many threads of one
+    process, meeting at a barrier after every step as replicas do: what threads sharing one interpreter
+    cost before mirrored does anything (their torch calls hand the GIL to one another)."""
+    g = torch.Generator().manual_seed(1)
+    side = _SIDE[net_fn]
+    barrier = threading.Barrier(replicas)
+
+    def loop() -> None:
+        torch.set_num_threads(1)
+        x, y = torch.rand(per_replica, 3, side, side, generator=g), torch.randint(0, 10, (per_replica,), generator=g)
+        net = _NETS[net_fn]().to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        for i in range(steps + 3):
+            if i == 3:
+                barrier.wait()
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            barrier.wait()
+
+    threads = [threading.Thread(target=loop, name=f"floor-{i}") for i in range(replicas)]
+    before = torch.get_num_threads()
+    cpu = time.process_time()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+    finally:
+        torch.set_num_threads(before)
+    return (time.process_time() - cpu) / ((steps + 3) * replicas) * 1e3
+
+
 class ExclusiveTimer(PhaseTimer):
     """PhaseTimer over the given (class or module, function, row) triples."""
 
@@ -358,12 +396,13 @@ def accounted_table(nets: list[str], steps: int, rounds: int, per_replica: int =
           f"{rounds} alternating "
           f"rounds of {steps} steps; load average {load()}")
     for net in nets:
-        fits, plains, fit_totals, plain_totals = [], [], [], []
+        fits, plains, fit_totals, plain_totals, floors = [], [], [], [], []
         for _ in range(rounds):
             plains.append(_plain_loop_ms(net, per_replica, steps))
             fits.append(_fit_accounted(net, replicas, per_replica, steps))
             plain_totals.append(_plain_loop_ms(net, per_replica, steps, rows=False)["total"])
             fit_totals.append(_fit_accounted(net, replicas, per_replica, steps, rows=False)["total"])
+            floors.append(_threads_floor_ms(net, per_replica, steps, replicas))
         fit = {k: statistics.median(r[k] for r in fits) for k in fits[0]}
         plain = {k: statistics.median(r[k] for r in plains) for k in plains[0]}
         print(f"  {net}: fit, per replica step                       plain loop, per step")
@@ -378,6 +417,9 @@ def accounted_table(nets: list[str], steps: int, rounds: int, per_replica: int =
         ratios = sorted(f / p for f, p in zip(fit_totals, plain_totals))
         print(f"    fit / plain loop (untimed runs): {fit_total / plain_total:.2f} (rounds: "
               f"{', '.join(f'{r:.2f}' for r in ratios)}); target <= 1.25")
+        floor = statistics.median(floors)
+        print(f"    {replicas} plain loops on {replicas} threads, in step (the floor threads set): {floor:.3f} ms, "
+              f"{floor / plain_total:.2f}x the plain loop; fit / that floor: {fit_total / floor:.2f}")
         print(f"    fit - plain loop: {fit_total - plain_total:.3f} ms per replica step; on 8 replicas "
               f"{8 * (fit_total - plain_total):.1f} ms more in series per step than 8 plain loops' Python")
 

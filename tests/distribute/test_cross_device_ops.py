@@ -279,7 +279,7 @@ def test_gradient_masks_that_vary_by_step_keep_few_buffers():
         assert len(state.layouts) == reducer_mod._LAYOUTS_KEPT
         assert len(state.unions) == 4  # each mask's union, learned once: later steps meet only once
         # the layouts kept are the unions' (two layers with gradients), not the masks' own
-        assert all(sum(union) == 2 for union, _ in state.layouts)
+        assert all(sum(union) == 2 for union, *_ in state.layouts)
 
 
 @pytest.mark.parametrize("ops_cls", CPU_OPS)

@@ -821,3 +821,142 @@ def test_two_mean_optimizers_of_one_module_each_weigh_by_the_replicas_examples(i
 
     strategy.run(step, args=next(iter(strategy.experimental_distribute_dataset([(x, y)]))))
     assert_matches(mnet, ref, strategy)
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 3))
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_step_averages_the_buffers_in_the_gradients_meeting(in_backward):
+    """Issue 35: step() averages BatchNorm's statistics in the meeting that reduces the gradients (or
+    that meets before the update), not in one of their own: a step of 2 replicas makes one meeting
+    fewer, and gives the same statistics, weighted by each replica's examples, and the same weights,
+    bit for bit, as the separate average (the reference: torch's step, then finish_step's own meeting)."""
+    x, y = data(7)
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(_bn_net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean",
+                                        reduce_in_backward=in_backward, lr=0.1)
+        ref = strategy.mirror(_bn_net())
+        ref_opt = strategy.mirror_optimizer(torch.optim.SGD, ref, gradient_reduction="mean",
+                                            reduce_in_backward=in_backward, lr=0.1)
+    meetings = []
+    exchange = md.replicas.Rendezvous.exchange
+
+    def counted(self, *args, **kwargs):
+        meetings.append(args[1] if len(args) > 1 else kwargs.get("what"))
+        return exchange(self, *args, **kwargs)
+
+    def step(xb, yb):
+        F.cross_entropy(mnet(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def ref_step(xb, yb):
+        F.cross_entropy(ref(xb), yb).backward()
+        if not in_backward:
+            ref_opt.reduce_gradients()
+        ref_opt.optimizer.step()  # (torch's own, then the average in a meeting of its own)
+        ref_opt.finish_step(weight=len(yb))
+        ref_opt.zero_grad()
+
+    (xb, yb), = strategy.experimental_distribute_dataset([(x, y)])  # 4 and 3 examples: uneven parts
+    md.replicas.Rendezvous.exchange = counted
+    try:
+        strategy.run(step, args=(xb, yb))
+        ours = len(meetings)
+        meetings.clear()
+        strategy.run(ref_step, args=(xb, yb))
+        theirs = len(meetings)
+    finally:
+        md.replicas.Rendezvous.exchange = exchange
+    # Per replica: reduced in step(), one meeting (the separate average: two); reduced when backward ended,
+    # that meeting and the one before the update, which carries the average (before: a third of its own).
+    assert ours == 2 * (2 if in_backward else 1), meetings
+    assert theirs == 2 * 2
+    strategy.check_in_sync(mnet)
+    for a, b in zip(mnet.replicas[0].buffers(), ref.replicas[0].buffers()):
+        assert torch.equal(a, b)
+    for a, b in zip(mnet.replicas[0].parameters(), ref.replicas[0].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_an_update_failing_after_the_buffers_were_averaged_leaves_the_next_average_to_run():
+    """Issue 35: the buffer average rides in the gradients' meeting, before the update, and finish_step
+    then skips its own; when the update fails (on every replica, before it changed anything), the step
+    is rolled back - statistics too - and nothing skips the next average: a later sync_buffers() still
+    averages, and the next step gives one clean step's result, bit for bit (the reference: another
+    strategy)."""
+    x, y = data(8)
+    strategy, ref_strategy = strategy_of(2), strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(_bn_net())
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.1)
+    with ref_strategy.scope():
+        ref = ref_strategy.mirror(_bn_net())
+        ref_opt = ref_strategy.mirror_optimizer(torch.optim.SGD, ref, gradient_reduction="mean", lr=0.1)
+    saved = [copy_.state_dict() for copy_ in mnet.replicas]
+    steps = [o.step for o in opt.replicas]
+    for o in opt.replicas:
+        o.step = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("boom in the update"))
+
+    def step(module, optimizer, xb, yb):
+        F.cross_entropy(module(xb), yb).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    (xb, yb), = strategy.experimental_distribute_dataset([(x, y)])
+    with pytest.raises(RuntimeError, match="boom in the update"):
+        strategy.run(step, args=(mnet, opt, xb, yb))
+    for o, torch_step in zip(opt.replicas, steps):
+        o.step = torch_step
+    for copy_, before in zip(mnet.replicas, saved):  # rolled back: the statistics too
+        for a, b in zip(copy_.state_dict().values(), before.values()):
+            assert torch.equal(a, b)
+
+    def uneven_statistics():
+        with torch.no_grad():
+            mnet.module[1].running_mean.fill_(float(replica_id()))
+        opt.sync_buffers()
+
+    strategy.run(uneven_statistics)
+    strategy.check_in_sync(mnet)
+    for copy_ in mnet.replicas:
+        assert torch.equal(copy_[1].running_mean, torch.full((4,), 0.5))
+        copy_[1].running_mean.zero_()
+    strategy.run(step, args=(mnet, opt, xb, yb))
+    (rx, ry), = ref_strategy.experimental_distribute_dataset([(x, y)])
+    ref_strategy.run(step, args=(ref, ref_opt, rx, ry))
+    strategy.check_in_sync(mnet)
+    for a, b in zip(mnet.replicas[0].state_dict().values(), ref.replicas[0].state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_integer_buffers_take_replica_0s_value_exactly_beyond_float64s_whole_numbers():
+    """The buffers that take replica 0's value travel in int64 (a float64 holds whole numbers exactly
+    only up to 2**53): an int64 buffer of 2**60 + 1 arrives bit for bit, and each float buffer is the
+    replicas' mean."""
+    net = nn.Linear(5, 3)
+    net.register_buffer("tag", torch.zeros(2, dtype=torch.int64))
+    net.register_buffer("stat", torch.zeros(2))
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net)
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+
+    def step(xb, yb):
+        copy_ = mnet.module
+        with torch.no_grad():
+            copy_.tag.copy_(torch.tensor([2 ** 60 + 1, -(2 ** 62) - 3]) + replica_id())
+            copy_.stat.fill_(1.0 + replica_id())
+        F.cross_entropy(mnet(xb), yb).backward()
+        opt.step()
+
+    (xb, yb), = strategy.experimental_distribute_dataset([data(4)])
+    strategy.run(step, args=(xb, yb))
+    for copy_ in mnet.replicas:
+        assert copy_.tag.tolist() == [2 ** 60 + 1, -(2 ** 62) - 3]
+        assert torch.equal(copy_.stat, torch.full((2,), 1.5))

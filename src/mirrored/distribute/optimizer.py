@@ -3,7 +3,10 @@
 A MirroredOptimizer is a torch Optimizer over every copy of a MirroredModule: one torch optimizer
 per copy (`.values`). `step()` in replica context all-reduces the replica's gradients, then every
 replica applies the same update, so the copies stay bitwise identical; floating-point buffers
-(BatchNorm statistics) are averaged after it. The reduction is `gradient_reduction`:
+(BatchNorm statistics) are averaged too: between the threads of one process in the same meeting,
+before the update (they follow the forward); across workers, and for a loop that steps the torch
+optimizer itself (finish_step, sync_buffers), in a meeting of their own after it. The reduction is
+`gradient_reduction`:
 
 - "sum" (default), TF's rule: each replica scales its loss by the GLOBAL batch
   (mr.losses.compute_average_loss), and the summed gradients are the single-device gradient.
@@ -112,7 +115,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
             for state, counter in zip(self._sync, module._shared.examples):
                 state.seen = tuple(counter.tolist())
         self._tokens: dict[int, Tensor] = {}  # per replica: what _meet() sends
-        self._buffer_plans: dict[int, tuple[tuple[int, ...], list[_BufferGroup]]] = {}  # per replica, see _buffer_groups
+        self._buffer_plans: dict[int, tuple[tuple[int, ...], list[_BufferPlan]]] = {}  # per replica, see _buffer_plans_of
+        self._carry = [False] * len(self.replicas)  # per replica: step() is reducing, the buffers ride along
+        self._synced = [False] * len(self.replicas)  # per replica: step() averaged them; finish_step skips it
         if self._in_backward and strategy.num_replicas_in_sync > 1:
             module._shared.grad_sync = self  # the latest "mean" optimizer of a module syncs it
             for rid in range(len(self.replicas)):
@@ -202,16 +207,33 @@ class MirroredOptimizer(torch.optim.Optimizer):
         accumulate = getattr(self.optimizer, "accumulate_gradients", None)
         update = accumulate is None or accumulate()
         examples = None
-        if update:
-            if self._settle(ctx):  # reduced already (when backward ended, or by reduce_gradients())
-                self._meet(ctx)
-            else:
-                self.reduce_gradients()  # (through the public method, which mr.profiler times)
-            examples = None if ctx is None else self._examples[ctx.local_replica_id]
-            journal = journal_of(ctx)
-            if journal is not None:
-                journal.before_update()  # the weights change now: a step cannot be run again from here
-        result = self.optimizer.step() if grad_scaler is None else grad_scaler.step(self.optimizer)
+        rid = None if ctx is None else ctx.local_replica_id
+        try:
+            if update:
+                # The buffers' average rides in the meeting before the update (it follows the forward, and
+                # nothing runs between here and the update), so finish_step needs no meeting of its own.
+                if self._settle(ctx):  # reduced already (when backward ended, or by reduce_gradients())
+                    if rid is not None and self._reducer.riders_ride and self._buffer_plans_of(rid):
+                        self.sync_buffers(self._examples[rid])  # (a meeting too)
+                        self._synced[rid] = True
+                    else:
+                        self._meet(ctx)
+                else:
+                    if rid is not None:
+                        self._carry[rid] = True
+                    self.reduce_gradients()  # (through the public method, which mr.profiler times)
+                examples = None if ctx is None else self._examples[rid]
+                journal = journal_of(ctx)
+                if journal is not None:
+                    journal.before_update()  # the weights change now: a step cannot be run again from here
+            result = self.optimizer.step() if grad_scaler is None else grad_scaler.step(self.optimizer)
+        except BaseException:
+            if rid is not None:
+                self._synced[rid] = False  # (a step run again averages its buffers again)
+            raise
+        finally:
+            if rid is not None:
+                self._carry[rid] = False
         self.finish_step(weight=examples, commit=update)
         return result
 
@@ -362,11 +384,21 @@ class MirroredOptimizer(torch.optim.Optimizer):
             return  # one replica in all: its gradients are the sum, and w g / w is g
         params = self._params(rid)
         grads = [p.grad for p in params]
+        # step()'s buffer average, where it may ride with the gradients (see step)
+        plans = self._buffer_plans_of(rid) if self._carry[rid] and self._reducer.riders_ride else []
+        first = ctx.replica_id_in_sync_group == 0
+        riders = [t for plan in plans for t in plan.gather(1.0 if examples is None else float(examples), first)]
         if self._mean:
             weight, divide = (1 if examples is None else examples, True) if pending is None else pending
-            reduced = self._reducer.reduce(ctx, params, grads, weight, divide)
+            reduced = self._reducer.reduce(ctx, params, grads, weight, divide, riders=riders)
         else:
-            reduced = self._reducer.reduce(ctx, params, grads)
+            reduced = self._reducer.reduce(ctx, params, grads, riders=riders)
+        if plans:
+            with torch.no_grad():
+                i = len(params)
+                for plan in plans:
+                    i = plan.scatter(reduced, i)
+            self._synced[rid] = True
         for p, g in zip(params, reduced):
             if p.grad is not g:  # after zero_grad(set_to_none=False) backward refilled last step's views
                 p.grad = g
@@ -440,10 +472,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
         ctx = self._replica()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             return
-        groups = self._buffer_groups(ctx.local_replica_id)
-        if not groups:  # (the same on every replica: no meeting at all)
+        if self._synced[ctx.local_replica_id]:  # averaged in step()'s meeting before the update
+            self._synced[ctx.local_replica_id] = False
             return
-        first = ctx.replica_id_in_sync_group == 0
+        plans = self._buffer_plans_of(ctx.local_replica_id)
+        if not plans:  # (the same on every replica: no meeting at all)
+            return
         # Averaged in float64: for float32 (or half) copies that are equal, the sum of n of them (weighted
         # by whole numbers) and its division are exact there, so a buffer that no step changed (a
         # constant, a frozen statistic) stays bit for bit itself; in its own dtype, (x + x + x) / 3 is
@@ -451,43 +485,35 @@ class MirroredOptimizer(torch.optim.Optimizer):
         # the same buffers, so the strategy may skip its shape check.
         # Without a weight every replica weighs 1: the same sum, divided by the replica count.
         w = 1.0 if weight is None else float(weight)
+        first = ctx.replica_id_in_sync_group == 0
         with torch.no_grad():
-            sent, kept = [], []
-            for group in groups:
-                flat = group.pack()
-                if group.is_float:
-                    kept.append(flat.double())  # (exact: every float dtype widens to float64 exactly)
-                    sent.append(kept[-1] * w)
-                else:
-                    kept.append(None)
-                    sent.append(flat if first else torch.zeros_like(flat))
-            if any(group.is_float for group in groups):
-                sent.append(torch.tensor(w, dtype=torch.float64, device=sent[0].device))
+            sent = []
+            for plan in plans:
+                sent.extend(plan.gather(w, first))
             summed = self._strategy.all_reduce_tensors(ctx, ReduceOp.SUM, sent, check_shapes=False)
-            total = summed[-1]  # > 0: a step has examples (torch.where keeps a device sync out of the step)
-            for group, value, old in zip(groups, summed, kept):
-                if old is not None:
-                    value = torch.where(total > 0, value / total, old)
-                group.unpack(value)
+            i = 0
+            for plan in plans:
+                i = plan.scatter(summed, i)
 
-    def _buffer_groups(self, rid: int) -> list[_BufferGroup]:
-        """Replica `rid`'s state tensors (modules.state_tensors) packed by kind and device for the sync,
-        worked out again only when they are not the same tensors as last step. The walk and
+    def _buffer_plans_of(self, rid: int) -> list[_BufferPlan]:
+        """Replica `rid`'s state tensors (modules.state_tensors) laid out for the sync, one plan per
+        device, worked out again only when they are not the same tensors as last step. The walk and
         the ~4 torch calls per buffer it saves were a third of the step's own work."""
         tensors = state_tensors(self._module.replicas[rid])
         key = tuple((id(t), how) for t, how in tensors)
         cached = self._buffer_plans.get(rid)
         if cached is not None and cached[0] == key:  # (ids hold: the plan keeps its tensors alive)
             return cached[1]
-        found: dict[tuple, list[Tensor]] = {}
+        found: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}
         for b, how in tensors:
+            means, firsts = found.setdefault(b.device, ([], []))
             if how == "mean" and b.is_floating_point():
-                found.setdefault((True, b.device), []).append(b)
+                means.append(b)
             elif not b.is_complex() and b.dtype != torch.bool:  # replica 0's
-                found.setdefault((False, b.device, b.dtype), []).append(b)
-        groups = [_BufferGroup(is_float, bufs) for (is_float, *_), bufs in found.items()]
-        self._buffer_plans[rid] = (key, groups)
-        return groups
+                firsts.append(b)
+        plans = [_BufferPlan(means, firsts, device) for device, (means, firsts) in found.items() if means or firsts]
+        self._buffer_plans[rid] = (key, plans)
+        return plans
 
     def no_sync(self) -> Any:
         """The module's no_sync() (DDP's name): gradients accumulate locally, step() after it reduces once."""
@@ -637,36 +663,76 @@ def _reduces_in_backward(reduce_in_backward: bool | None, mean: bool) -> bool:
     return mean if reduce_in_backward is None else reduce_in_backward
 
 
-class _BufferGroup:
-    """Buffers of one kind (floating point, averaged; or one integer dtype, replica 0's) on one device,
-    packed into one flat tensor and written back with one torch call each way where their shapes allow:
-    1-d buffers (BatchNorm's statistics) are concatenated, 0-d ones (its num_batches_tracked) stacked."""
+class _BufferPlan:
+    """One replica's state tensors on one device, laid out once for every step's sync: the averaged ones
+    (floating point) in one float64 flat whose last element holds the replica's weight, and replica 0's
+    ones in a float64 flat (floats) and an int64 flat (integers, exact for any int64 value), each with
+    views shaped like its tensors, so that a sync is a few fused torch calls whatever their number."""
 
-    __slots__ = ("is_float", "bufs", "how", "numels", "shapes")
+    __slots__ = ("means", "flat", "values", "views", "firsts")
 
-    def __init__(self, is_float: bool, bufs: list[Tensor]):
-        self.is_float, self.bufs = is_float, bufs
-        dims = {b.dim() for b in bufs}
-        self.how = "cat" if dims == {1} else "stack" if dims == {0} else "reshape"
-        self.numels = [b.numel() for b in bufs]
-        self.shapes = [b.shape for b in bufs]
+    def __init__(self, means: list[Tensor], firsts: list[Tensor], device: torch.device):
+        self.means = means
+        numel = sum(b.numel() for b in means)
+        self.flat = torch.ones(numel + 1, dtype=torch.float64, device=device)  # (the last: the weight, x w)
+        self.values = self.flat[:numel]
+        self.views = _views_of(self.values, means)
+        kinds = ([b for b in firsts if b.is_floating_point()], [b for b in firsts if not b.is_floating_point()])
+        self.firsts = [_Firsts(kind, dtype, device) for kind, dtype in zip(kinds, (torch.float64, torch.int64)) if kind]
 
-    def pack(self) -> Tensor:
-        if self.how == "cat":
-            return torch.cat(self.bufs)
-        if self.how == "stack":
-            return torch.stack(self.bufs)
-        return torch.cat([b.reshape(-1) for b in self.bufs])
+    def gather(self, weight: float, first: bool) -> list[Tensor]:
+        """What this replica sends: its averaged tensors (exactly, in float64) times `weight`, with the
+        weight itself last; then replica 0's tensors (zeros on the others, so that the sum is replica 0's)."""
+        sent = []
+        if self.means:
+            torch._foreach_copy_(self.views, self.means)
+            sent.append(self.flat * weight)  # (a new tensor: a large one may be reduced where it lies)
+        sent.extend(part.gather(first) for part in self.firsts)
+        return sent
 
-    def unpack(self, flat: Tensor) -> None:
-        """Copies `flat` (pack()'s layout, any dtype) into the buffers, cast to each one's dtype."""
-        if self.how == "cat":
-            parts = list(flat.split(self.numels))
-        elif self.how == "stack":
-            parts = list(flat.unbind())
-        else:
-            parts = [part.view(shape) for part, shape in zip(flat.split(self.numels), self.shapes)]
-        torch._foreach_copy_(self.bufs, parts)
+    def scatter(self, summed: list[Tensor], i: int) -> int:
+        """Writes the sums from summed[i] on into the tensors, each cast back to its dtype: the averaged
+        ones divided by the replicas' total weight (> 0 in a step with examples; otherwise they keep their
+        values - torch.where keeps a device sync out of the step). Returns the next index."""
+        if self.means:
+            total = summed[i][-1]
+            self.values.copy_(torch.where(total > 0, summed[i][:-1] / total, self.values))
+            torch._foreach_copy_(self.means, self.views)
+            i += 1
+        for part in self.firsts:
+            part.scatter(summed[i])
+            i += 1
+        return i
+
+
+class _Firsts:
+    """Tensors that take replica 0's value, in one flat of `dtype` that holds each of them exactly."""
+
+    __slots__ = ("tensors", "flat", "views")
+
+    def __init__(self, tensors: list[Tensor], dtype: torch.dtype, device: torch.device):
+        self.tensors = tensors
+        self.flat = torch.zeros(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+        self.views = _views_of(self.flat, tensors)
+
+    def gather(self, first: bool) -> Tensor:
+        if not first:
+            return torch.zeros_like(self.flat)  # (new tensors: a large one may be reduced where it lies)
+        torch._foreach_copy_(self.views, self.tensors)
+        return self.flat.clone()
+
+    def scatter(self, summed: Tensor) -> None:
+        self.flat.copy_(summed)
+        torch._foreach_copy_(self.tensors, self.views)
+
+
+def _views_of(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
+    """Views of consecutive parts of `flat`, one shaped like each of `tensors`."""
+    views, start = [], 0
+    for t in tensors:
+        views.append(flat[start:start + t.numel()].view(t.shape))
+        start += t.numel()
+    return views
 
 
 class _BackwardSync:

@@ -65,11 +65,13 @@ class Communicator(NamedTuple):
 class _ReplicaState:
     """What one replica keeps between its gradient reductions: a few sets of bucket buffers (least
     recently used out), the gradient-mask unions it learned, a weighted reduction's stand-in
-    parameter for the total weight, and (across workers) which parameters have sparse gradients."""
+    parameter for the total weight, (across workers) which parameters have sparse gradients, and the
+    sizes of the tensors riding with the reduction under way."""
 
-    __slots__ = ("layouts", "unions", "count", "sparse")
+    __slots__ = ("layouts", "unions", "count", "sparse", "riders")
 
     def __init__(self) -> None:
+        self.riders: tuple[int, ...] = ()  # the sizes of the riders of the reduction under way (reduce())
         self.layouts: dict[tuple, buckets.LayoutBuffers] = {}
         self.unions: dict[tuple, tuple] = {}
         self.count: Tensor | None = None
@@ -80,7 +82,7 @@ class _ReplicaState:
         tensors' dtypes, not their shapes too (a third of the cost): torch holds each .grad to its
         parameter's shape, which does not change, while .double() or .half() changes a parameter's
         dtype in place. (A module moved to another device is not a replica any more.)"""
-        key = (travel, tuple(t.dtype for t in tensors if t is not None))
+        key = (travel, tuple(t.dtype for t in tensors if t is not None), self.riders)  # (riders' sizes vary)
         return _recent(self.layouts, key,
                        lambda: buckets.Layout(tensors, bytes_per_pack, _DIRECT_NUMEL).buffers(in_place=True),
                        _LAYOUTS_KEPT)
@@ -137,14 +139,20 @@ class GradientReducer:
         return self._threads is None and self._workers is None
 
     def reduce(self, ctx: ReplicaContext, params: Sequence[Tensor], grads: list[Tensor | None],
-               weight: float | Tensor | None = None, divide: bool = True) -> list[Tensor | None]:
+               weight: float | Tensor | None = None, divide: bool = True,
+               riders: Sequence[Tensor] = ()) -> list[Tensor | None]:
         """Every replica's gradients of its copies of `params` combined (called on every replica at once):
         their SUM, or with `weight` (this replica's; a number or a 0-dim tensor, >= 0) the sum of each
-        replica's gradients times its weight, divided by the replicas' total weight unless `divide` is
-        False (a total of 0 leaves the zeros it weighed). Each result may be the given tensor, reduced in
-        place."""
+        replica's gradients times its weight, divided by the total weight unless `divide` is False (a
+        total of 0 leaves the zeros it weighed). Each result may be the given tensor, reduced in place.
+        `riders` (dense tensors the replicas hold alike, between the threads of one process) are summed
+        as they are in the same meeting, their sums (which the next reduction may overwrite) after the
+        gradients': the optimizer's buffer average travels so, which saves it a meeting of its own."""
+        riders = list(riders) if self.riders_ride else []
+        n = len(grads)
+        self._states[ctx._replica_id].riders = tuple(r.numel() for r in riders)
         if weight is None:
-            return self._sum(ctx, params, grads)
+            return self._sum(ctx, [*params, *riders], [*grads, *riders])
         if self.lone:  # w g / w, bitwise g (a mean over one replica's examples is one device's)
             return grads if divide else _scaled(grads, weight)
         if not isinstance(weight, Tensor) and weight == 0:
@@ -156,11 +164,17 @@ class GradientReducer:
             sent = weight.detach().to(device=count.device, dtype=count.dtype, non_blocking=True).reshape(())
         else:
             sent = torch.tensor(float(weight), dtype=count.dtype, device=count.device)
-        reduced = self._sum(ctx, [*params, count], [*grads, sent])
+        reduced = self._sum(ctx, [*params, count, *riders], [*grads, sent, *riders])
         if divide:  # a total of 0 (no replica weighs) divides zeros: by the smallest positive number, not 0
-            total = reduced[-1].clamp(min=torch.finfo(count.dtype).tiny)  # (no Python test: no device sync)
-            torch._foreach_div_([g for g in reduced[:-1] if g is not None], total)
-        return reduced[:-1]
+            total = reduced[n].clamp(min=torch.finfo(count.dtype).tiny)  # (no Python test: no device sync)
+            torch._foreach_div_([g for g in reduced[:n] if g is not None], total)
+        return reduced[:n] + reduced[n + 1:]
+
+    @property
+    def riders_ride(self) -> bool:
+        """Whether reduce() carries riders: between the replica threads of one process (across workers
+        they would travel with every parameter's presence count: the caller meets apart there)."""
+        return self._threads is not None and self._workers is None
 
     def _sum(self, ctx: ReplicaContext, params: Sequence[Tensor], grads: list[Tensor | None]) -> list[Tensor | None]:
         if self._workers is not None:

@@ -27,18 +27,18 @@ from mirrored.training.data_adapter import unpack_x_y_sample_weight
 class _Steps:
     """train_step, test_step, predict_step and what they call; mixed into Model (model.py)."""
 
-    def _autocast(self, device: torch.device) -> Any:
+    def _autocast(self, net: Any) -> Any:
         if self._precision is None:
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self._precision == "bf16" else torch.float16
-        return torch.autocast(device_type=device.type, dtype=dtype)
+        return torch.autocast(device_type=data_adapter.device_of(net).type, dtype=dtype)
 
     def _forward(self, net: Any, x: Any, *args: Any, training: bool = False, **kwargs: Any) -> Any:
         """The module on what the data yields, in fit, evaluate, predict and model(x) alike: only
         floating-point inputs change, to the module's dtype. A Keras model also gets `training`, as
         Keras's trainer passes it (True in fit's train steps only)."""
         dtype = data_adapter.module_dtype(net)
-        with self._autocast(data_adapter.device_of(net)):
+        with self._autocast(net):
             try:
                 out = self._adapter.call(net, data_adapter.cast_inputs(x, dtype), training, *args, **kwargs)
             except RuntimeError as e:
@@ -170,7 +170,7 @@ class _Steps:
                 record = (share.detach().double() * rows_all, rows)
         else:
             # A mean over every loss value of the part: rows times the values per row (a sequence's steps).
-            loss = total / max(per_example.numel(), 1) + penalty
+            loss = _plus(total / max(per_example.numel(), 1), penalty)
             record = (loss.detach().double() * rows, rows)
             if rows_all:
                 # Its gradient is the replica's share of one device's loss on the global batch - its sums over
@@ -178,7 +178,7 @@ class _Steps:
                 # one device's, through the statistics a SyncBatchNorm shares too; the value is its own
                 # part's. (Where the global batch is unknown, the optimizer weighs the part by its rows.)
                 values = per_example.numel() // rows if rows else 1
-                share = total / (rows_all * values) + penalty * (rows / rows_all)
+                share = _plus(total / (rows_all * values), penalty * (rows / rows_all))
                 loss = share + (loss - share).detach()
         self._loss_records[rid] = record
         if shares and training and self._mopt is not None:
@@ -411,6 +411,12 @@ class _Logs(Mapping):
 
     def __repr__(self) -> str:
         return f"<logs of {', '.join(self._by_name())}>"
+
+
+def _plus(loss: Tensor, penalty: Tensor | float) -> Tensor:
+    """loss + penalty, without the torch call (and its backward node) of adding the number 0 - the
+    regularization of a module without any, every step."""
+    return loss if isinstance(penalty, (int, float)) and penalty == 0 else loss + penalty
 
 
 class _OptimizerSteps:
