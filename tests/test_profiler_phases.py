@@ -5,6 +5,8 @@ checks only structure and sums, never how fast anything is. The CUDA path runs h
 device (torch.cuda.synchronize replaced); the real-GPU test is marked `cuda`."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -149,9 +151,13 @@ def test_fit_phases_add_up_to_the_profiled_time_and_name_the_bottleneck(capsys):
     # the slowest replica's compute and all-reduce lie within its steps
     assert phases["compute"]["total_s"] + phases["all_reduce"]["total_s"] <= s["step_s"]["total"] * (1 + 1e-9)
     words = s["bottleneck"]
-    assert words.split(":")[0] in {"compute-bound", "all-reduce-bound", "input-bound", "overhead-bound"}
+    assert words.split(":")[0] in {"compute-bound", "all-reduce-bound", "input-bound", "overhead-bound",
+                                   "Python per step limits"}
     for short in ("compute", "all-reduce", "input", "overhead"):
         assert short in words
+    python = s["python_per_step"]  # (this model's tiny steps are mostly Python: either verdict may come)
+    assert python["replicas"] == 2 and python["device_type"] == "cpu" and python["host_cpu_s"] > 0
+    assert 0 < python["parallelism"] <= 2.2 and python["window_s"] > 0
 
     # the limit: one replica's step (its half of the global batch, one intra-op thread) timed alone
     net = model.replicas[0]
@@ -167,7 +173,107 @@ def test_fit_phases_add_up_to_the_profiled_time_and_name_the_bottleneck(capsys):
     assert scaling["replicas"] == 2 and scaling["efficiency"] == pytest.approx(alone / scaling["step_s"])
     profiler.print_summary()
     out = capsys.readouterr().out
-    assert words in out and "scaling efficiency" in out
+    assert words in out and "scaling efficiency" in out and "Python per step: the replicas' threads spent" in out
+
+
+# ---- Python per step (issue 35): the replicas' CPU in their functions against the wall time they ran in ----
+def _python_profiler(bodies: dict[int, tuple[float, float, float]], device_type: str = "cpu",
+                     cores: int = 2) -> mr.profiler.Profiler:
+    """One 10 ms step (ms): replica r runs from start to end with `cpu` of its thread's CPU."""
+    profiler = mr.profiler.Profiler()
+    profiler._rec.device_type, profiler._rec.cores, profiler._rec.replicas = device_type, cores, len(bodies)
+    profiler._rec.spans += [Span("input", 0, 0, 1, None, 0), Span("step", 0, 10 * MS, 1, None, 0)]
+    for r, (start, end, cpu) in bodies.items():
+        profiler._rec.spans.append(Span("replica_step", int(start * MS), int(end * MS), 2 + r, r, 0,
+                                        {"cpu_ns": int(cpu * MS)}))
+    return profiler
+
+
+def test_replicas_taking_turns_at_the_lock_are_named_python_per_step():
+    # Each replica ran 4.5 ms of CPU, one after the other: 9 ms of CPU in a 9.5 ms window, parallelism ~0.95.
+    turns = _python_profiler({0: (0, 4.5, 4.5), 1: (4.5, 9.5, 4.5)})
+    python = turns.python_per_step()
+    assert python == {"replicas": 2, "device_type": "cpu", "host_cpu_s": pytest.approx(9e-3),
+                      "window_s": pytest.approx(9.5e-3), "parallelism": pytest.approx(9 / 9.5), "usable": 2,
+                      "limits": True}
+    words = turns.bottleneck()
+    assert words.startswith("Python per step limits: 2 replicas spent 9.00 ms of CPU per step in their step "
+                            "functions against 9.50 ms from the first one's start to the last one's end, a "
+                            "parallelism of 0.95 where 2 cores could run them at once"), words
+    # (the breakdown counts the slowest replica's own span as compute: the turn it waited for is overhead)
+    assert words.endswith("; compute 50%; overhead 50%; all-reduce 0%; input 0%"), words
+    # At once, each on its core: parallelism 2, and compute is what limits.
+    together = _python_profiler({0: (0, 9, 9), 1: (0, 9, 9)})
+    assert together.python_per_step()["parallelism"] == pytest.approx(2) and not together.python_per_step()["limits"]
+    assert together.bottleneck().startswith("compute-bound: 90% of the step computes")
+    # Two replicas on one core take turns whatever their Python: that is the cores' limit, not the lock's.
+    one_core = _python_profiler({0: (0, 4.5, 4.5), 1: (4.5, 9.5, 4.5)}, cores=1)
+    assert one_core.python_per_step()["usable"] == 1 and not one_core.python_per_step()["limits"]
+    assert mr.profiler.Profiler().python_per_step() is None
+
+
+def test_on_gpus_python_per_step_is_the_hosts_cpu_against_the_replicas_window():
+    waiting = _python_profiler({0: (0, 9, 4.5), 1: (0, 9.5, 4.5)}, device_type="cuda")
+    python = waiting.python_per_step()
+    assert python["parallelism"] == pytest.approx(9 / 9.5) and python["usable"] == 2 and python["limits"]
+    assert waiting.bottleneck().startswith("Python per step limits: the replicas' host work, 9.00 ms of CPU per "
+                                           "step in their step functions")
+    assert "the GPUs wait for the host" in waiting.bottleneck()
+    busy_gpus = _python_profiler({0: (0, 9, 1), 1: (0, 9.5, 1)}, device_type="cuda")
+    assert not busy_gpus.python_per_step()["limits"]
+    assert busy_gpus.bottleneck().startswith("compute-bound")
+
+
+def test_a_replica_step_of_pure_python_is_named_python_per_step():
+    """Real replica threads: a step function that only runs Python holds the interpreter lock, so two
+    replicas take turns (parallelism about 1 of 2 whatever the box's load) and the verdict says so."""
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+
+    def python_only():
+        return sum(i * i for i in range(20000))
+
+    profiler = mr.profiler.Profiler()
+    with profiler.start(strategy=strategy):
+        for _ in range(8):
+            with profiler.step():
+                strategy.run(python_only)
+    python = profiler.python_per_step()
+    assert python["device_type"] == "cpu" and python["replicas"] == 2
+    if python["usable"] < 2:
+        pytest.skip("one core: replicas take turns whatever their Python")
+    assert python["parallelism"] < 1.3 and python["limits"], python
+    assert profiler.bottleneck().startswith("Python per step limits: 2 replicas spent")
+
+
+def test_the_hosts_cpu_leaves_out_what_the_profilers_device_syncs_spin(monkeypatch):
+    """On CUDA a device sync spins on the host; the profiler's own syncs around each replica span and each
+    all-reduce are not the step's host work. Scripted device: each sync burns ~2 ms of CPU."""
+    def spinning_sync():
+        end = time.thread_time_ns() + 2 * MS
+        while time.thread_time_ns() < end:
+            pass
+
+    monkeypatch.setattr(profiler_lib, "_device_sync", lambda devices: (lambda: None))
+    monkeypatch.setattr(profiler_lib, "_sync_current", spinning_sync)
+    strategy = mr.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with strategy.scope():
+        mnet = strategy.mirror(torch.nn.Linear(5, 3))
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, lr=0.1)
+
+    def step_fn():
+        mnet(torch.ones(2, 5)).sum().backward()
+        opt.step()  # (its all-reduce is timed too: two more syncs inside the replica's function)
+        opt.zero_grad()
+
+    profiler = mr.profiler.Profiler()
+    with profiler.start(optimizer=opt, strategy=strategy):
+        for _ in range(4):
+            with profiler.step():
+                strategy.run(step_fn)
+    python = profiler.python_per_step()
+    assert python["device_type"] == "cuda"
+    # Each replica's function holds two spinning syncs (~4 ms of CPU); its own work is far less.
+    assert python["host_cpu_s"] < 2e-3, python
 
 
 # ---- CUDA: synchronised span boundaries, with a scripted device ---------------------------------------

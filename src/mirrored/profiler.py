@@ -21,7 +21,10 @@ up to it: input, compute and all-reduce of the step's slowest replica (the one o
 it arrives last at the all-reduce, so its all-reduce is the communication itself), and overhead (the
 step outside that replica's function: hand-offs to the replica threads, splitting the batch, the
 loop's bookkeeping). `bottleneck()` names the largest in words ("compute-bound: 97% of the step
-computes; all-reduce 1%; input 1%; overhead 1%"), and `scaling()` compares the step with the limit:
+computes; all-reduce 1%; input 1%; overhead 1%") - or "Python per step" where the replicas, threads of
+one interpreter, took turns at its lock (`python_per_step()`: their threads' CPU in their functions
+against the wall time they ran in; on GPUs, the host's CPU against it) - and `scaling()` compares the
+step with the limit:
 every replica as fast as one replica alone (`time_alone` measures that; without it, this run's own
 compute stands in).
 
@@ -122,7 +125,21 @@ class _Recorder:
         self.last_end_ns = self.t0_ns
         self.sync: Callable[[], None] | None = None  # waits for every GPU of the strategy (CUDA only)
         self.replicas: int | None = None  # the strategy's num_replicas_in_sync, when one is profiled
+        self.device_type = "cpu"  # the replicas' devices' type ("cuda": the GPUs wait for the host)
+        self.cores = _cores()  # the cores this process may run on, which CPU replicas share
+        self._sync_cpu = threading.local()  # per thread: the CPU its profiler syncs spent (not the step's)
         self._lock = threading.Lock()
+
+    def replica_sync(self) -> None:
+        """Waits for the calling replica thread's GPU, counting the CPU the wait spends (CUDA's wait
+        spins) apart, so that a replica's host CPU leaves out what the profiler itself added."""
+        cpu = time.thread_time_ns()
+        _sync_current()
+        self._sync_cpu.ns = self.sync_cpu_ns() + time.thread_time_ns() - cpu
+
+    def sync_cpu_ns(self) -> int:
+        """The CPU the calling thread spent in replica_sync so far."""
+        return getattr(self._sync_cpu, "ns", 0)
 
     def now(self) -> int:
         """The clock at a step boundary: on CUDA, after the devices finished what was queued so far."""
@@ -170,19 +187,24 @@ def trace(name: str) -> Iterator[None]:
 
 
 def _timed(rec: _Recorder, name: str | Callable[[], str], call: Callable[..., Any],
-           sync: Callable[[], None] | None = None) -> Callable[..., Any]:
+           sync: Callable[[], None] | None = None, cpu: bool = False) -> Callable[..., Any]:
     """`call`, recording a span `name` around it; with `sync` (CUDA), the device is waited for at both
-    ends, so the span holds the kernels the call queued and none from before it."""
+    ends, so the span holds the kernels the call queued and none from before it. With `cpu`, the span's
+    args hold "cpu_ns": the CPU its thread spent in the call, less what the profiler's own syncs spent
+    in it (python_per_step)."""
     def timed(*args: Any, **kwargs: Any) -> Any:
         if sync is not None:
             sync()
         start = _now()
+        if cpu:
+            cpu_start, synced = time.thread_time_ns(), rec.sync_cpu_ns()
         try:
             return call(*args, **kwargs)
         finally:
+            args_ = {"cpu_ns": time.thread_time_ns() - cpu_start - (rec.sync_cpu_ns() - synced)} if cpu else None
             if sync is not None:
                 sync()
-            rec.record(name if isinstance(name, str) else name(), start, _now())
+            rec.record(name if isinstance(name, str) else name(), start, _now(), args_)
     return timed
 
 
@@ -267,7 +289,8 @@ class Profiler(Callback):
         if strategy is not None:
             rec.replicas = strategy.num_replicas_in_sync
         rec.sync = _device_sync(devices)
-        replica_sync = _sync_current if rec.sync is not None else None
+        rec.device_type = "cuda" if rec.sync is not None else "cpu"
+        replica_sync = rec.replica_sync if rec.sync is not None else None
         if optimizer is not None:
             self._undo.append(_wrap_method(optimizer, "reduce_gradients",
                                            lambda call: _timed(rec, "all_reduce", call, replica_sync)))
@@ -277,7 +300,8 @@ class Profiler(Callback):
 
             def wrap_run(call: Callable[..., Any]) -> Callable[..., Any]:
                 def run(fn: Any, *args: Any, **kwargs: Any) -> Any:
-                    return call(_timed(rec, replica_name, fn, replica_sync) if callable(fn) else fn, *args, **kwargs)
+                    return call(_timed(rec, replica_name, fn, replica_sync, cpu=True) if callable(fn) else fn,
+                                *args, **kwargs)
                 return run
             self._undo.append(_wrap_method(strategy, "run", wrap_run))
         with _active_lock:
@@ -377,13 +401,14 @@ class Profiler(Callback):
         return tuple(self._rec.spans)
 
     def _steps(self) -> list[dict[str, Any]]:
-        """Per step: input_s, step_s, num_examples, and per replica all_reduce_s and replica_s."""
+        """Per step: input_s, step_s, num_examples, and per replica all_reduce_s, replica_s and cpu_s (the
+        CPU its thread spent in its function)."""
         rows: dict[int, dict[str, Any]] = {}
         for s in self.spans:
             if s.step is None:
                 continue
             row = rows.setdefault(s.step, {"input_s": 0.0, "step_s": None, "num_examples": None,
-                                           "all_reduce_s": {}, "replica_s": {}})
+                                           "all_reduce_s": {}, "replica_s": {}, "cpu_s": {}})
             if s.name == "input" and s.replica is None:
                 row["input_s"] = s.duration_s
             elif s.name == "step" and s.replica is None:
@@ -391,6 +416,11 @@ class Profiler(Callback):
             elif s.name in ("all_reduce", "replica_step") and s.replica is not None:
                 key = "all_reduce_s" if s.name == "all_reduce" else "replica_s"
                 row[key][s.replica] = row[key].get(s.replica, 0.0) + s.duration_s
+                if "cpu_ns" in s.args:
+                    row["cpu_s"][s.replica] = row["cpu_s"].get(s.replica, 0.0) + s.args["cpu_ns"] / 1e9
+                if s.name == "replica_step":  # from the first replica's start to the last one's end
+                    first, last = row.get("window_ns", (s.start_ns, s.end_ns))
+                    row["window_ns"] = (min(first, s.start_ns), max(last, s.end_ns))
         return [rows[i] for i in sorted(rows) if rows[i]["step_s"] is not None]
 
     def summary(self) -> dict[str, Any]:
@@ -417,6 +447,7 @@ class Profiler(Callback):
             "input_fraction": input_total / wall if wall > 0 else None,
             "phases": self.breakdown(),
             "bottleneck": self.bottleneck(),
+            "python_per_step": self.python_per_step(),
             "scaling": self.scaling(self.alone_step_s),
             "memory_format": self.memory_format,
         }
@@ -436,15 +467,50 @@ class Profiler(Callback):
         out["wall_s"], out["steps"] = wall, len(rows)
         return out
 
+    def python_per_step(self) -> dict[str, Any] | None:
+        """Whether the replicas' Python limits the step: the replicas are threads of one interpreter, so
+        the Python each replica step runs (and torch's dispatch of each op) runs in series under its
+        lock. Per step, the CPU the replica threads spent in their functions (`host_cpu_s`, summed over
+        the replicas; less the profiler's own device syncs) against the wall time from the first
+        replica's start to the last one's end (`window_s`), medians over the steps. On CPU replicas,
+        whose kernels run on the same cores, `parallelism` = host_cpu / window says how many replicas
+        progressed at once: far below the
+        replicas the cores can hold (`usable`) they took turns at the lock - `limits` when under 3/4 of
+        it. On GPUs the host CPU is Python and dispatch alone: `limits` when it is 0.8 of the window or
+        more, the GPUs waiting for the host. None without replica functions timed."""
+        rows = [row for row in self._steps() if row["cpu_s"] and "window_ns" in row]
+        if not rows:
+            return None
+        host = [sum(row["cpu_s"].values()) for row in rows]
+        # (the replicas' window, not the slowest one's own span: a replica waiting for the lock before its
+        # function starts would hide the wait)
+        window = [(row["window_ns"][1] - row["window_ns"][0]) / 1e9 for row in rows]
+        replicas = self._rec.replicas or max(len(row["replica_s"]) for row in rows)
+        cuda = self._rec.device_type == "cuda"
+        usable = replicas if cuda else max(1, min(replicas, self._rec.cores))
+        parallelism = float(np.median([h / w for h, w in zip(host, window) if w > 0] or [0.0]))
+        limits = parallelism >= 0.8 if cuda else usable >= 2 and parallelism < 0.75 * usable
+        return {"replicas": replicas, "device_type": self._rec.device_type, "host_cpu_s": float(np.median(host)),
+                "window_s": float(np.median(window)), "parallelism": parallelism, "usable": usable,
+                "limits": bool(limits)}
+
     def bottleneck(self) -> str | None:
         """What limits the step, in words, with the numbers: "compute-bound: 97% of the step computes;
-        all-reduce 1%; input 1%; overhead 1%". None before any step was recorded."""
+        all-reduce 1%; input 1%; overhead 1%", or "Python per step: ..." where the replicas' Python,
+        in series under the interpreter lock, is what their compute waits for (python_per_step). None
+        before any step was recorded."""
         phases = self.breakdown()
         if not phases["steps"] or not phases["wall_s"] > 0:
             return None
         order = sorted(PHASES, key=lambda name: -phases[name]["fraction"])
         name, doing, _ = _PHASE_WORDS[order[0]]
         rest = "; ".join(f"{_PHASE_WORDS[p][2]} {_percent(phases[p]['fraction'])}" for p in order[1:])
+        # Replicas taking turns at the lock show in compute, in the all-reduce (the first waits there for the
+        # last) and in overhead (the hand-off waits for the lock): any but input.
+        python = self.python_per_step() if order[0] != "input" else None
+        if python is not None and python["limits"]:
+            every = "; ".join(f"{_PHASE_WORDS[p][2]} {_percent(phases[p]['fraction'])}" for p in order)
+            return f"{_python_words(python)}; {every}"
         return f"{name}: {_percent(phases[order[0]]['fraction'])} of the step {doing}; {rest}"
 
     def scaling(self, alone_step_s: float | None = None) -> dict[str, Any] | None:
@@ -487,6 +553,12 @@ class Profiler(Callback):
         lines = [head, f"{'':<22}{'median':>12}{'p90':>12}{'total':>12}"]
         lines += [f"{name:<22}{_ms(st['median']):>12}{_ms(st['p90']):>12}{_ms(st['total']):>12}"
                   for name, st in rows]
+        python = s["python_per_step"]
+        if python is not None:
+            lines.append(f"Python per step: the replicas' threads spent {_ms(python['host_cpu_s'])} of CPU in their "
+                         f"step functions, in {_ms(python['window_s'])} from the first one's start to the last one's end "
+                         f"({'host CPU / step' if python['device_type'] == 'cuda' else 'parallelism'} "
+                         f"{python['parallelism']:.2f}{'' if python['device_type'] == 'cuda' else ' of ' + str(python['usable'])})")
         if s["bottleneck"] is not None:
             lines.append(s["bottleneck"])
         scaling = s["scaling"]
@@ -609,6 +681,29 @@ def time_alone(fn: Callable[..., Any], *args: Any, repeats: int = 5, warmup: int
     finally:
         torch.set_num_threads(before)
     return float(np.median(times))
+
+
+def _python_words(python: dict[str, Any]) -> str:
+    """python_per_step()'s verdict where it limits, in words with its numbers."""
+    n, host, window = python["replicas"], _ms(python["host_cpu_s"]), _ms(python["window_s"])
+    if python["device_type"] == "cuda":
+        return (f"Python per step limits: the replicas' host work, {host} of CPU per step in their step functions "
+                f"(Python and torch's dispatch, in series under the interpreter lock), is "
+                f"{_percent(min(python['parallelism'], 1.0))} of the replicas' {window} (from the first one's start to "
+                f"the last one's end): the GPUs wait for "
+                "the host (fewer, larger ops per step: a larger batch per replica, jit_compile)")
+    return (f"Python per step limits: {n} replicas spent {host} of CPU per step in their step functions against "
+            f"{window} from the first one's start to the last one's end, a parallelism of {python['parallelism']:.2f} where {python['usable']} "
+            "cores could run them at once: they took turns at the interpreter lock (fewer, larger ops per step: a "
+            "larger batch per replica, fewer replicas with more intra-op threads each)")
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the OS tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _phases(row: dict[str, Any]) -> dict[str, float]:
