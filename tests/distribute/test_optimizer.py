@@ -960,3 +960,34 @@ def test_integer_buffers_take_replica_0s_value_exactly_beyond_float64s_whole_num
     for copy_ in mnet.replicas:
         assert copy_.tag.tolist() == [2 ** 60 + 1, -(2 ** 62) - 3]
         assert torch.equal(copy_.stat, torch.full((2,), 1.5))
+
+
+def test_buffers_too_large_to_pack_are_averaged_step_after_step():
+    """A buffer of 2**16 elements or more makes its flat as large as a gradient the reducer reads where it
+    lies; riding with the gradients, the flats each replica keeps between steps (its zeros for replica
+    0's integers among them) must still hold what the next step needs: three steps, each copy the mean
+    of the replicas' values (floats) and replica 0's (integers), bit for bit."""
+    net = nn.Linear(5, 3)
+    n = (1 << 16) + 3
+    net.register_buffer("big", torch.zeros(n))
+    net.register_buffer("ids", torch.zeros(n, dtype=torch.int64))
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net)
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.1)
+
+    def step(xb, yb, k):
+        copy_ = mnet.module
+        with torch.no_grad():
+            copy_.big.copy_(torch.arange(n, dtype=torch.float32) * (replica_id() + k))
+            copy_.ids.copy_(torch.arange(n) + 1000 * (replica_id() + 1) * k)
+        F.cross_entropy(mnet(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+
+    (xb, yb), = strategy.experimental_distribute_dataset([data(4)])  # 2 examples each: equal weights
+    for k in (1, 2, 3):
+        strategy.run(step, args=(xb, yb, k))
+        for copy_ in mnet.replicas:
+            assert torch.equal(copy_.big, torch.arange(n, dtype=torch.float32) * (k + 0.5))
+            assert torch.equal(copy_.ids, torch.arange(n) + 1000 * k)

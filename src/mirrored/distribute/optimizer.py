@@ -669,7 +669,7 @@ class _BufferPlan:
     ones in a float64 flat (floats) and an int64 flat (integers, exact for any int64 value), each with
     views shaped like its tensors, so that a sync is a few fused torch calls whatever their number."""
 
-    __slots__ = ("means", "flat", "values", "views", "firsts")
+    __slots__ = ("means", "flat", "values", "views", "firsts", "result", "parts")
 
     def __init__(self, means: list[Tensor], firsts: list[Tensor], device: torch.device):
         self.means = means
@@ -677,6 +677,8 @@ class _BufferPlan:
         self.flat = torch.ones(numel + 1, dtype=torch.float64, device=device)  # (the last: the weight, x w)
         self.values = self.flat[:numel]
         self.views = _views_of(self.values, means)
+        self.result: Tensor | None = None  # the last sums scattered, and their (total weight, values) views
+        self.parts: tuple[Tensor, Tensor] | None = None
         kinds = ([b for b in firsts if b.is_floating_point()], [b for b in firsts if not b.is_floating_point()])
         self.firsts = [_Firsts(kind, dtype, device) for kind, dtype in zip(kinds, (torch.float64, torch.int64)) if kind]
 
@@ -686,7 +688,7 @@ class _BufferPlan:
         sent = []
         if self.means:
             torch._foreach_copy_(self.views, self.means)
-            sent.append(self.flat * weight)  # (a new tensor: a large one may be reduced where it lies)
+            sent.append(self.flat if weight == 1.0 else self.flat * weight)
         sent.extend(part.gather(first) for part in self.firsts)
         return sent
 
@@ -695,8 +697,10 @@ class _BufferPlan:
         ones divided by the replicas' total weight (> 0 in a step with examples; otherwise they keep their
         values - torch.where keeps a device sync out of the step). Returns the next index."""
         if self.means:
-            total = summed[i][-1]
-            self.values.copy_(torch.where(total > 0, summed[i][:-1] / total, self.values))
+            if summed[i] is not self.result:  # (the reducer's results are views of buffers it keeps: the same
+                self.result, self.parts = summed[i], (summed[i][-1], summed[i][:-1])  # tensors step after step)
+            total, sums = self.parts
+            self.values.copy_(torch.where(total > 0, sums / total, self.values))
             torch._foreach_copy_(self.means, self.views)
             i += 1
         for part in self.firsts:
@@ -708,18 +712,19 @@ class _BufferPlan:
 class _Firsts:
     """Tensors that take replica 0's value, in one flat of `dtype` that holds each of them exactly."""
 
-    __slots__ = ("tensors", "flat", "views")
+    __slots__ = ("tensors", "flat", "views", "zeros")
 
     def __init__(self, tensors: list[Tensor], dtype: torch.dtype, device: torch.device):
         self.tensors = tensors
         self.flat = torch.zeros(sum(t.numel() for t in tensors), dtype=dtype, device=device)
         self.views = _views_of(self.flat, tensors)
+        self.zeros = torch.zeros_like(self.flat)  # what the replicas other than replica 0 send
 
     def gather(self, first: bool) -> Tensor:
         if not first:
-            return torch.zeros_like(self.flat)  # (new tensors: a large one may be reduced where it lies)
+            return self.zeros
         torch._foreach_copy_(self.views, self.tensors)
-        return self.flat.clone()
+        return self.flat
 
     def scatter(self, summed: Tensor) -> None:
         self.flat.copy_(summed)

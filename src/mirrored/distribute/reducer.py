@@ -68,9 +68,10 @@ class _ReplicaState:
     parameter for the total weight, (across workers) which parameters have sparse gradients, and the
     sizes of the tensors riding with the reduction under way."""
 
-    __slots__ = ("layouts", "unions", "count", "sparse", "riders")
+    __slots__ = ("layouts", "unions", "count", "sparse", "riders", "weight")
 
     def __init__(self) -> None:
+        self.weight: tuple[float, Tensor] | None = None  # the last weight sent, as a number and a tensor
         self.riders: tuple[int, ...] = ()  # the sizes of the riders of the reduction under way (reduce())
         self.layouts: dict[tuple, buckets.LayoutBuffers] = {}
         self.unions: dict[tuple, tuple] = {}
@@ -92,6 +93,14 @@ class _ReplicaState:
             self.unions.clear()
         if union != mask:  # (an equal one is what unions.get(mask, mask) gives: the mask itself)
             self.unions[mask] = union
+
+    def weight_tensor(self, weight: float, count: Tensor) -> Tensor:
+        """`weight` as a tensor like `count`, the one of the last call while the weight is the same (it
+        travels packed, copied into the reduction's buffer, so it is never written)."""
+        kept = self.weight
+        if kept is None or kept[0] != weight or kept[1].dtype != count.dtype or kept[1].device != count.device:
+            kept = self.weight = (weight, torch.tensor(weight, dtype=count.dtype, device=count.device))
+        return kept[1]
 
     def count_param(self, params: Sequence[Tensor]) -> Tensor:
         """The stand-in parameter whose "gradient" is this replica's weight: it travels as one more
@@ -148,7 +157,8 @@ class GradientReducer:
         `riders` (dense tensors the replicas hold alike, between the threads of one process) are summed
         as they are in the same meeting, their sums (which the next reduction may overwrite) after the
         gradients': the optimizer's buffer average travels so, which saves it a meeting of its own."""
-        riders = list(riders) if self.riders_ride else []
+        # (a large rider would be reduced where it lies, as a large gradient is: it travels in a copy)
+        riders = [r.clone() if r.numel() >= _DIRECT_NUMEL else r for r in riders] if self.riders_ride else []
         n = len(grads)
         self._states[ctx._replica_id].riders = tuple(r.numel() for r in riders)
         if weight is None:
@@ -163,7 +173,7 @@ class GradientReducer:
         if isinstance(weight, Tensor):
             sent = weight.detach().to(device=count.device, dtype=count.dtype, non_blocking=True).reshape(())
         else:
-            sent = torch.tensor(float(weight), dtype=count.dtype, device=count.device)
+            sent = self._states[ctx._replica_id].weight_tensor(float(weight), count)
         reduced = self._sum(ctx, [*params, count, *riders], [*grads, sent, *riders])
         if divide:  # a total of 0 (no replica weighs) divides zeros: by the smallest positive number, not 0
             total = reduced[n].clamp(min=torch.finfo(count.dtype).tiny)  # (no Python test: no device sync)
