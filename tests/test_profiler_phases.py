@@ -195,7 +195,7 @@ def test_replicas_taking_turns_at_the_lock_are_named_python_per_step():
     python = turns.python_per_step()
     assert python == {"replicas": 2, "device_type": "cpu", "host_cpu_s": pytest.approx(9e-3),
                       "window_s": pytest.approx(9.5e-3), "parallelism": pytest.approx(9 / 9.5), "usable": 2,
-                      "limits": True}
+                      "core_wait_s": None, "waited_cores": None, "limits": True}  # (no wait recorded: not said)
     words = turns.bottleneck()
     assert words.startswith("Python per step limits: 2 replicas spent 9.00 ms of CPU per step in their step "
                             "functions against 9.50 ms from the first one's start to the last one's end, a "
@@ -206,6 +206,15 @@ def test_replicas_taking_turns_at_the_lock_are_named_python_per_step():
     together = _python_profiler({0: (0, 9, 9), 1: (0, 9, 9)})
     assert together.python_per_step()["parallelism"] == pytest.approx(2) and not together.python_per_step()["limits"]
     assert together.bottleneck().startswith("compute-bound: 90% of the step computes")
+    # Replicas that waited for a free core (another process on the box) are not blamed on the lock: each
+    # waited 4 ms of its 9.5 ms window, which counts as if it had run.
+    busy_box = _python_profiler({0: (0, 4.5, 4.5), 1: (4.5, 9.5, 4.5)})
+    for span in busy_box._rec.spans:
+        if span.name == "replica_step":
+            span.args["wait_ns"] = 4 * MS
+    python = busy_box.python_per_step()
+    assert python["core_wait_s"] == pytest.approx(8e-3) and python["waited_cores"] == pytest.approx(8 / 9.5)
+    assert not python["limits"] and busy_box.bottleneck().startswith("compute-bound")
     # Two replicas on one core take turns whatever their Python: that is the cores' limit, not the lock's.
     one_core = _python_profiler({0: (0, 4.5, 4.5), 1: (4.5, 9.5, 4.5)}, cores=1)
     assert one_core.python_per_step()["usable"] == 1 and not one_core.python_per_step()["limits"]
@@ -239,17 +248,19 @@ def test_a_replica_step_of_pure_python_is_named_python_per_step():
                 strategy.run(python_only)
     python = profiler.python_per_step()
     assert python["device_type"] == "cpu" and python["replicas"] == 2
-    if python["usable"] < 2:
-        pytest.skip("one core: replicas take turns whatever their Python")
+    if python["core_wait_s"] is not None:  # (Linux: the wait for a free core is read per replica thread)
+        assert python["core_wait_s"] >= 0
+    if python["usable"] < 2 or (python["waited_cores"] or 0) > 0.25:
+        pytest.skip("one core, or a box too busy to tell the lock from the cores")
     assert python["parallelism"] < 1.3 and python["limits"], python
     assert profiler.bottleneck().startswith("Python per step limits: 2 replicas spent")
 
 
 def test_the_hosts_cpu_leaves_out_what_the_profilers_device_syncs_spin(monkeypatch):
     """On CUDA a device sync spins on the host; the profiler's own syncs around each replica span and each
-    all-reduce are not the step's host work. Scripted device: each sync burns ~2 ms of CPU."""
+    all-reduce are not the step's host work. Scripted device: each sync burns ~5 ms of CPU."""
     def spinning_sync():
-        end = time.thread_time_ns() + 2 * MS
+        end = time.thread_time_ns() + 5 * MS
         while time.thread_time_ns() < end:
             pass
 
@@ -272,8 +283,8 @@ def test_the_hosts_cpu_leaves_out_what_the_profilers_device_syncs_spin(monkeypat
                 strategy.run(step_fn)
     python = profiler.python_per_step()
     assert python["device_type"] == "cuda"
-    # Each replica's function holds two spinning syncs (~4 ms of CPU); its own work is far less.
-    assert python["host_cpu_s"] < 2e-3, python
+    # Each replica's function holds two spinning syncs (~10 ms of CPU, 20 for both); its own work is far less.
+    assert python["host_cpu_s"] < 5e-3, python
 
 
 # ---- CUDA: synchronised span boundaries, with a scripted device ---------------------------------------

@@ -128,7 +128,38 @@ class _Recorder:
         self.device_type = "cpu"  # the replicas' devices' type ("cuda": the GPUs wait for the host)
         self.cores = _cores()  # the cores this process may run on, which CPU replicas share
         self._sync_cpu = threading.local()  # per thread: the CPU its profiler syncs spent (not the step's)
+        self._schedstat = threading.local()  # per thread: its open /proc/thread-self/schedstat (Linux)
+        self._fds: list[int] = []
         self._lock = threading.Lock()
+
+    def runqueue_ns(self) -> int | None:
+        """How long the calling thread has waited, runnable, for a free core (Linux's schedstat: the
+        cores were busy, with other processes or more threads than cores); None where the OS does not
+        say. Reads a file kept open per thread (close() closes them)."""
+        fd = getattr(self._schedstat, "fd", None)
+        if fd is None:
+            try:
+                fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            except OSError:
+                fd = -1
+            self._schedstat.fd = fd
+            if fd >= 0:
+                with self._lock:
+                    self._fds.append(fd)
+        if fd < 0:
+            return None
+        try:
+            return int(os.pread(fd, 128, 0).split()[1])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def close(self) -> None:
+        """Closes the files runqueue_ns opened."""
+        with self._lock:
+            fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def replica_sync(self) -> None:
         """Waits for the calling replica thread's GPU, counting the CPU the wait spends (CUDA's wait
@@ -191,17 +222,22 @@ def _timed(rec: _Recorder, name: str | Callable[[], str], call: Callable[..., An
     """`call`, recording a span `name` around it; with `sync` (CUDA), the device is waited for at both
     ends, so the span holds the kernels the call queued and none from before it. With `cpu`, the span's
     args hold "cpu_ns": the CPU its thread spent in the call, less what the profiler's own syncs spent
-    in it (python_per_step)."""
+    in it, and "wait_ns": how long it waited for a free core (python_per_step)."""
     def timed(*args: Any, **kwargs: Any) -> Any:
         if sync is not None:
             sync()
         start = _now()
         if cpu:
-            cpu_start, synced = time.thread_time_ns(), rec.sync_cpu_ns()
+            cpu_start, synced, waited = time.thread_time_ns(), rec.sync_cpu_ns(), rec.runqueue_ns()
         try:
             return call(*args, **kwargs)
         finally:
-            args_ = {"cpu_ns": time.thread_time_ns() - cpu_start - (rec.sync_cpu_ns() - synced)} if cpu else None
+            args_ = None
+            if cpu:
+                args_ = {"cpu_ns": time.thread_time_ns() - cpu_start - (rec.sync_cpu_ns() - synced)}
+                now_waited = rec.runqueue_ns() if waited is not None else None
+                if now_waited is not None:
+                    args_["wait_ns"] = now_waited - waited
             if sync is not None:
                 sync()
             rec.record(name if isinstance(name, str) else name(), start, _now(), args_)
@@ -317,6 +353,7 @@ class Profiler(Callback):
             self._undo.pop()()
         with _active_lock:
             _active.remove(self._rec)
+        self._rec.close()
         self._recording = False
         if self.log_dir is not None:
             suffix = f".worker{self._worker}" if self._worker else ""
@@ -418,6 +455,8 @@ class Profiler(Callback):
                 row[key][s.replica] = row[key].get(s.replica, 0.0) + s.duration_s
                 if "cpu_ns" in s.args:
                     row["cpu_s"][s.replica] = row["cpu_s"].get(s.replica, 0.0) + s.args["cpu_ns"] / 1e9
+                if "wait_ns" in s.args:
+                    row["wait_s"] = row.get("wait_s", 0.0) + s.args["wait_ns"] / 1e9
                 if s.name == "replica_step":  # from the first replica's start to the last one's end
                     first, last = row.get("window_ns", (s.start_ns, s.end_ns))
                     row["window_ns"] = (min(first, s.start_ns), max(last, s.end_ns))
@@ -476,7 +515,8 @@ class Profiler(Callback):
         whose kernels run on the same cores, `parallelism` = host_cpu / window says how many replicas
         progressed at once: far below the
         replicas the cores can hold (`usable`) they took turns at the lock - `limits` when under 3/4 of
-        it. On GPUs the host CPU is Python and dispatch alone: `limits` when it is 0.8 of the window or
+        it, counting as run the time they waited for a free core (`core_wait_s`, summed over the replicas;
+        `waited_cores`, that in cores' worth of the window: a busy machine, where Linux says). On GPUs the host CPU is Python and dispatch alone: `limits` when it is 0.8 of the window or
         more, the GPUs waiting for the host. None without replica functions timed."""
         rows = [row for row in self._steps() if row["cpu_s"] and "window_ns" in row]
         if not rows:
@@ -489,10 +529,16 @@ class Profiler(Callback):
         cuda = self._rec.device_type == "cuda"
         usable = replicas if cuda else max(1, min(replicas, self._rec.cores))
         parallelism = float(np.median([h / w for h, w in zip(host, window) if w > 0] or [0.0]))
-        limits = parallelism >= 0.8 if cuda else usable >= 2 and parallelism < 0.75 * usable
+        waits = [row["wait_s"] for row in rows if "wait_s" in row]
+        # The replicas' time waiting for a free core, in cores' worth of the window: a busy machine's, not
+        # the lock's (counted as if they had run).
+        waited = (float(np.median([row["wait_s"] / w for row, w in zip(rows, window) if "wait_s" in row and w > 0]
+                                  or [0.0])) if len(waits) == len(rows) else None)
+        limits = parallelism >= 0.8 if cuda else usable >= 2 and parallelism + (waited or 0.0) < 0.75 * usable
         return {"replicas": replicas, "device_type": self._rec.device_type, "host_cpu_s": float(np.median(host)),
                 "window_s": float(np.median(window)), "parallelism": parallelism, "usable": usable,
-                "limits": bool(limits)}
+                "core_wait_s": float(np.median(waits)) if waited is not None else None,
+                "waited_cores": waited, "limits": bool(limits)}
 
     def bottleneck(self) -> str | None:
         """What limits the step, in words, with the numbers: "compute-bound: 97% of the step computes;
@@ -555,10 +601,13 @@ class Profiler(Callback):
                   for name, st in rows]
         python = s["python_per_step"]
         if python is not None:
+            cuda = python["device_type"] == "cuda"
+            waited = ("" if python["core_wait_s"] is None else
+                      f"; they waited {_ms(python['core_wait_s'])} for a free core")
             lines.append(f"Python per step: the replicas' threads spent {_ms(python['host_cpu_s'])} of CPU in their "
                          f"step functions, in {_ms(python['window_s'])} from the first one's start to the last one's end "
-                         f"({'host CPU / step' if python['device_type'] == 'cuda' else 'parallelism'} "
-                         f"{python['parallelism']:.2f}{'' if python['device_type'] == 'cuda' else ' of ' + str(python['usable'])})")
+                         f"({'host CPU / step' if cuda else 'parallelism'} {python['parallelism']:.2f}"
+                         f"{'' if cuda else ' of ' + str(python['usable'])}{waited})")
         if s["bottleneck"] is not None:
             lines.append(s["bottleneck"])
         scaling = s["scaling"]
