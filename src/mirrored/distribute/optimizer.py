@@ -213,10 +213,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 # The buffers' average rides in the meeting before the update (it follows the forward, and
                 # nothing runs between here and the update), so finish_step needs no meeting of its own.
                 if self._settle(ctx):  # reduced already (when backward ended, or by reduce_gradients())
-                    if rid is not None and self._reducer.riders_ride and self._buffer_plans_of(rid):
-                        self.sync_buffers(self._examples[rid])  # (a meeting too)
-                        self._synced[rid] = True
-                    else:
+                    met = False
+                    if rid is not None and self._reducer.riders_ride:
+                        with WithoutReplicaRandom():
+                            met = self._synced[rid] = self._sync_buffers(self._examples[rid])  # (a meeting too)
+                    if not met:
                         self._meet(ctx)
                 else:
                     if rid is not None:
@@ -468,16 +469,17 @@ class MirroredOptimizer(torch.optim.Optimizer):
         with WithoutReplicaRandom():
             self._sync_buffers(weight)
 
-    def _sync_buffers(self, weight: float | None) -> None:
+    def _sync_buffers(self, weight: float | None) -> bool:
+        """sync_buffers; whether the replicas met for it."""
         ctx = self._replica()
         if ctx is None or ctx.num_replicas_in_sync == 1:
-            return
+            return False
         if self._synced[ctx.local_replica_id]:  # averaged in step()'s meeting before the update
             self._synced[ctx.local_replica_id] = False
-            return
+            return False
         plans = self._buffer_plans_of(ctx.local_replica_id)
         if not plans:  # (the same on every replica: no meeting at all)
-            return
+            return False
         # Averaged in float64: for float32 (or half) copies that are equal, the sum of n of them (weighted
         # by whole numbers) and its division are exact there, so a buffer that no step changed (a
         # constant, a frozen statistic) stays bit for bit itself; in its own dtype, (x + x + x) / 3 is
@@ -494,6 +496,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             i = 0
             for plan in plans:
                 i = plan.scatter(summed, i)
+        return True
 
     def _buffer_plans_of(self, rid: int) -> list[_BufferPlan]:
         """Replica `rid`'s state tensors (modules.state_tensors) laid out for the sync, one plan per
