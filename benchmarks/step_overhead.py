@@ -270,13 +270,25 @@ _NETS = {"resnet20": make_net, "resnet8": _small_net, "resnet50": _resnet50}
 _SIDE = {"resnet20": 8, "resnet8": 8, "resnet50": 64}  # the inputs' height and width
 
 
+def _plain_step(net_fn: Any, per_replica: int, g: torch.Generator) -> Any:
+    """One step of a plain torch loop on one replica's part (channels_last), as a function: the step
+    _plain_loop_ms times alone and _threads_floor_ms on several threads at once."""
+    side = _SIDE[net_fn]
+    x, y = torch.rand(per_replica, 3, side, side, generator=g), torch.randint(0, 10, (per_replica,), generator=g)
+    net = _NETS[net_fn]().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return step
+
+
 def _plain_loop_ms(net_fn: Any, per_replica: int, steps: int, rows: bool = True) -> dict[str, float]:
     """ms of CPU per step of a plain torch loop on one replica's part (channels_last, one intra-op
     thread): its total, and with `rows` its rows, timed with the same exclusive timer (whose wrappers
     cost a few us a call, so the total is taken in a run without them)."""
-    g = torch.Generator().manual_seed(1)
-    side = _SIDE[net_fn]
-    x, y = torch.rand(per_replica, 3, side, side, generator=g), torch.randint(0, 10, (per_replica,), generator=g)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     timer = ExclusiveTimer(((torch.nn.Module, "_call_impl", _PLAIN_ROWS[0]),
@@ -284,13 +296,7 @@ def _plain_loop_ms(net_fn: Any, per_replica: int, steps: int, rows: bool = True)
                             (torch.Tensor, "backward", _PLAIN_ROWS[2]), (torch.optim.SGD, "step", _PLAIN_ROWS[3]),
                             (torch.optim.Optimizer, "zero_grad", _PLAIN_ROWS[4])))
     try:
-        net = _NETS[net_fn]().to(memory_format=torch.channels_last)
-        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(net(x), y).backward()
-            opt.step()
+        step = _plain_step(net_fn, per_replica, torch.Generator().manual_seed(1))
         for _ in range(3):
             step()
         if rows:
@@ -312,25 +318,23 @@ def _threads_floor_ms(net_fn: Any, per_replica: int, steps: int, replicas: int) 
     process, meeting at a barrier after every step as replicas do: what threads sharing one interpreter
     cost before mirrored does anything (their torch calls hand the GIL to one another)."""
     g = torch.Generator().manual_seed(1)
-    side = _SIDE[net_fn]
+    loop_steps = [_plain_step(net_fn, per_replica, g) for _ in range(replicas)]
     barrier = threading.Barrier(replicas)
+    cpu: list[float] = []  # each thread's CPU over the timed steps (the models are built, 3 steps warm)
 
-    def loop() -> None:
+    def loop(step: Any) -> None:
         torch.set_num_threads(1)
-        x, y = torch.rand(per_replica, 3, side, side, generator=g), torch.randint(0, 10, (per_replica,), generator=g)
-        net = _NETS[net_fn]().to(memory_format=torch.channels_last)
-        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-        for i in range(steps + 3):
-            if i == 3:
-                barrier.wait()
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(net(x), y).backward()
-            opt.step()
+        for _ in range(3):
+            step()
+        barrier.wait()
+        start = time.thread_time()
+        for _ in range(steps):
+            step()
             barrier.wait()
+        cpu.append(time.thread_time() - start)
 
-    threads = [threading.Thread(target=loop, name=f"floor-{i}") for i in range(replicas)]
+    threads = [threading.Thread(target=loop, args=(step,), name=f"floor-{i}") for i, step in enumerate(loop_steps)]
     before = torch.get_num_threads()
-    cpu = time.process_time()
     try:
         for t in threads:
             t.start()
@@ -338,7 +342,7 @@ def _threads_floor_ms(net_fn: Any, per_replica: int, steps: int, replicas: int) 
             t.join(timeout=600)
     finally:
         torch.set_num_threads(before)
-    return (time.process_time() - cpu) / ((steps + 3) * replicas) * 1e3
+    return sum(cpu) / (steps * replicas) * 1e3
 
 
 class ExclusiveTimer(PhaseTimer):
