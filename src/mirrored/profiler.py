@@ -438,8 +438,9 @@ class Profiler(Callback):
         return tuple(self._rec.spans)
 
     def _steps(self) -> list[dict[str, Any]]:
-        """Per step: input_s, step_s, num_examples, and per replica all_reduce_s, replica_s and cpu_s (the
-        CPU its thread spent in its function)."""
+        """Per step: input_s, step_s, num_examples, per replica all_reduce_s, replica_s and cpu_s (the CPU its
+        thread spent in its function), the replicas' window_ns, and wait_s (their wait for a free core,
+        summed) where the OS says."""
         rows: dict[int, dict[str, Any]] = {}
         for s in self.spans:
             if s.step is None:

@@ -321,8 +321,8 @@ def _sparse_ce(y_true: Any, y_pred: Tensor, from_logits: bool, ignore_class: int
     _check_labels_in_range(what, y_true, y_pred, num_classes, ignore_class)
     y_true = y_true.long()
     if from_logits and y_pred.ndim == 2:
-        # torch's fused op: the same log_softmax, the same values picked (every label is in range or the
-        # ignored class, which comes out 0 as masked below), in one node instead of five each way.
+        # torch's fused op: the same log_softmax and the same values picked (every label is in range, or
+        # the ignored class, which comes out 0 as the masking below gives it), one node instead of five.
         return F.cross_entropy(y_pred, y_true, reduction="none",
                                ignore_index=ignore_class if ignore_class is not None else -100)
     if ignore_class is not None:
