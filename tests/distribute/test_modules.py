@@ -790,3 +790,23 @@ def test_a_step_that_calls_only_submodules_is_rolled_back_and_weighed_by_its_exa
         for got, want in zip(copy_.parameters(), ref.parameters()):
             torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-7)
     s.check_in_sync([mnet, opt])
+
+
+def test_the_step_path_walks_modules_in_torchs_order_each_once():
+    """The step journal and the buffer average walk modules themselves (module.modules() builds a name
+    string per module): the same modules in the same order, a shared one once and None slots skipped."""
+    from mirrored.distribute.rollback import modules_in_order
+
+    shared = nn.Linear(2, 2)
+    inner = nn.Sequential(shared, nn.ReLU(), nn.Sequential(nn.Tanh(), shared))
+    net = nn.Sequential(nn.Linear(2, 2), inner, shared, nn.ModuleDict({"b": nn.BatchNorm1d(2), "a": inner}))
+    net.add_module("empty", None)
+    deep = nn.Sequential()
+    tail = deep
+    for _ in range(50):  # deeper than a recursive walk would like
+        tail.append(nn.Sequential())
+        tail = tail[-1]
+    net.append(deep)
+    assert modules_in_order(net) == list(net.modules())
+    leaf = nn.ReLU()
+    assert modules_in_order(leaf) == [leaf]

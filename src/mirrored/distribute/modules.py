@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import itertools
 import weakref
@@ -38,7 +39,7 @@ from mirrored.distribute import context, guards
 from mirrored.distribute._copy_watch import CopyWatch, copies_difference
 from mirrored.distribute.devices import torch_device
 from mirrored.distribute.random import WithoutReplicaRandom
-from mirrored.distribute.rollback import StepJournal, journal_of, modules_in_order
+from mirrored.distribute.rollback import StepJournal, journal_of, modules_in_order, saved_item
 
 if TYPE_CHECKING:
     from mirrored.distribute.strategy import Strategy
@@ -193,7 +194,7 @@ class _Shared:
     __slots__ = ("examples", "run_start", "last_reduction", "no_sync_all", "no_sync", "grad_sync", "watch", "layout")
 
     def __init__(self, copies: list[nn.Module], devices: tuple[str, ...]):
-        self.examples: list[Tensor] | None = None  # per replica: [examples, forward calls], int64 on the CPU
+        self.examples: list[tuple[int, int]] | None = None  # per replica: (examples, forward calls)
         # Per replica, for the optimizers' example weights: the count before the copy's first call in the
         # latest run (with that run's journal), and which optimizer of the module reduced last, in which run.
         self.run_start: list[tuple[Any, int, int]] = [(None, 0, 0)] * len(copies)
@@ -211,17 +212,18 @@ class _Shared:
 
     def count_examples(self) -> None:
         if self.examples is None:
-            self.examples = [torch.zeros(2, dtype=torch.int64) for _ in self.no_sync]
+            self.examples = [(0, 0) for _ in self.no_sync]
 
     def add_examples(self, rid: int, journal: StepJournal | None, args: tuple, kwargs: dict) -> None:
-        counter = self.examples[rid]
+        # (Python ints, not a tensor: a count is read on the host every step, and each torch call on the
+        # step's path hands the GIL to the other replicas)
+        examples, calls = self.examples[rid]
         if journal is not None:  # a failed step puts the count back with the gradients
-            journal.before_write(counter)
+            journal.before_change(self.examples, functools.partial(saved_item, self.examples, rid))
             if self.run_start[rid][0] is not journal:
-                self.run_start[rid] = (journal, *counter.tolist())
+                self.run_start[rid] = (journal, examples, calls)
         first = next(_tensors((args, kwargs)), None)
-        counter[0] += 1 if first is None or first.dim() == 0 else first.shape[0]
-        counter[1] += 1
+        self.examples[rid] = (examples + (1 if first is None or first.dim() == 0 else first.shape[0]), calls + 1)
 
     def in_no_sync(self, rid: int) -> bool:
         return self.no_sync_all > 0 or self.no_sync[rid] > 0

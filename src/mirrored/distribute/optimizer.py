@@ -47,7 +47,7 @@ from mirrored.distribute.devices import torch_device
 from mirrored.distribute.modules import MirroredModule, HookHandles, state_tensors
 from mirrored.distribute.random import WithoutReplicaRandom
 from mirrored.distribute.reducer import GradientReducer, check_weight
-from mirrored.distribute.rollback import journal_of
+from mirrored.distribute.rollback import journal_of, saved_item
 from mirrored.distribute.values import ReduceOp
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._sync = [_BackwardSync() for _ in self.replicas]
         if self._mean:  # the module's example counts now: this optimizer's first reduction counts from here
             for state, counter in zip(self._sync, module._shared.examples):
-                state.seen = tuple(counter.tolist())
+                state.seen = counter
         self._tokens: dict[int, Tensor] = {}  # per replica: what _meet() sends
         self._buffer_plans: dict[int, tuple[tuple[int, ...], list[_BufferPlan]]] = {}  # per replica, see _buffer_plans_of
         self._carry = [False] * len(self.replicas)  # per replica: step() is reducing, the buffers ride along
@@ -356,7 +356,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             return None
         rid = ctx.local_replica_id
         shared = self._module._shared
-        examples, calls = shared.examples[rid].tolist()
+        examples, calls = shared.examples[rid]
         journal = journal_of(ctx)
         state = self._sync_state(rid, journal)
         (seen_examples, seen_calls), state.seen = state.seen, (examples, calls)
@@ -369,7 +369,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             start = shared.run_start[rid]
             seen_examples, seen_calls = (start[1], start[2]) if start[0] is journal else (examples, calls)
         if journal is not None:
-            journal.before_change(shared.last_reduction, functools.partial(_saved_item, shared.last_reduction, rid))
+            journal.before_change(shared.last_reduction, functools.partial(saved_item, shared.last_reduction, rid))
         shared.last_reduction[rid] = (self, journal)
         return examples - seen_examples if calls > seen_calls else None
 
@@ -670,9 +670,10 @@ class _BufferPlan:
     """One replica's state tensors on one device, laid out once for every step's sync: the averaged ones
     (floating point) in one float64 flat whose last element holds the replica's weight, and replica 0's
     ones in a float64 flat (floats) and an int64 flat (integers, exact for any int64 value), each with
-    views shaped like its tensors, so that a sync is a few fused torch calls whatever their number."""
+    views shaped like its tensors, so that a sync is a few fused torch calls whatever their number (each
+    torch call on the step's path also hands the GIL to the other replicas)."""
 
-    __slots__ = ("means", "flat", "values", "views", "firsts", "result", "parts")
+    __slots__ = ("means", "flat", "values", "views", "weighted", "weight", "firsts", "result", "parts")
 
     def __init__(self, means: list[Tensor], firsts: list[Tensor], device: torch.device):
         self.means = means
@@ -680,7 +681,11 @@ class _BufferPlan:
         self.flat = torch.ones(numel + 1, dtype=torch.float64, device=device)  # (the last: the weight, x w)
         self.values = self.flat[:numel]
         self.views = _views_of(self.values, means)
-        self.result: Tensor | None = None  # the last sums scattered, and their (total weight, values) views
+        self.weighted = torch.empty_like(self.flat)  # what a replica sends with a weight other than 1
+        self.weight = 1.0  # the weight of this replica's last gather
+        # The last sums scattered and their (total weight, sums) views: the reducer's results are views of
+        # buffers it keeps, the same tensors step after step.
+        self.result: Tensor | None = None
         self.parts: tuple[Tensor, Tensor] | None = None
         kinds = ([b for b in firsts if b.is_floating_point()], [b for b in firsts if not b.is_floating_point()])
         self.firsts = [_Firsts(kind, dtype, device) for kind, dtype in zip(kinds, (torch.float64, torch.int64)) if kind]
@@ -689,9 +694,10 @@ class _BufferPlan:
         """What this replica sends: its averaged tensors (exactly, in float64) times `weight`, with the
         weight itself last; then replica 0's tensors (zeros on the others, so that the sum is replica 0's)."""
         sent = []
+        self.weight = weight
         if self.means:
             torch._foreach_copy_(self.views, self.means)
-            sent.append(self.flat if weight == 1.0 else self.flat * weight)
+            sent.append(self.flat if weight == 1.0 else torch.mul(self.flat, weight, out=self.weighted))
         sent.extend(part.gather(first) for part in self.firsts)
         return sent
 
@@ -700,10 +706,13 @@ class _BufferPlan:
         ones divided by the replicas' total weight (> 0 in a step with examples; otherwise they keep their
         values - torch.where keeps a device sync out of the step). Returns the next index."""
         if self.means:
-            if summed[i] is not self.result:  # (the reducer's results are views of buffers it keeps: the same
-                self.result, self.parts = summed[i], (summed[i][-1], summed[i][:-1])  # tensors step after step)
+            if summed[i] is not self.result:
+                self.result, self.parts = summed[i], (summed[i][-1], summed[i][:-1])
             total, sums = self.parts
-            self.values.copy_(torch.where(total > 0, sums / total, self.values))
+            if self.weight > 0:  # (then so is the total: weights are >= 0)
+                torch.div(sums, total, out=self.values)
+            else:
+                self.values.copy_(torch.where(total > 0, sums / total, self.values))
             torch._foreach_copy_(self.means, self.views)
             i += 1
         for part in self.firsts:
@@ -715,13 +724,17 @@ class _BufferPlan:
 class _Firsts:
     """Tensors that take replica 0's value, in one flat of `dtype` that holds each of them exactly."""
 
-    __slots__ = ("tensors", "flat", "views", "zeros")
+    __slots__ = ("tensors", "flat", "views", "zeros", "result", "result_views")
 
     def __init__(self, tensors: list[Tensor], dtype: torch.dtype, device: torch.device):
         self.tensors = tensors
         self.flat = torch.zeros(sum(t.numel() for t in tensors), dtype=dtype, device=device)
         self.views = _views_of(self.flat, tensors)
         self.zeros = torch.zeros_like(self.flat)  # what the replicas other than replica 0 send
+        # The last sum scattered, and once it came twice its views (see _BufferPlan.result; a large one
+        # comes in a new tensor each time, whose views would cost more than the flat's copy)
+        self.result: Tensor | None = None
+        self.result_views: list[Tensor] | None = None
 
     def gather(self, first: bool) -> Tensor:
         if not first:
@@ -730,8 +743,14 @@ class _Firsts:
         return self.flat
 
     def scatter(self, summed: Tensor) -> None:
-        self.flat.copy_(summed)
-        torch._foreach_copy_(self.tensors, self.views)
+        if summed is self.result:
+            if self.result_views is None:
+                self.result_views = _views_of(summed, self.tensors)
+            torch._foreach_copy_(self.tensors, self.result_views)
+        else:
+            self.result, self.result_views = summed, None
+            self.flat.copy_(summed)
+            torch._foreach_copy_(self.tensors, self.views)
 
 
 def _views_of(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
@@ -768,16 +787,6 @@ class _BackwardSync:
             self.reduced, self.stash, self.queued, self.weight, self.seen = reduced, stash, False, weight, seen
 
         return restore
-
-
-def _saved_item(items: list[Any], i: int) -> Callable[[], None]:
-    """items[i] as it is now, as a function that puts it back (for StepJournal.before_change)."""
-    saved = items[i]
-
-    def restore() -> None:
-        items[i] = saved
-
-    return restore
 
 
 def _grad_accumulated(optimizer_ref: Any, rid: int, param: Tensor) -> None:

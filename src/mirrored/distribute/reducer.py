@@ -164,7 +164,7 @@ class GradientReducer:
         if weight is None:
             return self._sum(ctx, [*params, *riders], [*grads, *riders])
         if self.lone:  # w g / w, bitwise g (a mean over one replica's examples is one device's)
-            return grads if divide else _scaled(grads, weight)
+            return grads if divide or (not isinstance(weight, Tensor) and weight == 1) else _scaled(grads, weight)
         if not isinstance(weight, Tensor) and weight == 0:
             grads = [None] * len(grads)  # an empty part: its loss, a mean over nothing, is NaN
         elif isinstance(weight, Tensor) or weight != 1:

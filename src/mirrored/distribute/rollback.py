@@ -48,16 +48,20 @@ class _ModuleNote:
 
 def modules_in_order(module: nn.Module) -> list[nn.Module]:
     """`module` and every module inside it, each once, in module.modules() order (read from torch's
-    dicts: module.modules() builds a name string per module)."""
-    modules: list[nn.Module] = []
-    seen: set[int] = set()
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        if id(m) not in seen:
-            seen.add(id(m))
-            modules.append(m)
-            stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+    dicts: module.modules() builds a name string per module). Depth first, a child iterator per open
+    module: half the cost of a stack of modules, which reversed and copied each module's children."""
+    modules = [module]
+    seen = {id(module)}
+    open_ = [iter(module._modules.values())]
+    while open_:
+        for child in open_[-1]:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                modules.append(child)
+                open_.append(iter(child._modules.values()))
+                break
+        else:
+            open_.pop()
     return modules
 
 
@@ -139,6 +143,16 @@ class StepJournal:
         self._tensors.clear()
         self._grads_only.clear()
         self._others.clear()
+
+
+def saved_item(items: list[Any], i: int) -> Callable[[], None]:
+    """items[i] as it is now, as a function that puts it back (for StepJournal.before_change)."""
+    saved = items[i]
+
+    def restore() -> None:
+        items[i] = saved
+
+    return restore
 
 
 def current_journal() -> StepJournal | None:
