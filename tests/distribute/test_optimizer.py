@@ -991,3 +991,37 @@ def test_buffers_too_large_to_pack_are_averaged_step_after_step():
         for copy_ in mnet.replicas:
             assert torch.equal(copy_.big, torch.arange(n, dtype=torch.float32) * (k + 0.5))
             assert torch.equal(copy_.ids, torch.arange(n) + 1000 * k)
+
+
+def test_a_replica_without_examples_adds_nothing_to_the_buffer_average():
+    """The buffer average riding with the gradients weighs each replica by its examples: with parts of 1
+    and 0 rows every copy takes replica 0's statistics bit for bit (a replica of weight 0 cannot divide
+    without knowing the total: its way and replica 0's give the same), and where no replica has an
+    example the statistics keep their values instead of 0/0."""
+    torch.manual_seed(0)
+    net = nn.Linear(5, 3)
+    net.register_buffer("stat", torch.zeros(3))
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(net)
+        opt = strategy.mirror_optimizer(torch.optim.SGD, mnet, gradient_reduction="mean", lr=0.1)
+    value = torch.tensor([0.1, 1 / 3, -7.25])
+
+    def step(xb, yb):
+        copy_ = mnet.module
+        with torch.no_grad():
+            copy_.stat.copy_(value * (1 + replica_id()))
+        loss = F.cross_entropy(mnet(xb), yb, reduction="sum")  # (0 on the empty part, not a NaN mean)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    x, y = data(1)
+    (xb, yb), = strategy.experimental_distribute_dataset([(x, y)])  # parts of 1 and 0 rows
+    strategy.run(step, args=(xb, yb))
+    for copy_ in mnet.replicas:
+        assert torch.equal(copy_.stat, value)
+    empty = strategy.experimental_distribute_values_from_function(lambda ctx: (x[:0], y[:0]))
+    strategy.run(lambda part: step(*part), args=(empty,))
+    for r, copy_ in enumerate(mnet.replicas):  # nobody weighs: each keeps what its step wrote
+        assert torch.equal(copy_.stat, value * (1 + r))

@@ -177,7 +177,9 @@ class GradientReducer:
         reduced = self._sum(ctx, [*params, count, *riders], [*grads, sent, *riders])
         if divide:  # a total of 0 (no replica weighs) divides zeros: by the smallest positive number, not 0
             total = reduced[n].clamp(min=torch.finfo(count.dtype).tiny)  # (no Python test: no device sync)
-            torch._foreach_div_([g for g in reduced[:n] if g is not None], total)
+            present = [g for g in reduced[:n] if g is not None]
+            if present:  # (none where no replica had an example: every gradient stays None)
+                torch._foreach_div_(present, total)
         return reduced[:n] + reduced[n + 1:]
 
     @property
