@@ -255,3 +255,29 @@ def test_variables_created_inside_run_two_in_a_row_pair_up_in_order():
     assert [t.item() for t in a.values] == [0.0] * 3 and [t.tolist() for t in b.values] == [[5.0, 5.0]] * 3
     one = strategy_of(1)
     assert one.run(lambda: md.Variable(2.0)).values[0].item() == 2.0
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.float32, torch.int32])
+def test_writes_convert_values_as_torch_does_whatever_path_they_take(dtype):
+    """assign / assign_add / assign_sub skip converting whole numbers (for int64 and float64 targets) and
+    tensors already of the target's dtype (a metric's update, twice per replica step): every value still
+    lands as torch.as_tensor(value, dtype=target's) would, bit for bit, and a value that does not fit is
+    still refused."""
+    start = torch.tensor([5, -2, 7], dtype=dtype)
+    values = [3, True, np.int64(4), torch.tensor(2, dtype=dtype), torch.tensor([1, 2, 3], dtype=torch.int64),
+              torch.tensor(1.75, dtype=torch.float64)]
+    if dtype != torch.int32:
+        values += [-(2 ** 53), 2 ** 53 + 1]  # (the limit of the unconverted path, and one past it)
+    if dtype.is_floating_point:
+        values += [0.1, torch.tensor([0.5, -0.25, 3.0], dtype=torch.float32)]
+    for value in values:
+        for op, ref in (("assign", lambda t, v: t.copy_(v)), ("assign_add", torch.Tensor.add_),
+                        ("assign_sub", torch.Tensor.sub_)):
+            v = md.Variable(start.clone(), trainable=False)
+            getattr(v, op)(value)
+            want = ref(start.clone(), torch.as_tensor(value, dtype=dtype))
+            got = v.read_value()
+            assert got.dtype == dtype and torch.equal(got, want), (op, value, got, want)
+    v = md.Variable(start.clone(), trainable=False)
+    with pytest.raises(ValueError, match="does not fit"):
+        v.assign_add(torch.ones(2, dtype=dtype))

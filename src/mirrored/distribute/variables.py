@@ -288,10 +288,27 @@ Variable.__getitem__ = lambda self, key: self.read_value()[key]  # type: ignore[
 Variable.__hash__ = object.__hash__  # type: ignore[assignment]  # identity, as tf.Variable
 
 
+_EXACT_FOR_INTS = (torch.int64, torch.float64)  # dtypes that hold every int up to _INT_LIMIT exactly
+_INT_LIMIT = 2 ** 53
+
+
 def _write(target: Tensor, value: Any, op: str) -> None:
     """target := value / += / -= value, in place, outside autograd."""
-    value = torch.as_tensor(_unwrap(value), dtype=target.dtype).to(target.device)
-    if value.shape != target.shape and value.numel() != 1 and not _broadcasts_to(value.shape, target.shape):
+    value = _unwrap(value)
+    # (a metric's update writes twice per replica step: a value already of the target's dtype and device,
+    # or a whole number for an int64 or float64 target, needs no conversion - each torch call on the step's
+    # path hands the GIL to the other replicas)
+    if isinstance(value, Tensor):
+        if value.dtype != target.dtype or value.device != target.device:
+            value = value.to(device=target.device, dtype=target.dtype)
+    elif not (type(value) is int and target.dtype in _EXACT_FOR_INTS and -_INT_LIMIT <= value <= _INT_LIMIT):
+        value = torch.as_tensor(value, dtype=target.dtype).to(target.device)
+    elif op == "assign":
+        with torch.no_grad():
+            target.fill_(value)
+        return
+    if isinstance(value, Tensor) and value.shape != target.shape and value.numel() != 1 \
+            and not _broadcasts_to(value.shape, target.shape):
         raise ValueError(f"Variable.{op}: value of shape {tuple(value.shape)} does not fit a variable of shape "
                          f"{tuple(target.shape)}.")
     with torch.no_grad():
