@@ -202,3 +202,37 @@ def test_resnet_takes_the_layout_its_data_format_declares():
         model.predict(nhwc.permute(0, 3, 1, 2).contiguous(), batch_size=8, verbose=0)
     with pytest.raises(ValueError, match="data_format='nhwc'"):
         mr.models.resnet18(data_format="nhwc")
+
+
+def test_the_modules_dtype_and_device_are_its_first_parameters_as_torch_lists_them():
+    """A step reads the module's dtype and device three times, from torch's dicts: the answer is still
+    that of module.parameters() (floating-point ones for the dtype), then module.buffers(), in torch's
+    order - shared modules and parameters once, None slots skipped - and of the calling replica's copy
+    for a mirrored module."""
+    from mirrored.training.data_adapter import device_of, module_dtype
+
+    def reference(net, floating):
+        found = [t for t in [*net.parameters(), *net.buffers()] if not floating or t.is_floating_point()]
+        return found[0] if found else None
+
+    shared = nn.Linear(2, 2).double()
+    frozen_ints = nn.Module()
+    frozen_ints.register_parameter("ids", nn.Parameter(torch.arange(3), requires_grad=False))
+    frozen_ints.register_parameter("gone", None)
+    only_buffers = nn.BatchNorm1d(3, affine=False).half()
+    nets = [
+        nn.Sequential(nn.Sequential(), frozen_ints, nn.Sequential(nn.ReLU(), shared), nn.Linear(2, 2)),
+        nn.Sequential(only_buffers, nn.Sequential(shared)),
+        nn.Sequential(nn.ReLU(), only_buffers),
+        nn.Sequential(frozen_ints),
+        nn.Sequential(nn.ReLU()),
+    ]
+    for net in nets:
+        dtype_ref, device_ref = reference(net, True), reference(net, False)
+        assert module_dtype(net) == (dtype_ref.dtype if dtype_ref is not None else None)
+        assert device_of(net) == (device_ref.device if device_ref is not None else torch.device("cpu"))
+    strategy = strategy_of(2)
+    with strategy.scope():
+        mnet = strategy.mirror(nn.Sequential(nn.ReLU(), nn.Linear(2, 2).double()))
+    assert module_dtype(mnet) == torch.float64 and device_of(mnet) == torch.device("cpu")
+    assert strategy.run(lambda: module_dtype(mnet)) == torch.float64

@@ -69,16 +69,37 @@ def as_input(value: Any, device: torch.device) -> Any:
 
 def device_of(module: Any) -> torch.device:
     """The device of a module's first parameter or buffer (the CPU for a module without any)."""
-    for t in itertools.chain(module.parameters(), module.buffers()):
-        return t.device
-    return torch.device("cpu")
+    t = _first_tensor(module, floating=False)
+    return t.device if t is not None else torch.device("cpu")
 
 
 def module_dtype(net: Any) -> torch.dtype | None:
     """The dtype of the module's floating-point parameters (its buffers' without any)."""
-    for t in itertools.chain(net.parameters(), net.buffers()):
-        if t.is_floating_point():
-            return t.dtype
+    t = _first_tensor(net, floating=True)
+    return t.dtype if t is not None else None
+
+
+def _first_tensor(module: Any, floating: bool) -> Tensor | None:
+    """The first of module.parameters() (of its floating-point ones, if `floating`), else of its
+    buffers(), or None. A step asks three times: read from torch's dicts, depth first, stopping at the
+    first found (module.parameters() builds a generator and a name string per module on the way)."""
+    if isinstance(module, md.MirroredModule):
+        module = module.module  # (the calling replica's copy, as its parameters() reads)
+    if not isinstance(module, torch.nn.Module):  # (anything else with parameters() and buffers())
+        return next((t for t in itertools.chain(module.parameters(), module.buffers())
+                     if not floating or t.is_floating_point()), None)
+    for kind in ("_parameters", "_buffers"):
+        seen: set[int] = set()
+        stack = [module]
+        while stack:
+            m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for t in getattr(m, kind).values():
+                if t is not None and (not floating or t.is_floating_point()):
+                    return t
+            stack.extend(reversed([c for c in m._modules.values() if c is not None]))
     return None
 
 

@@ -237,6 +237,8 @@ def _check_tensors(what: str, y_true: Any, y_pred: Any) -> tuple[Tensor, Tensor]
         raise TypeError(f"{what}: y_pred must be a torch.Tensor (the model's output), got {type(y_pred).__name__}.")
     if not y_pred.is_floating_point():
         raise TypeError(f"{what}: y_pred has dtype {y_pred.dtype}; predictions must be floating point.")
+    if isinstance(y_true, Tensor) and y_true.device == y_pred.device:
+        return y_true, y_pred  # (what as_tensor would return, without its call)
     return torch.as_tensor(y_true, device=y_pred.device), y_pred  # labels follow the logits' device
 
 
@@ -319,7 +321,8 @@ def _sparse_ce(y_true: Any, y_pred: Tensor, from_logits: bool, ignore_class: int
         )
     num_classes = y_pred.shape[axis]
     _check_labels_in_range(what, y_true, y_pred, num_classes, ignore_class)
-    y_true = y_true.long()
+    if y_true.dtype != torch.int64:
+        y_true = y_true.long()
     if from_logits and y_pred.ndim == 2:
         # torch's fused op: the same log_softmax and the same values picked (every label is in range, or
         # the ignored class, which comes out 0 as the masking below gives it), one node instead of five.
