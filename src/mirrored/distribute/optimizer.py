@@ -503,7 +503,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         device, worked out again only when they are not the same tensors as last step. The walk and
         the ~4 torch calls per buffer it saves were a third of the step's own work."""
         tensors = state_tensors(self._module.replicas[rid])
-        key = tuple((id(t), how) for t, how in tensors)
+        key = tuple([(id(t), how) for t, how in tensors])
         cached = self._buffer_plans.get(rid)
         if cached is not None and cached[0] == key:  # (ids hold: the plan keeps its tensors alive)
             return cached[1]

@@ -83,7 +83,7 @@ class _ReplicaState:
         tensors' dtypes, not their shapes too (a third of the cost): torch holds each .grad to its
         parameter's shape, which does not change, while .double() or .half() changes a parameter's
         dtype in place. (A module moved to another device is not a replica any more.)"""
-        key = (travel, tuple(t.dtype for t in tensors if t is not None), self.riders)  # (riders' sizes vary)
+        key = (travel, tuple([t.dtype for t in tensors if t is not None]), self.riders)  # (riders' sizes vary)
         return _recent(self.layouts, key,
                        lambda: buckets.Layout(tensors, bytes_per_pack, _DIRECT_NUMEL).buffers(in_place=True),
                        _LAYOUTS_KEPT)
@@ -398,7 +398,7 @@ def _mask_of(grads: Sequence[Tensor | None]) -> tuple[tuple, bool]:
     """Which gradients this replica has (True: a dense one, _SPARSE, False: None), and whether any is sparse."""
     if any(map(_IS_SPARSE, filter(_PRESENT, grads))):
         return tuple(False if g is None else _SPARSE if g.is_sparse else True for g in grads), True
-    return tuple(g is not None for g in grads), False
+    return tuple([g is not None for g in grads]), False
 
 
 def _dense_part(params: Sequence[Tensor], grads: Sequence[Tensor | None], union: tuple) -> list[Tensor | None]:
