@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+import mirrored as mr
 from mirrored import _bench
 
 
@@ -46,13 +47,19 @@ def main() -> None:
                         help="the models, one table each: resnet20, and resnet8 (a conv stem, three residual blocks), "
                         "where the fixed Python per step weighs most")
     parser.add_argument("--quick", action="store_true", help="512 images, one round (what `mirrored bench` runs)")
+    parser.add_argument("--tune-malloc", action="store_true",
+                        help="every row after mr.tune_allocator() (the worker processes too), as `mirrored train` "
+                        "runs: glibc's defaults fault in fresh pages for each step's activations on the replica "
+                        "threads")
     args = parser.parse_args()
     if args.quick:
         args.images, args.rounds = 512, 1
     if args.replicas < 1 or args.rounds < 1 or min(args.batches) < args.replicas or args.images < max(args.batches):
         parser.error("need --replicas >= 1, --rounds >= 1, every batch >= --replicas and --images >= the largest "
                      "batch")
-    print(_bench.machine())
+    if args.tune_malloc and not mr.tune_allocator():
+        parser.error("--tune-malloc: this C library is not glibc, whose allocator it tunes")
+    print(_bench.machine() + (" | malloc tuned (mr.tune_allocator)" if args.tune_malloc else ""))
     for model in args.model:
         depth = _bench.MODELS[model]
         print(f"\nmodel: resnet_cifar(depth={depth}), 32x32 inputs, SGD(momentum=0.9), batches in memory")

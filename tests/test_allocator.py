@@ -1,6 +1,7 @@
 """tune_allocator: glibc keeps freed memory for reuse (checked by page faults in a fresh process)."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -52,3 +53,19 @@ def test_bad_thresholds_are_refused_by_name(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=rf"tune_allocator\({name}="):
         mr.tune_allocator(**kwargs)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_a_tuned_process_starts_its_children_tuned_through_the_environment():
+    """A benchmark's worker processes run on the allocator of the process that starts them: the
+    environment child_environment() gives (empty untuned) makes a fresh process reuse freed blocks."""
+    script = ("import json, sys; sys.path.insert(0, {src!r}); from mirrored import _allocator; "
+              "before = _allocator.child_environment(); assert _allocator.tune_allocator(); "
+              "print(json.dumps([before, _allocator.child_environment()]))").format(src=str(SRC))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    before, after = json.loads(out.stdout)
+    assert before == {} and set(after) == {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    child = subprocess.run([sys.executable, "-c", _CYCLES.format(src=str(SRC), tune=False)], capture_output=True,
+                           text=True, timeout=60, check=True, env={**env, **after})
+    assert float(child.stdout) < 5  # (untuned: > 100, the test above)

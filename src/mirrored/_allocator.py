@@ -52,6 +52,15 @@ def tune_allocator(mmap_threshold: int = _MMAP_MAX, trim_threshold: int = 256 <<
     return True
 
 
+def child_environment() -> dict[str, str]:
+    """The environment variables that start a child process with this one's tuning (glibc reads them
+    at startup), or {} where tune_allocator() was not applied: a benchmark's worker processes then run
+    on the allocator its own rows run on."""
+    if _tuned is None:
+        return {}
+    return {"MALLOC_MMAP_THRESHOLD_": str(_tuned[0]), "MALLOC_TRIM_THRESHOLD_": str(_tuned[1])}
+
+
 def _glibc() -> ctypes.CDLL | None:
     try:  # asks the running C library (platform.libc_ver() would scan the interpreter's binary)
         if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):

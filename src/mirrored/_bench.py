@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import mirrored as mr
+from mirrored import _allocator
 from mirrored._cpus import usable_cores
 
 WARMUP_STEPS = 2
@@ -180,8 +181,9 @@ def run_workers(kind: str, replicas: int, per_replica: int, images: int, channel
     argv = [sys.executable, "-m", "mirrored._bench", "--worker", kind, "--world", str(replicas), "--port", str(port),
             "--per-replica", str(per_replica), "--images", str(images), "--model", model]
     argv += ["--channels-last"] if channels_last else []
-    procs = [subprocess.Popen(argv + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(replicas)]
+    env = {**os.environ, **_allocator.child_environment()}  # (the rows in this process run on the same malloc)
+    procs = [subprocess.Popen(argv + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for r in range(replicas)]
     results = []
     try:
         for p in procs:

@@ -516,10 +516,11 @@ def _replica_counts(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("MIRRORED_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    if args.command != "bench":  # (the bench's worker processes run untuned, so its own rows do too)
-        from mirrored import tune_allocator
+    from mirrored import tune_allocator
 
-        tune_allocator()  # images and batches reuse freed memory instead of faulting in fresh pages
+    # Images, batches and activations reuse freed memory instead of faulting in fresh pages; the bench's
+    # worker processes inherit it (mirrored._allocator.child_environment), so its rows compare alike.
+    tune_allocator()
     from mirrored.training.checkpoint import CheckpointError
 
     try:
