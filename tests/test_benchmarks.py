@@ -43,7 +43,9 @@ def test_input_pipeline_benchmark_prints_every_row():
 def test_fit_throughput_benchmark_prints_every_row_and_the_scaling_curve():
     # (6 processes start, each importing torch: 60 s on the 2-core box at load 5, over 100 s at load 12)
     out = _run("fit_throughput.py", "--batches", "8", "--images", "16", "--rounds", "1", "--scaling", "1,2",
-               "--model", "resnet8", timeout_s=280)
+               "--model", "resnet8", "--tune-malloc", timeout_s=280)
+    # (every row on the tuned allocator, the worker processes too: mirrored._allocator.child_environment)
+    assert re.search(r"^machine: .* \| malloc tuned \(mr\.tune_allocator\)$", out, re.M), out
     assert re.findall(r"^model: resnet_cifar\(depth=(\d+)\)", out, re.M) == ["8"], out  # the small model (issue 35)
     assert re.search(r"load average before [0-9.]+ [0-9.]+ [0-9.]+, after", out), out
     assert re.search(r"^  memory format: fit's convolutions ran channels_last \(compile\(memory_format='auto'\)\); "

@@ -356,7 +356,7 @@ def test_fit_on_a_gpu_phases_add_up_to_the_profiled_time():
 # ---- page faults: glibc's malloc giving each step's activations back to the kernel ----------------------
 def test_page_faults_are_counted_per_step_and_named_with_the_fix_where_they_cost(capsys):
     """Each replica's page faults and kernel CPU in its function, summed per step (medians over steps):
-    named in bottleneck() with mr.tune_allocator() where they come to 256 or more per replica step and
+    named in bottleneck() with mr.tune_allocator() where they come to 1,024 or more per replica step and
     the kernel to 5% or more of the replicas' CPU; said in print_summary either way."""
     def with_faults(faults: int, kernel_ms: float) -> mr.profiler.Profiler:
         profiler = _python_profiler({0: (0, 9, 9), 1: (0, 9, 9)})
@@ -376,7 +376,7 @@ def test_page_faults_are_counted_per_step_and_named_with_the_fix_where_they_cost
     faulting.print_summary()
     assert ("Page faults: the replicas' threads took 6000 per step in their step functions, 3.60 ms of CPU in "
             "the kernel (20% of their CPU)") in capsys.readouterr().out
-    for few, cheap in ((200, 1.8), (3000, 0.3)):  # few faults, or little kernel time: not named
+    for few, cheap in ((1000, 1.8), (3000, 0.3)):  # few faults, or little kernel time: not named
         quiet = with_faults(few, cheap)
         assert not quiet.page_faults()["limits"] and "page faults" not in quiet.bottleneck()
     assert _python_profiler({0: (0, 9, 9)}).page_faults() is None  # (no counts recorded: the OS said nothing)
@@ -406,9 +406,10 @@ print(json.dumps(profiler.page_faults()))
                     != "glibc", reason="per-thread page faults are Linux's; mallopt is glibc's")
 def test_a_fit_on_glibcs_default_malloc_is_told_to_tune_it():
     """Real replica threads, each in a fresh process: a small ResNet at 32 per replica faults its
-    activations in again every step on glibc's defaults (4,800-6,200 faults per step and 10-23% of the
+    activations in again every step on glibc's defaults (4,400-8,100 faults per step and 10-23% of the
     replicas' CPU in the kernel, measured) and the profiler names it; after mr.tune_allocator() the
-    faults drop 7-24 fold (measured; asserted: 4) and nothing is named."""
+    faults drop 7-24 fold (256-645 measured; asserted: 4 fold) and nothing is named, even where a busy
+    box puts 11% of the CPU in the kernel (the lock's waits)."""
     import json
     import os
     import subprocess
@@ -422,7 +423,7 @@ def test_a_fit_on_glibcs_default_malloc_is_told_to_tune_it():
         out = subprocess.run([sys.executable, "-c", _FAULTING_FIT.format(src=src, tune=tune)], capture_output=True,
                              text=True, timeout=240, check=True, env=env)
         found[tune] = json.loads(out.stdout.strip().splitlines()[-1])
-    assert found[False]["faults_per_step"] > 2 * 1000, found
+    assert found[False]["faults_per_step"] > 2 * 1024, found
     assert found[True]["faults_per_step"] * 4 < found[False]["faults_per_step"] and not found[True]["limits"], found
     if found[False]["fraction"] >= 0.05:  # (the kernel's share varies with the box: the count is what is sure)
         assert found[False]["limits"], found

@@ -563,10 +563,11 @@ class Profiler(Callback):
         """The page faults the replica threads took in their step functions, and the CPU they spent in
         the kernel, per step (medians, summed over the replicas), with that kernel time's `fraction` of
         their CPU. glibc's default malloc hands each step's activations back to the kernel and faults
-        them in again on the replica threads (measured: 2,400-3,100 faults per replica step of ResNet-8
-        at 32 per replica on 32x32, 10-23% of its CPU), which mr.tune_allocator() stops: `limits` where the faults
-        come to 256 or more per replica step and the kernel to 5% of the CPU or more. None where the OS
-        does not say (Linux does) or before a replica function was timed."""
+        them in again on the replica threads (measured: 2,200-4,000 faults per replica step of ResNet-8
+        at 32 per replica on 32x32, 10-23% of its CPU; tuned, 130-320), which mr.tune_allocator() stops:
+        `limits` where the faults come to _FAULTS_NAMED or more per replica step (4 MB of fresh pages) and
+        the kernel to 5% of the CPU or more (the kernel's time holds other calls too: the lock's waits on
+        a busy box). None where the OS does not say (Linux does) or before a replica function was timed."""
         rows = [row for row in self._steps() if "faults" in row and row["cpu_s"]]
         if not rows:
             return None
@@ -576,7 +577,7 @@ class Profiler(Callback):
         cpu = float(np.median([sum(row["cpu_s"].values()) for row in rows]))
         fraction = kernel / cpu if cpu > 0 else 0.0
         return {"faults_per_step": faults, "kernel_s": kernel, "fraction": fraction,
-                "limits": faults >= 256 * replicas and fraction >= 0.05}
+                "limits": faults >= _FAULTS_NAMED * replicas and fraction >= 0.05}
 
     def bottleneck(self) -> str | None:
         """What limits the step, in words, with the numbers: "compute-bound: 97% of the step computes;
@@ -790,6 +791,9 @@ def _python_words(python: dict[str, Any]) -> str:
             f"{window} from the first one's start to the last one's end, a parallelism of {python['parallelism']:.2f} where {python['usable']} "
             "cores could run them at once: they took turns at the interpreter lock (fewer, larger ops per step: a "
             "larger batch per replica, fewer replicas with more intra-op threads each)")
+
+
+_FAULTS_NAMED = 1024  # page faults per replica step from which page_faults() may name them
 
 
 def _fault_words(faults: dict[str, Any]) -> str:
