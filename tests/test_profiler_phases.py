@@ -181,7 +181,8 @@ def _python_profiler(bodies: dict[int, tuple[float, float, float]], device_type:
                      cores: int = 2) -> mr.profiler.Profiler:
     """One 10 ms step (ms): replica r runs from start to end with `cpu` of its thread's CPU."""
     profiler = mr.profiler.Profiler()
-    profiler._rec.device_type, profiler._rec.cores, profiler._rec.replicas = device_type, cores, len(bodies)
+    profiler._rec.device_type, profiler._rec.cores = device_type, cores
+    profiler._rec.replicas = profiler._rec.local_replicas = len(bodies)
     profiler._rec.spans += [Span("input", 0, 0, 1, None, 0), Span("step", 0, 10 * MS, 1, None, 0)]
     for r, (start, end, cpu) in bodies.items():
         profiler._rec.spans.append(Span("replica_step", int(start * MS), int(end * MS), 2 + r, r, 0,
@@ -219,6 +220,22 @@ def test_replicas_taking_turns_at_the_lock_are_named_python_per_step():
     one_core = _python_profiler({0: (0, 4.5, 4.5), 1: (4.5, 9.5, 4.5)}, cores=1)
     assert one_core.python_per_step()["usable"] == 1 and not one_core.python_per_step()["limits"]
     assert mr.profiler.Profiler().python_per_step() is None
+
+
+def test_a_worker_of_a_multi_worker_strategy_counts_only_its_own_replicas():
+    """One replica per worker on 2 workers: num_replicas_in_sync is 2, but this process's one replica
+    thread shares its lock with nobody. Counting the other worker's replica made a lone replica at 0.9
+    of its window look like 2 replicas taking turns, and the lock was blamed; and page faults are
+    named per replica of this process."""
+    lone = _python_profiler({0: (0, 9.5, 9)})
+    lone._rec.replicas = 2  # (strategy.num_replicas_in_sync; local_replicas stays 1)
+    python = lone.python_per_step()
+    assert python["replicas"] == 1 and python["usable"] == 1 and not python["limits"], python
+    assert lone.bottleneck().startswith("compute-bound"), lone.bottleneck()
+    for span in lone._rec.spans:
+        if span.name == "replica_step":
+            span.args.update(faults=1500, kernel_ns=int(1.8 * MS))  # 1,500 faults: named for 1 replica, not 2
+    assert lone.page_faults()["limits"] and "and page faults: 1500 per step" in lone.bottleneck()
 
 
 def test_on_gpus_python_per_step_is_the_hosts_cpu_against_the_replicas_window():

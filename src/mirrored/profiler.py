@@ -134,6 +134,7 @@ class _Recorder:
         self.last_end_ns = self.t0_ns
         self.sync: Callable[[], None] | None = None  # waits for every GPU of the strategy (CUDA only)
         self.replicas: int | None = None  # the strategy's num_replicas_in_sync, when one is profiled
+        self.local_replicas: int | None = None  # those of this process: threads of one interpreter
         self.device_type = "cpu"  # the replicas' devices' type ("cuda": the GPUs wait for the host)
         self.cores = _cores()  # the cores this process may run on, which CPU replicas share
         self._sync_cpu = threading.local()  # per thread: the CPU its profiler syncs spent (not the step's)
@@ -337,7 +338,7 @@ class Profiler(Callback):
         self._worker = getattr(resolver, "rank", None) or 0  # (task_id repeats under TF_CONFIG: chief 0, worker 0)
         devices = tuple(strategy.extended.worker_devices) if strategy is not None else ()
         if strategy is not None:
-            rec.replicas = strategy.num_replicas_in_sync
+            rec.replicas, rec.local_replicas = strategy.num_replicas_in_sync, len(devices)
         rec.sync = _device_sync(devices)
         rec.device_type = "cuda" if rec.sync is not None else "cpu"
         replica_sync = rec.replica_sync if rec.sync is not None else None
@@ -526,17 +527,19 @@ class Profiler(Callback):
         return out
 
     def python_per_step(self) -> dict[str, Any] | None:
-        """Whether the replicas' Python limits the step: the replicas are threads of one interpreter, so
-        the Python each replica step runs (and torch's dispatch of each op) runs in series under its
-        lock. Per step, the CPU the replica threads spent in their functions (`host_cpu_s`, summed over
-        the replicas; less the profiler's own device syncs) against the wall time from the first
-        replica's start to the last one's end (`window_s`), medians over the steps. On CPU replicas,
-        whose kernels run on the same cores, `parallelism` = host_cpu / window says how many replicas
-        progressed at once: far below the
-        replicas the cores can hold (`usable`) they took turns at the lock - `limits` when under 3/4 of
-        it, counting as run the time they waited for a free core (`core_wait_s`, summed over the replicas;
-        `waited_cores`, that in cores' worth of the window: a busy machine, where Linux says). On GPUs the host CPU is Python and dispatch alone: `limits` when it is 0.8 of the window or
-        more, the GPUs waiting for the host. None without replica functions timed."""
+        """Whether the replicas' Python limits the step: this process's replicas are threads of one
+        interpreter, so the Python each replica step runs (and torch's dispatch of each op) runs in
+        series under its lock. Per step, the CPU the replica threads spent in their functions
+        (`host_cpu_s`, summed over the replicas; less the profiler's own device syncs) against the wall
+        time from the first replica's start to the last one's end (`window_s`), medians over the steps.
+        On CPU replicas, whose kernels run on the same cores, `parallelism` = host_cpu / window says how
+        many replicas progressed at once: far below the replicas the cores can hold (`usable`) they took
+        turns at the lock - `limits` when under 3/4 of it, counting as run the time they waited for a
+        free core (`core_wait_s`, summed over the replicas; `waited_cores`, that in cores' worth of the
+        window: a busy machine, where Linux says). On GPUs the host CPU is Python and dispatch alone:
+        `limits` when it is 0.8 of the window or more, the GPUs waiting for the host. `replicas` counts
+        this process's (a worker of a multi-worker strategy shares no lock with the others). None
+        without replica functions timed."""
         rows = [row for row in self._steps() if row["cpu_s"] and "window_ns" in row]
         if not rows:
             return None
@@ -544,7 +547,7 @@ class Profiler(Callback):
         # (the replicas' window, not the slowest one's own span: a replica waiting for the lock before its
         # function starts would hide the wait)
         window = [(row["window_ns"][1] - row["window_ns"][0]) / 1e9 for row in rows]
-        replicas = self._rec.replicas or max(len(row["replica_s"]) for row in rows)
+        replicas = self._rec.local_replicas or max(len(row["replica_s"]) for row in rows)
         cuda = self._rec.device_type == "cuda"
         usable = replicas if cuda else max(1, min(replicas, self._rec.cores))
         parallelism = float(np.median([h / w for h, w in zip(host, window) if w > 0] or [0.0]))
@@ -562,7 +565,7 @@ class Profiler(Callback):
     def page_faults(self) -> dict[str, Any] | None:
         """The page faults the replica threads took in their step functions, and the CPU they spent in
         the kernel, per step (medians, summed over the replicas), with that kernel time's `fraction` of
-        their CPU. glibc's default malloc hands each step's activations back to the kernel and faults
+        their CPU (this process's replicas). glibc's default malloc hands each step's activations back to the kernel and faults
         them in again on the replica threads (measured: 2,200-4,000 faults per replica step of ResNet-8
         at 32 per replica on 32x32, 10-23% of its CPU; tuned, 130-320), which mr.tune_allocator() stops:
         `limits` where the faults come to _FAULTS_NAMED or more per replica step (4 MB of fresh pages) and
@@ -571,7 +574,7 @@ class Profiler(Callback):
         rows = [row for row in self._steps() if "faults" in row and row["cpu_s"]]
         if not rows:
             return None
-        replicas = self._rec.replicas or max(len(row["cpu_s"]) for row in rows)
+        replicas = self._rec.local_replicas or max(len(row["cpu_s"]) for row in rows)
         faults = float(np.median([row["faults"] for row in rows]))
         kernel = float(np.median([row["kernel_s"] for row in rows]))
         cpu = float(np.median([sum(row["cpu_s"].values()) for row in rows]))
